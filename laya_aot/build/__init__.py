@@ -1,0 +1,4 @@
+"""The build half: checkpoint -> verified bundle (see `pipeline`)."""
+from .pipeline import BuildError, build
+
+__all__ = ["BuildError", "build"]

@@ -1,0 +1,137 @@
+"""Stage e: every artifact against laya's eager fp32 forward, on fresh seeded inputs.
+
+The reference runs the batch exactly as laya's Agent collates it (tokens padded only to the batch's
+longest row, one marker column for a one-option question); the artifact runs the same batch padded
+the way the runtime pads it (`laya_aot.padding`). Compared per row: the option probabilities, the
+action probabilities, and whether the top option agrees. The cases cover one row, many rows, a
+one-option question, the widest marker count, token counts that are not multiples of 16, laya's
+padding rows (`laya.backends.base.pad_batch`) and the longest context.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..padding import Ranges, action_probs, chunks, option_probs, pad_batch
+
+log = logging.getLogger(__name__)
+
+Batch = Tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Case:
+    name: str
+    batch: Batch
+    # rows at the end that are padding (laya's pad_batch), excluded from the comparison
+    pad_rows: int = 0
+
+
+def _rows(g: torch.Generator, lengths: List[int], markers: List[int], vocab: int, pad_id: int) -> Batch:
+    n, t, k = len(lengths), max(lengths), max(markers)
+    ids = torch.full((n, t), pad_id, dtype=torch.long)
+    att = torch.zeros((n, t), dtype=torch.long)
+    mpos = torch.zeros((n, k), dtype=torch.long)
+    mmask = torch.zeros((n, k), dtype=torch.bool)
+    for i, (length, m) in enumerate(zip(lengths, markers)):
+        ids[i, :length] = torch.randint(5, vocab, (length,), generator=g)
+        att[i, :length] = 1
+        # markers sit inside the row's own tokens, in increasing order, as build_sequence places them
+        mpos[i, :m] = torch.sort(torch.randperm(length - 2, generator=g)[:m] + 1).values
+        mmask[i, :m] = True
+    qtype = torch.randint(0, 3, (n,), generator=g)
+    return ids, att, mpos, mmask, qtype
+
+
+def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int) -> List[Case]:
+    """Fresh seeded inputs of several shapes inside the artifact's ranges."""
+    from laya.backends.base import pad_batch as laya_pad_batch
+
+    g = torch.Generator().manual_seed(seed)
+    tmax, kmax = ranges.max_tokens, ranges.max_markers
+
+    def r(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    odd = lambda hi: (r(20, hi) | 1)  # noqa: E731 - an odd count is never a multiple of 16
+    out = [
+        Case("one_row", _rows(g, [odd(min(tmax, 120))], [4], vocab, pad_id)),
+        Case("many_rows", _rows(g, [odd(min(tmax, 200)) for _ in range(8)], [r(2, 6) for _ in range(8)],
+                                vocab, pad_id)),
+        Case("one_option", _rows(g, [odd(min(tmax, 90)) for _ in range(3)], [1, 1, 1], vocab, pad_id)),
+        Case("max_markers", _rows(g, [tmax - 3, tmax // 2 + 1], [min(kmax, tmax - 8), 3], vocab, pad_id)),
+        Case("odd_tokens", _rows(g, [17, 33, 45], [2, 3, 2], vocab, pad_id)),
+        Case("longest", _rows(g, [tmax, tmax - 16], [3, 5], vocab, pad_id)),
+        Case("max_rows", _rows(g, [r(24, 40) for _ in range(ranges.max_rows)], [3] * ranges.max_rows,
+                               vocab, pad_id)),
+    ]
+    real = _rows(g, [odd(min(tmax, 100)) for _ in range(3)], [3, 2, 4], vocab, pad_id)
+    ids, att, mpos, mmask, qtype, n, _ = laya_pad_batch(*real, max_len=tmax, pad_id=pad_id, keep_one_token=True)
+    out.append(Case("padding_rows", (ids, att, mpos, mmask, qtype), pad_rows=ids.shape[0] - n))
+    return out
+
+
+def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: Batch, ranges: Ranges,
+               pad_id: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run an artifact the way the runtime does: pad, split rows into chunks, concatenate."""
+    ids, att, mpos, mmask, qtype = pad_batch(batch, ranges, pad_id)
+    outs = [runner(*(t[s].to(device) for t in (ids, att, mpos, mmask, qtype))) for s in chunks(ids.shape[0], ranges)]
+    return torch.cat([o[0].float().cpu() for o in outs]), torch.cat([o[1].float().cpu() for o in outs])
+
+
+def compare(reference, candidate, batch: Batch, pad_rows: int) -> Dict[str, float]:
+    n_rows = batch[0].shape[0] - pad_rows
+    k = batch[2].shape[1]
+    p_ref, p_got = option_probs(reference[0][:n_rows], k), option_probs(candidate[0][:n_rows], k)
+    a_ref, a_got = action_probs(reference[1][:n_rows]), action_probs(candidate[1][:n_rows])
+    finite = bool(torch.isfinite(p_got).all() and torch.isfinite(a_got).all())
+    return {
+        "rows": n_rows,
+        "max_abs_option_prob": float((p_ref - p_got).abs().max()) if finite else float("inf"),
+        "max_abs_action_prob": float((a_ref - a_got).abs().max()) if finite else float("inf"),
+        "argmax_agree": int((p_ref.argmax(-1) == p_got.argmax(-1)).sum()),
+    }
+
+
+def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
+                  device: torch.device, tolerance: float, argmax_share: float) -> Dict[str, Any]:
+    """Figures for one artifact over all cases, and whether it passes its tolerance."""
+    per_case = {}
+    worst_p = worst_a = 0.0
+    agree = total = 0
+    for case in case_list:
+        with torch.no_grad():
+            ref = reference_model(*case.batch)
+            got = run_padded(runner, case.batch, ranges, pad_id, device)
+        c = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
+        per_case[case.name] = c
+        worst_p, worst_a = max(worst_p, c["max_abs_option_prob"]), max(worst_a, c["max_abs_action_prob"])
+        agree, total = agree + c["argmax_agree"], total + c["rows"]
+    share = agree / max(1, total)
+    ok = worst_p <= tolerance and worst_a <= tolerance and share >= argmax_share
+    why = None
+    if not ok:
+        why = ("over tolerance: option probabilities differ by up to %.3g, action probabilities by %.3g "
+               "(tolerance %.3g); top option agrees on %.1f%% of rows (need %.1f%%)"
+               % (worst_p, worst_a, tolerance, 100 * share, 100 * argmax_share))
+    return {"passed": ok, "reason": why, "tolerance": tolerance, "argmax_required": argmax_share,
+            "max_abs_option_prob": worst_p, "max_abs_action_prob": worst_a, "argmax_agreement": share,
+            "rows_compared": total, "cases": per_case}
+
+
+def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:
+    """Median wall time of `fn` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

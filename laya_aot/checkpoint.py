@@ -1,0 +1,139 @@
+"""Finding a Laya checkpoint on disk and fingerprinting it.
+
+A bundle is only right for the weights it was built from: the fingerprint (sha256 of the files that
+decide the model's answers) is stored in the manifest and checked again by the runtime. Hashing a
+1.6 GB safetensors file costs about a second, so per-file digests are cached keyed by the file's
+(size, mtime, ctime, inode): any write to the file changes its ctime, which no tool can set back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from .manifest import sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_FILES = ("model.safetensors", "rl_agent_config.json", "encoder/config.json")
+TOKENIZER_DIR = "tokenizer"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint cannot be found or is not a Laya checkpoint."""
+
+
+def cache_dir() -> Path:
+    """Where laya-aot keeps per-machine state (digests, probe verdicts): $LAYA_AOT_CACHE_DIR or ~/.cache."""
+    root = os.environ.get("LAYA_AOT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "laya-aot")
+    return Path(root)
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return "%s:%d:%d:%d:%d" % (path.resolve(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def cached_sha256(path: Path) -> str:
+    """sha256 of a file, reusing an earlier digest when the file provably did not change."""
+    key = hashlib.sha256(_stat_key(path).encode()).hexdigest()
+    store = cache_dir() / "digests" / (key + ".json")
+    try:
+        with open(store, encoding="utf-8") as f:
+            return json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = sha256_file(path)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(store, {"path": str(path.resolve()), "sha256": digest})
+    except OSError as e:  # a read-only home must not stop a load
+        log.debug("could not cache digest of %s: %s", path, e)
+    return digest
+
+
+def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
+    """Digests of the files that decide the model's answers, and one combined digest."""
+    ckpt = Path(ckpt)
+    files: Dict[str, str] = {}
+    for rel in FINGERPRINT_FILES:
+        p = ckpt / rel
+        if p.exists():
+            files[rel] = cached_sha256(p)
+    tok = ckpt / TOKENIZER_DIR
+    if tok.is_dir():
+        for p in sorted(x for x in tok.rglob("*") if x.is_file()):
+            files[p.relative_to(ckpt).as_posix()] = cached_sha256(p)
+    combined = hashlib.sha256("".join("%s=%s\n" % kv for kv in sorted(files.items())).encode()).hexdigest()
+    return {"sha256": combined, "files": files}
+
+
+def check_layout(ckpt: Path) -> None:
+    """Refuse a directory that is not a Laya checkpoint, naming what is missing."""
+    if not ckpt.is_dir():
+        raise CheckpointError("checkpoint directory %s does not exist; pass checkpoint.path=DIR with a Laya "
+                              "checkpoint (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)" % ckpt)
+    missing = [n for n in ("rl_agent_config.json", "model.safetensors", "tokenizer", "encoder/config.json")
+               if not (ckpt / n).exists()]
+    if missing:
+        raise CheckpointError("%s is not a Laya checkpoint: missing %s. A checkpoint holds rl_agent_config.json, "
+                              "model.safetensors, tokenizer/ and encoder/ (laya's save_checkpoint writes them)"
+                              % (ckpt, ", ".join(missing)))
+
+
+def read_config(ckpt: Path) -> Dict[str, Any]:
+    with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def resolve(cfg: Any) -> Path:
+    """The checkpoint directory a `CheckpointConfig` names; makes the demo checkpoint when asked."""
+    if cfg.path:
+        ckpt = Path(os.path.expanduser(str(cfg.path)))
+        check_layout(ckpt)
+        return ckpt
+    if cfg.hub_id:
+        return _from_hf_cache(cfg.hub_id, cfg.subfolder)
+    if cfg.demo_shape:
+        from .demo import make_checkpoint
+
+        name = cfg.name or "demo"
+        out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
+        return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
+    raise CheckpointError("no checkpoint given: set checkpoint.path=DIR, pick a shipped one (checkpoint=laya), "
+                          "or use the demo (checkpoint=demo)")
+
+
+def _from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
+    """A shipped checkpoint from the local Hugging Face cache; nothing is downloaded."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception as e:
+        raise CheckpointError(
+            "checkpoint %s%s is not in the local Hugging Face cache and laya-aot never downloads weights "
+            "(%s: %s). On a machine with network run `huggingface-cli download %s` once, or pass "
+            "checkpoint.path=DIR pointing at the checkpoint directory"
+            % (hub_id, "/" + subfolder if subfolder else "", type(e).__name__, e, hub_id)) from e
+    ckpt = root / subfolder if subfolder else root
+    check_layout(ckpt)
+    return ckpt
+
+
+def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
+    """Name, context length and dtype: from the config when given, else from the checkpoint."""
+    rl = read_config(ckpt)
+    return {
+        "name": cfg.name or ckpt.resolve().name,
+        "path": str(ckpt.resolve()),
+        "max_len": int(cfg.max_len or rl.get("max_len", 512)),
+        "dtype": str(cfg.dtype or rl.get("amp_dtype", "bf16")),
+        "head_layers": rl.get("head_layers"),
+        "n_actions": len(rl.get("act_costs", {})) + 1,
+        "option_layout": rl.get("option_layout", "sequential"),
+    }

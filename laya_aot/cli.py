@@ -1,0 +1,88 @@
+"""The `laya-aot` command: build (Hydra), demo, inspect, verify, make-demo.
+
+`laya-aot build` hands its arguments to Hydra unchanged, so every Hydra feature works:
+overrides (`export.max_rows=128`), config groups (`checkpoint=laya target=sm_90`), `--config-dir`
+for a user's own configs, `--cfg job` to print the resolved config, `--help`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import List, Optional
+
+START = time.perf_counter()
+COMMANDS = ("build", "demo", "inspect", "verify", "make-demo")
+USAGE = """usage: laya-aot COMMAND [ARGS]
+
+  build [HYDRA OVERRIDES]        build a verified bundle (default: the demo checkpoint, target cpu)
+  demo [--bundle DIR]            build the demo bundle if missing, load it, answer typed questions
+  inspect BUNDLE [--json]        list a bundle's artifacts and whether each is usable on this machine
+  verify BUNDLE --checkpoint DIR re-check hashes and re-run the numerical verification here
+  make-demo DIR [--shape S]      write a demo checkpoint (tiny, tiny-alt, base-512, large-1024, ...)
+
+`laya-aot build --help` lists the config groups and every key."""
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(show_path=False, show_time=False)], force=True)
+
+
+def _build(argv: List[str]) -> int:
+    import hydra
+    from omegaconf import DictConfig
+
+    from .build.report import Reporter, summary_table
+    from .config import register
+
+    register()
+    sys.argv = ["laya-aot build"] + argv
+    status = {"code": 0}
+
+    @hydra.main(version_base="1.3", config_path="configs", config_name="build")
+    def _main(cfg: DictConfig) -> None:
+        from .build import BuildError, build
+
+        _setup_logging(bool(os.environ.get("LAYA_AOT_VERBOSE")))
+        with Reporter() as rep:
+            try:
+                manifest = build(cfg, report=rep.update)
+            except BuildError as e:
+                rep.console.print("[bold red]build failed:[/] %s" % e)
+                status["code"] = 2
+                return
+        rep.console.print(summary_table(manifest))
+        rep.console.print("bundle written to [bold]%s[/] in %.1f s" % (manifest["output_dir"],
+                                                                     time.perf_counter() - START))
+
+    _main()
+    return status["code"]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print("laya-aot: unknown command %r\n\n%s" % (cmd, USAGE), file=sys.stderr)
+        return 2
+    if cmd == "build":
+        return _build(rest)
+    _setup_logging()
+    if cmd == "make-demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    from . import commands
+
+    return {"demo": commands.demo, "inspect": commands.inspect, "verify": commands.verify}[cmd](rest, START)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""`laya-aot demo`, `inspect` and `verify`: the commands a person runs against a bundle."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from .manifest import BundleError, MANIFEST, check_artifact_hash, read_manifest
+
+DEMO_BUNDLE = "artifacts/demo"
+
+DEMO_QUESTIONS: Dict[str, Dict[str, Any]] = {
+    "team": {"type": "choice", "instructions": "Which team should handle this message?",
+             "criteria": {"billing": "payments, invoices, refunds", "technical": "errors, outages, bugs",
+                          "account": "login, password, profile"}},
+    "urgency": {"type": "score", "instructions": "How urgent is this message?",
+                "criteria": ["not urgent", "somewhat urgent", "urgent", "critical, act now"]},
+    "angry": {"type": "noul", "instructions": "The customer is angry."},
+}
+DEMO_STATES = [
+    "I was charged twice for the March invoice, please refund the second payment.",
+    "The service has been down since this morning and nobody in the office can log in!",
+    "Please reset my password, I forgot it after the holidays.",
+]
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 140)
+
+
+def _demo_checkpoint() -> Path:
+    from . import checkpoint as ckpt_mod
+    from .config import CheckpointConfig
+
+    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape="tiny"))
+
+
+def demo(argv: List[str], start: float) -> int:
+    p = argparse.ArgumentParser(prog="laya-aot demo", description="Build the demo bundle if missing, load it, "
+                                "answer a few typed questions.")
+    p.add_argument("--bundle", default=DEMO_BUNDLE)
+    p.add_argument("--checkpoint", default=None, help="default: the built-in demo checkpoint")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    con = _console()
+    ckpt = Path(a.checkpoint) if a.checkpoint else _demo_checkpoint()
+    built_s = 0.0
+    if not (Path(a.bundle) / MANIFEST).exists():
+        con.print("no bundle at %s: building it (laya-aot build output_dir=%s)" % (a.bundle, a.bundle))
+        t0 = time.perf_counter()
+        args = [sys.executable, "-m", "laya_aot.cli", "build", "output_dir=%s" % a.bundle]
+        if a.checkpoint:
+            args.append("checkpoint.path=%s" % a.checkpoint)
+        rc = subprocess.call(args)
+        if rc != 0:
+            con.print("[red]the build failed (exit %d); see its output above[/]" % rc)
+            return rc
+        built_s = time.perf_counter() - t0
+    import laya_aot
+
+    t_load = time.perf_counter()
+    agent = laya_aot.load(str(ckpt), bundle=a.bundle, device=a.device)
+    loaded = time.perf_counter()
+    results = agent.predict_batch(DEMO_STATES, DEMO_QUESTIONS)
+    first = time.perf_counter()
+    t = Table(title="decisions (backend %s)" % agent.backend)
+    for col in ("state", "team", "urgency (score)", "angry (noul)"):
+        t.add_column(col)
+    for state, r in zip(DEMO_STATES, results):
+        ans = r["answers"]
+        t.add_row(state[:48] + ("..." if len(state) > 48 else ""),
+                  "%s (%.2f)" % (ans["team"]["choice"], ans["team"]["answer_confidence"]),
+                  "%.2f" % ans["urgency"]["score"], "%.2f" % ans["angry"]["noul"])
+    con.print(t)
+    bo = agent.backend_object
+    con.print("backend: [bold]%s[/]  artifact: %s  variant: %s" % (agent.backend, getattr(bo, "artifact", {}) and
+                                                                   bo.artifact["name"], getattr(bo, "variant", None)))
+    for name, why in getattr(bo, "rejected", []):
+        con.print("  not used: %s: %s" % (name, why))
+    con.print("process start -> first answer: [bold]%.2f s[/] (bundle load %.2f s, first predict %.3f s%s)"
+              % (first - start - built_s, loaded - t_load, first - loaded,
+                 "; the bundle build before it took %.1f s" % built_s if built_s else ""))
+    return 0
+
+
+def _usable_here(bundle: Path, entry: Dict[str, Any], device: str, machine) -> str:
+    from .runtime.select import reject_reason
+
+    why = reject_reason(entry, machine, device) or (check_artifact_hash(bundle, entry) if entry.get("path") else None)
+    return "usable" if why is None else why
+
+
+def inspect(argv: List[str], start: float) -> int:
+    p = argparse.ArgumentParser(prog="laya-aot inspect", description="List a bundle's artifacts and whether each "
+                                "is usable on this machine.")
+    p.add_argument("bundle")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default=None, help="the agent's device (default: cuda when visible, else cpu)")
+    a = p.parse_args(argv)
+    import torch
+
+    from .variant import current_machine
+
+    try:
+        m = read_manifest(a.bundle)
+    except BundleError as e:
+        print("laya-aot inspect: %s" % e, file=sys.stderr)
+        return 2
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    machine = current_machine(device)
+    rows = []
+    for e in m["artifacts"]:
+        v = e.get("verify") or {}
+        rows.append({"name": e["name"], "kind": e["kind"], "variant": e.get("variant"), "dtype": e.get("dtype"),
+                     "size": e.get("size"), "status": e.get("status"),
+                     "max_abs_option_prob": v.get("max_abs_option_prob"),
+                     "max_abs_action_prob": v.get("max_abs_action_prob"),
+                     "argmax_agreement": v.get("argmax_agreement"),
+                     "here": _usable_here(Path(a.bundle), e, device, machine)})
+    if a.json:
+        print(json.dumps({"bundle": a.bundle, "checkpoint": m["checkpoint"]["name"], "machine": machine.as_dict(),
+                          "device": device, "artifacts": rows}, indent=2))
+        return 0
+    t = Table(title="%s (checkpoint %s, built %s)" % (a.bundle, m["checkpoint"]["name"], m.get("created")))
+    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "argmax", "on this machine"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        diff = ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
+                if r["max_abs_option_prob"] is not None else "-")
+        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
+                  str(r["status"]), diff,
+                  "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
+                  "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
+    _console().print(t)
+    return 0
+
+
+def verify(argv: List[str], start: float) -> int:
+    p = argparse.ArgumentParser(prog="laya-aot verify", description="Re-check a bundle's hashes and re-run the "
+                                "numerical verification on this machine.")
+    p.add_argument("bundle")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--seed", type=int, default=None, help="default: a new seed each run (fresh inputs)")
+    a = p.parse_args(argv)
+    import laya
+    import torch
+
+    from . import checkpoint as ckpt_mod
+    from .build.verify import cases, verify_runner
+    from .manifest import artifact_path
+    from .padding import Ranges
+    from .runtime.runners import make_runner, model_tensors
+    from .variant import current_machine
+
+    con = _console()
+    try:
+        m = read_manifest(a.bundle)
+    except BundleError as e:
+        print("laya-aot verify: %s" % e, file=sys.stderr)
+        return 2
+    here = ckpt_mod.fingerprint(a.checkpoint)["sha256"]
+    if here != m["checkpoint"]["fingerprint"]["sha256"]:
+        print("laya-aot verify: %s was built from another checkpoint (fingerprint %s..., %s is %s...)"
+              % (a.bundle, m["checkpoint"]["fingerprint"]["sha256"][:12], a.checkpoint, here[:12]), file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agent = laya.load(a.checkpoint, device="cpu")
+    reference = agent.model.float().eval()
+    tensors = model_tensors(reference)
+    pad_id = int(agent.tok.pad_token_id or 0)
+    vocab = min(int(reference.encoder.config.vocab_size), len(agent.tok))
+    seed = a.seed if a.seed is not None else int(time.time())
+    tol = m.get("tolerance", {})
+    failed = 0
+    t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
+    for col in ("artifact", "hash", "result"):
+        t.add_column(col, overflow="fold")
+    for e in m["artifacts"]:
+        if not e.get("path"):
+            t.add_row(e["name"], "-", "not built: %s" % e.get("error"))
+            continue
+        why = check_artifact_hash(a.bundle, e)
+        if why:
+            failed += 1
+            t.add_row(e["name"], "[red]MISMATCH[/]", why)
+            continue
+        dev = e.get("device", "cpu")
+        if dev == "cuda" and not torch.cuda.is_available():
+            t.add_row(e["name"], "ok", "not run: needs a CUDA GPU")
+            continue
+        if e["kind"] not in ("aoti", "onnx", "exported_program"):
+            t.add_row(e["name"], "ok", "not run: no numerical check for %s here" % e["kind"])
+            continue
+        r = Ranges.from_dict(e["ranges"])
+        is32 = e.get("dtype") == "fp32"
+        try:
+            runner = make_runner(e["kind"], artifact_path(a.bundle, e), tensors, dev)
+            res = verify_runner(runner, reference, cases(seed, r, vocab, pad_id), r, pad_id, runner.device,
+                                float(tol.get("fp32" if is32 else e.get("dtype"), 1e-4)),
+                                float(tol.get("argmax_fp32" if is32 else "argmax_16bit", 1.0)))
+        except Exception as exc:  # noqa: BLE001
+            res = {"passed": False, "reason": "%s: %s" % (type(exc).__name__, exc)}
+        failed += not res["passed"]
+        t.add_row(e["name"], "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
+            res["max_abs_option_prob"], res["max_abs_action_prob"], 100 * res["argmax_agreement"])
+            if res["passed"] else "[red]FAILED[/] %s" % res["reason"])
+    con.print(t)
+    return 1 if failed else 0

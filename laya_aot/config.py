@@ -1,0 +1,112 @@
+"""Structured (typed) Hydra configs for `laya-aot build`.
+
+The dataclasses are the schema: Hydra rejects an unknown key or a value of the wrong type with an
+error that names the key, before any work starts. The YAML files under `laya_aot/configs/` only
+pick values; the shape lives here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class CheckpointConfig:
+    """Which Laya checkpoint to build from.
+
+    `path` (a local checkpoint directory) wins; otherwise `hub_id`/`subfolder` name a shipped
+    checkpoint that must already be in the local Hugging Face cache (nothing is downloaded);
+    otherwise `demo_shape` makes the built-in demo checkpoint under `demo_dir`.
+    `name`, `max_len` and `dtype` are read from the checkpoint when left null.
+    """
+
+    name: Optional[str] = None
+    path: Optional[str] = None
+    hub_id: Optional[str] = None
+    subfolder: Optional[str] = None
+    max_len: Optional[int] = None
+    dtype: Optional[str] = None
+    demo_shape: Optional[str] = None
+    demo_seed: int = 0
+    demo_dir: str = "artifacts/checkpoints"
+
+
+@dataclass
+class TargetConfig:
+    """The machine the bundle is for: `cpu`, or a CUDA architecture such as `sm_90`."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    # the GPU architecture the CUDA artifacts are compiled for (null on CPU)
+    arch: Optional[str] = None
+    # TileLang architectures to cross-compile kernels for (no GPU needed)
+    tilelang_archs: List[str] = field(default_factory=list)
+    # dtype of the encoder and decision head in the artifacts; null = fp32 on CPU, bf16 on CUDA
+    dtype: Optional[str] = None
+
+
+@dataclass
+class ExportConfig:
+    """Dynamic ranges declared to torch.export; tokens are 16 * Dim up to `max_tokens`."""
+
+    max_rows: int = 64
+    max_markers: int = 64
+    # null = the checkpoint's context length (max_len)
+    max_tokens: Optional[int] = None
+    # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
+    action_head_dtype: str = "fp32"
+
+
+@dataclass
+class StagesConfig:
+    """One switch per stage. `export` and `verify` cannot be turned off: nothing unverified ships."""
+
+    aoti: bool = True
+    onnx: bool = True
+    tilelang: bool = True
+    inductor_cache: bool = True
+
+
+@dataclass
+class ToleranceConfig:
+    """Max abs difference of option/action probabilities against eager fp32, per artifact dtype."""
+
+    fp32: float = 1e-4
+    bf16: float = 2e-2
+    fp16: float = 2e-2
+    # share of rows whose top option must agree with eager; fp32 requires all of them
+    argmax_fp32: float = 1.0
+    argmax_16bit: float = 0.95
+
+
+@dataclass
+class VerifyConfig:
+    seed: int = 1234
+    tolerance: ToleranceConfig = field(default_factory=ToleranceConfig)
+    # calls per artifact at the reference shape, for the latency the runtime ranks by
+    latency_repeats: int = 5
+
+
+@dataclass
+class BuildConfig:
+    checkpoint: CheckpointConfig = MISSING
+    target: TargetConfig = MISSING
+    export: ExportConfig = field(default_factory=ExportConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    # null = artifacts/<checkpoint name>
+    output_dir: Optional[str] = None
+    # parallel compile jobs (null = all cores)
+    jobs: Optional[int] = None
+    extra: Dict[str, str] = field(default_factory=dict)
+
+
+def register() -> None:
+    """Register the schemas so YAML files can extend them (`defaults: [base_build, ...]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_build", node=BuildConfig)
+    cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
+    cs.store(group="target", name="base_target", node=TargetConfig)

@@ -1,0 +1,86 @@
+"""The shapes an exported artifact accepts, and how a collated Laya batch is padded to them.
+
+One module for both halves: the build verifies each artifact on batches padded exactly the way the
+runtime pads them, so a verified figure describes what a service will see.
+
+Padding keeps answers unchanged: extra token columns carry the pad id with attention 0 (the encoder
+and the decision head mask them), extra marker columns are masked (the head fills their logits with
+-1e4, so their probability is exactly 0 in fp32), and rows are never padded, only split into chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+TOKEN_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Dynamic ranges of an exported program (read back from its range constraints)."""
+
+    min_rows: int
+    max_rows: int
+    min_tokens: int
+    max_tokens: int
+    min_markers: int
+    max_markers: int
+    token_multiple: int = TOKEN_MULTIPLE
+
+    def as_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, int]) -> "Ranges":
+        return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__})
+
+    def padded_tokens(self, n: int) -> int:
+        m = self.token_multiple
+        return max(self.min_tokens, -(-n // m) * m)
+
+    def padded_markers(self, k: int) -> int:
+        return max(self.min_markers, k)
+
+    def out_of_range(self, tokens: int, markers: int) -> Optional[str]:
+        """Why a call of this many tokens/markers cannot run on the artifact (None when it can)."""
+        if self.padded_tokens(tokens) > self.max_tokens:
+            return "tokens>%d" % self.max_tokens
+        if self.padded_markers(markers) > self.max_markers:
+            return "markers>%d" % self.max_markers
+        return None
+
+
+Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
+    """Pad tokens to the artifact's multiple (pad id, attention 0) and markers to its minimum (masked)."""
+    ids, att, mpos, mmask, qtype = batch
+    n, t = ids.shape
+    k = mpos.shape[1]
+    tp, kp = ranges.padded_tokens(t), ranges.padded_markers(k)
+    if tp != t:
+        ids = torch.cat([ids, ids.new_full((n, tp - t), pad_id)], 1)
+        att = torch.cat([att, att.new_zeros((n, tp - t))], 1)
+    if kp != k:
+        mpos = torch.cat([mpos, mpos.new_zeros((n, kp - k))], 1)
+        mmask = torch.cat([mmask, mmask.new_zeros((n, kp - k))], 1)
+    return ids, att, mpos, mmask, qtype
+
+
+def chunks(n_rows: int, ranges: Ranges):
+    """Row slices of at most `max_rows` each (a request wider than the export runs in pieces)."""
+    step = ranges.max_rows
+    for start in range(0, n_rows, step):
+        yield slice(start, min(n_rows, start + step))
+
+
+def option_probs(logits: torch.Tensor, n_markers: int) -> torch.Tensor:
+    """Option probabilities over the request's own markers (padded columns dropped)."""
+    return torch.softmax(logits[:, :n_markers].float(), -1)
+
+
+def action_probs(act_logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(act_logits.float(), -1)

@@ -1,0 +1,172 @@
+"""`laya_aot.load`: a laya Agent whose forward is the best verified artifact this machine can run.
+
+Order of trust, cheapest first, and nothing native is loaded until every check before it passed:
+manifest schema -> checkpoint fingerprint -> machine compatibility and build-time verification ->
+sha256 of the artifact's bytes -> a probe in a child process (native artifacts, once per machine) ->
+in-process load -> a smoke comparison with the eager forward on one seeded batch -> install.
+Every artifact that falls out gets one reason; when none is left the agent runs eager with one
+RuntimeWarning listing them all (or `strict=True` raises with the same list).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import checkpoint as ckpt_mod
+from ..manifest import BundleError, artifact_path, check_artifact_hash, read_manifest
+from ..padding import Ranges
+from ..variant import current_machine
+from .backend import AOTBackend, EagerFallback
+from .runners import make_runner, model_tensors
+from .select import rank, reject_reason
+
+log = logging.getLogger(__name__)
+
+NATIVE_KINDS = ("aoti", "tilelang", "compile")
+
+
+class NoArtifactError(RuntimeError):
+    """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
+
+
+def _checkpoint_dir(checkpoint: str) -> Path:
+    if os.path.isdir(checkpoint):
+        return Path(checkpoint)
+    if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
+        return ckpt_mod._from_hf_cache(checkpoint, None)
+    raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
+                            "built from" % checkpoint)
+
+
+def _format(rejected: List[Tuple[str, str]]) -> str:
+    return "; ".join("%s: %s" % (name, why) for name, why in rejected) or "the bundle lists no artifacts"
+
+
+def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any]) -> Optional[str]:
+    """Compare the installed artifact with the eager forward on one seeded batch (cheap, catches a bad load)."""
+    from ..build.verify import _rows, compare
+
+    r = Ranges.from_dict(entry["ranges"])
+    g = torch.Generator().manual_seed(11)
+    vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
+    tokens = min(r.max_tokens, 45)
+    batch = _rows(g, [tokens, tokens - 7], [3, 2], vocab, backend.pad_id)
+    dev = agent.device
+    with torch.no_grad():
+        ref = backend.stock_forward(*(x.to(dev) for x in batch))
+        got = backend.forward(*(x.to(dev) for x in batch))
+    c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
+                batch, 0)
+    tol = float((entry.get("verify") or {}).get("tolerance", 1e-4))
+    # the eager reference here runs in the agent's own precision (bf16 autocast on CUDA): allow for it
+    if agent.amp_enabled and agent.dtype != torch.float32:
+        tol = max(tol, 5e-2)
+    backend._counts.clear()  # the smoke batch is not traffic
+    worst = max(c["max_abs_option_prob"], c["max_abs_action_prob"])
+    if not worst <= tol:
+        return "it loaded but disagrees with the eager forward here by %.3g (tolerance %.3g)" % (worst, tol)
+    return None
+
+
+def _install(agent, backend) -> None:
+    """Swap the agent's forward the way laya's own set_backend does: under its write lock."""
+    with agent._gate.write_lock():
+        agent.deaccelerate()
+        backend.install()
+        agent._backend = backend
+        agent._fast = None
+
+
+def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = None, prefer: Optional[str] = None,
+         strict: bool = False, probe: bool = True, smoke_check: bool = True, **agent_kwargs: Any):
+    """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
+
+    `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
+    process probe of native artifacts (only for machines where they are known to load).
+    Other keyword arguments go to `laya.load`. `agent.backend` names what runs (`aot:aoti`, ...);
+    `agent.backend_object` holds the artifact entry, its variant, verify figures, `stats` and, for
+    every artifact not used, the reason in `rejected`.
+    """
+    import laya
+
+    t0 = time.perf_counter()
+    ckpt = _checkpoint_dir(str(checkpoint))
+    agent = laya.load(str(ckpt), device=device, **agent_kwargs)
+    load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3)}
+    rejected: List[Tuple[str, str]] = []
+    chosen = None
+    try:
+        chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats)
+    except BundleError as e:
+        rejected.append(("bundle", str(e)))
+    load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
+    if chosen is not None:
+        chosen.load_stats.update(load_stats)
+        return agent
+    if strict:
+        raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s" % (bundle, _format(rejected)))
+    warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s" % (bundle, _format(rejected)),
+                  RuntimeWarning, stacklevel=2)
+    fallback = EagerFallback(agent, rejected)
+    fallback.stats = load_stats
+    _install(agent, fallback)
+    return agent
+
+
+def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
+            rejected: List[Tuple[str, str]], load_stats: Dict[str, Any]) -> Optional[AOTBackend]:
+    from .probe import probe as run_probe
+
+    manifest = read_manifest(bundle)
+    device = agent.device.type
+    machine = current_machine(str(agent.device))
+    if getattr(agent, "parallel_options", False):
+        rejected.append(("bundle", "this checkpoint uses option_layout='parallel', which only laya's eager "
+                                   "forward runs"))
+        return None
+    built_from = (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+    here = ckpt_mod.fingerprint(ckpt)["sha256"]
+    if built_from != here:
+        rejected.append(("bundle", "it was built from another checkpoint (fingerprint %s..., this checkpoint is "
+                                   "%s...); its artifacts would give wrong answers: rebuild it with "
+                                   "`laya-aot build checkpoint.path=%s`" % (str(built_from)[:12], here[:12], ckpt)))
+        return None
+    candidates, skipped = rank(manifest["artifacts"], device, prefer)
+    rejected.extend(skipped)
+    pad_id = int(agent.tok.pad_token_id or 0)
+    tensors = None
+    for entry in candidates:
+        name = entry.get("name", "?")
+        why = reject_reason(entry, machine, device)
+        if why is None:
+            why = check_artifact_hash(bundle, entry)
+        stats: Dict[str, Any] = {}
+        if why is None and probe and entry["kind"] in NATIVE_KINDS:
+            why = run_probe(bundle, entry, ckpt, str(agent.device), machine, stats)
+        if why is not None:
+            rejected.append((name, why))
+            continue
+        try:
+            if tensors is None:
+                tensors = model_tensors(agent.model)
+            t1 = time.perf_counter()
+            runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device))
+            stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
+            backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
+            if smoke_check:
+                why = _smoke_check(agent, backend, entry)
+        except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
+            why = "loading it failed: %s: %s" % (type(e).__name__, e)
+        if why is not None:
+            rejected.append((name, why))
+            continue
+        _install(agent, backend)
+        log.info("laya-aot: %s runs %s (%s)", ckpt, name, entry.get("variant"))
+        return backend
+    return None

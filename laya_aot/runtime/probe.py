@@ -1,0 +1,110 @@
+"""Load-and-run a native artifact once in a short-lived child process before trusting it in-process.
+
+A native artifact can kill the process that loads it (on the H200 host every AOTInductor package
+tried segfaulted inside the loader), and a segfault cannot be caught. So the first time an artifact
+meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
+disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
+
+Run as a module it is the child: `python -m laya_aot.runtime.probe BUNDLE ARTIFACT CHECKPOINT DEVICE`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from ..checkpoint import cache_dir
+from ..manifest import write_json_atomic
+from ..variant import Machine
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = float(os.environ.get("LAYA_AOT_PROBE_TIMEOUT", "600"))
+_MARK = "LAYA_AOT_PROBE_RESULT "
+
+
+def verdict_path(entry: Dict[str, Any], machine: Machine, device: str) -> Path:
+    facts = json.dumps({"sha256": entry.get("sha256"), "machine": machine.as_dict(), "device": device},
+                       sort_keys=True)
+    return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return "loading it crashed a probe process: %s" % signal.Signals(-rc).name
+        except ValueError:
+            return "loading it crashed a probe process: signal %d" % -rc
+    return "a probe process that loaded it exited with status %d" % rc
+
+
+def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
+          stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """None when the artifact loads and runs in a child process on this machine, else the reason."""
+    stats = stats if stats is not None else {}
+    path = verdict_path(entry, machine, device)
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        stats.update(probe="cached", probe_seconds=0.0)
+        return cached.get("reason")
+    except (OSError, ValueError):
+        pass
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "laya_aot.runtime.probe", str(bundle), entry["name"], str(checkpoint), device]
+    env = dict(os.environ, PYTHONFAULTHANDLER="0")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        stats.update(probe="timeout", probe_seconds=time.perf_counter() - t0)
+        return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
+    seconds = time.perf_counter() - t0
+    reason: Optional[str] = None
+    result = next((line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)), None)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+        reason = _describe_exit(proc.returncode) + (" (%s)" % tail if tail and proc.returncode > 0 else "")
+    elif result is None or not json.loads(result).get("ok"):
+        reason = "a probe process could not run it: %s" % (json.loads(result).get("error") if result else "no result")
+    stats.update(probe="ran", probe_seconds=seconds)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"artifact": entry["name"], "sha256": entry.get("sha256"), "reason": reason,
+                                 "seconds": round(seconds, 3), "machine": machine.as_dict(), "device": device,
+                                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    except OSError as e:  # a read-only cache must not stop a load; the probe just runs again next time
+        log.debug("could not cache probe verdict: %s", e)
+    return reason
+
+
+def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
+    """Load the artifact with the checkpoint's weights, run one small batch, report on stdout."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ..manifest import artifact_path, read_manifest
+    from ..padding import Ranges
+    from .runners import make_runner
+
+    entry = next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors")) if entry["kind"] == "aoti" else None
+    runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, device)
+    r = Ranges.from_dict(entry["ranges"])
+    t = r.min_tokens
+    batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
+             torch.tensor([[1, 2] + [0] * (r.min_markers - 2)]), torch.tensor([[True, True] + [False] * (r.min_markers - 2)]),
+             torch.zeros((1,), dtype=torch.long))
+    logits, act = runner(*(x.to(runner.device) for x in batch))
+    ok = bool(torch.isfinite(logits[:, :2]).all() and torch.isfinite(act).all())
+    print(_MARK + json.dumps({"ok": ok, "error": None if ok else "non-finite outputs"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(*sys.argv[1:5]))

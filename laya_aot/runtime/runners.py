@@ -1,0 +1,136 @@
+"""Runners: one small class per artifact kind, each turning padded tensors into (logits, act_logits).
+
+The build's verify stage and the runtime use the same runners, so what was verified is what runs.
+AOTInductor packages are built without weights inside (`package_constants_in_so=False`): a runner is
+handed the model's tensors (the checkpoint's weights, already loaded by laya) and supplies them
+as the package's constants, converted to the artifact's dtype once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AOTI_PACKAGE = "model.pt2"
+AOTI_CONSTANTS = "constants.json"
+AOTI_EXTRA = "extra_constants.safetensors"
+
+Outputs = Tuple[torch.Tensor, torch.Tensor]
+
+
+class Runner:
+    """Runs one artifact; `device` is where its inputs must live."""
+
+    kind = "?"
+    device = torch.device("cpu")
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class AOTIRunner(Runner):
+    """An AOTInductor package whose weights come from the checkpoint at load time."""
+
+    kind = "aoti"
+
+    def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu"):
+        from safetensors.torch import load_file
+        from torch._inductor.package import load_package
+
+        art_dir = Path(art_dir)
+        self.device = torch.device(device)
+        spec = json.loads((art_dir / AOTI_CONSTANTS).read_text(encoding="utf-8"))
+        extra = load_file(str(art_dir / AOTI_EXTRA)) if (art_dir / AOTI_EXTRA).exists() else {}
+        self._compiled = load_package(str(art_dir / AOTI_PACKAGE), device_index=self._index())
+        wanted = set(self._compiled.get_constant_fqns())
+        missing = wanted - set(spec["constants"])
+        if missing:
+            raise KeyError("the package needs constants its constants.json does not describe: %s"
+                           % sorted(missing)[:3])
+        consts: Dict[str, torch.Tensor] = {}
+        for fqn, src in spec["constants"].items():
+            if fqn not in wanted:  # folded or unused by the compiled graph
+                continue
+            dtype = getattr(torch, src["dtype"])
+            if src["source"] == "model":
+                if src["key"] not in tensors:
+                    raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; "
+                                   "the bundle was built from another model architecture" % src["key"])
+                t = tensors[src["key"]]
+            else:
+                t = extra[fqn]
+            # .to() returns the tensor itself when dtype and device already match: no second copy of
+            # the weights for an fp32 CPU artifact
+            consts[fqn] = t.detach().to(device=self.device, dtype=dtype).contiguous()
+        self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
+        self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
+        self._lock = threading.Lock()
+
+    def _index(self) -> int:
+        if self.device.type != "cuda":
+            return -1
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        with self._lock:
+            logits, act = self._compiled(ids, att, mpos, mmask, qtype)
+        return logits, act
+
+
+class ONNXRunner(Runner):
+    """ONNX Runtime on the CPU, with the input names and dtypes laya's ONNXAgent feeds."""
+
+    kind = "onnx"
+
+    def __init__(self, path: Path, threads: Optional[int] = None):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        self._session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        feed = {"input_ids": ids.cpu().numpy(), "attention_mask": att.cpu().numpy(),
+                "marker_pos": mpos.cpu().numpy(), "marker_mask": mmask.cpu().numpy(), "qtype": qtype.cpu().numpy()}
+        logits, act = self._session.run(["logits", "act_logits"], feed)
+        return torch.from_numpy(logits), torch.from_numpy(act)
+
+
+class ExportedProgramRunner(Runner):
+    """The portable ExportedProgram run as a module (verification only: it is eager speed)."""
+
+    kind = "exported_program"
+
+    def __init__(self, path: Path):
+        self._module = torch.export.load(str(path)).module()
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        with torch.no_grad():
+            return self._module(ids, att, mpos, mmask, qtype)
+
+
+def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer of a DecisionModel by name, non-persistent buffers included."""
+    out = dict(model.named_parameters())
+    out.update(dict(model.named_buffers()))
+    return out
+
+
+def make_runner(kind: str, path: Path, tensors: Optional[Mapping[str, torch.Tensor]] = None,
+                device: str = "cpu") -> Runner:
+    """The runner for an artifact entry's kind; raises ValueError for kinds that do not run here."""
+    factories: Dict[str, Callable[[], Runner]] = {
+        "aoti": lambda: AOTIRunner(path, tensors or {}, device),
+        "onnx": lambda: ONNXRunner(path),
+        "exported_program": lambda: ExportedProgramRunner(path),
+    }
+    if kind not in factories:
+        raise ValueError("no runner for artifact kind %r" % kind)
+    return factories[kind]()

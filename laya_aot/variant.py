@@ -1,0 +1,129 @@
+"""Build variants: one string that names exactly what an artifact needs from a machine.
+
+Modelled on huggingface/kernels' `torch211-cxx11-cu130-x86_64-linux`. An artifact records its
+variant string and the same facts as fields; the runtime computes the machine's facts and says,
+field by field, why an artifact does not fit.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional
+
+# CPU instruction sets in the order torch reports them; a package built for one needs at least it.
+ISA_ORDER = ("DEFAULT", "ZVECTOR", "VSX", "SVE256", "AVX2", "AVX512")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this process can run: torch build, C++ ABI, CPU ISA, CUDA runtime and GPU arch."""
+
+    torch: str
+    cxx11_abi: bool
+    cpu_isa: str
+    cuda: Optional[str]
+    gpu_arch: Optional[str]
+    machine: str
+    os: str
+    python: str
+
+    def as_dict(self) -> Dict[str, object]:
+        return asdict(self)
+
+
+def torch_tag(version: str) -> str:
+    """`2.13.0+cpu` -> `torch213`: AOTInductor packages and caches are tied to torch's minor version."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return "torch%s%s" % (major, minor)
+
+
+def cuda_tag(cuda: Optional[str]) -> str:
+    """`13.0` -> `cu130`; None -> `cpu`."""
+    if not cuda:
+        return "cpu"
+    major, minor = (cuda.split(".") + ["0"])[:2]
+    return "cu%s%s" % (major, minor)
+
+
+def current_gpu_arch(device_index: int = 0) -> Optional[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return "sm_%d%d" % (major, minor)
+
+
+def current_machine(device: Optional[str] = None) -> Machine:
+    """The facts of this process. `device` of type cpu hides the GPU (a CPU agent cannot use it)."""
+    import torch
+
+    use_cuda = device is None or str(device).startswith("cuda")
+    arch = current_gpu_arch() if use_cuda else None
+    return Machine(
+        torch=torch.__version__.split("+")[0],
+        cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        cpu_isa=torch.backends.cpu.get_cpu_capability(),
+        cuda=torch.version.cuda if arch else None,
+        gpu_arch=arch,
+        machine=platform.machine().lower(),
+        os=sys.platform,
+        python="%d.%d" % sys.version_info[:2],
+    )
+
+
+def variant_string(kind: str, m: Machine, device: str) -> str:
+    """The variant an artifact of `kind` built on `m` for `device` needs.
+
+    aoti (cpu):  torch213-cxx11-cpu-avx512-x86_64-linux
+    aoti (cuda): torch211-cxx11-cu130-sm_90-x86_64-linux
+    onnx:        onnx-any (ONNX Runtime on any CPU)
+    tilelang:    cu130-sm_90a-x86_64-linux (a cubin per kernel)
+    """
+    abi = "cxx11" if m.cxx11_abi else "cxx98"
+    plat = "%s-%s" % (m.machine, m.os)
+    if kind == "onnx":
+        return "onnx-any"
+    if kind == "exported_program":
+        return "%s-any" % torch_tag(m.torch)
+    if device == "cpu":
+        return "%s-%s-cpu-%s-%s" % (torch_tag(m.torch), abi, m.cpu_isa.lower(), plat)
+    return "%s-%s-%s-%s-%s" % (torch_tag(m.torch), abi, cuda_tag(m.cuda), m.gpu_arch, plat)
+
+
+def isa_satisfies(have: str, need: str) -> bool:
+    """True when a CPU reporting `have` can execute code compiled for `need`."""
+    if need in (None, "", "DEFAULT") or have == need:
+        return True
+    order = {name: i for i, name in enumerate(ISA_ORDER)}
+    # only the x86 ladder is ordered; other ISAs must match exactly
+    if need in ("AVX2", "AVX512") and have in ("AVX2", "AVX512"):
+        return order[have] >= order[need]
+    return False
+
+
+def mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]:
+    """Why a machine `m` cannot run an artifact that needs `needs`, or None when it can."""
+    why = []
+    if needs.get("torch") and torch_tag(str(needs["torch"])) != torch_tag(m.torch):
+        why.append("built for torch %s, this process has torch %s" % (needs["torch"], m.torch))
+    if "cxx11_abi" in needs and needs["cxx11_abi"] is not None and bool(needs["cxx11_abi"]) != m.cxx11_abi:
+        why.append("built with cxx11_abi=%s, torch here has %s" % (needs["cxx11_abi"], m.cxx11_abi))
+    if needs.get("machine") and needs["machine"] != m.machine:
+        why.append("built for %s, this machine is %s" % (needs["machine"], m.machine))
+    if needs.get("os") and needs["os"] != m.os:
+        why.append("built for %s, this is %s" % (needs["os"], m.os))
+    dev = needs.get("device")
+    if dev == "cpu" and needs.get("cpu_isa") and not isa_satisfies(m.cpu_isa, str(needs["cpu_isa"])):
+        why.append("needs CPU instructions %s, this CPU has %s" % (needs["cpu_isa"], m.cpu_isa))
+    if dev == "cuda":
+        if not m.gpu_arch:
+            why.append("needs a CUDA GPU (%s), none is visible to this process" % needs.get("gpu_arch"))
+        else:
+            want = str(needs.get("gpu_arch") or "")
+            if want and want.rstrip("a") != m.gpu_arch:
+                why.append("compiled for %s, this GPU is %s" % (want, m.gpu_arch))
+            if needs.get("cuda") and m.cuda and str(needs["cuda"]).split(".")[0] != str(m.cuda).split(".")[0]:
+                why.append("built against CUDA %s, torch here uses CUDA %s" % (needs["cuda"], m.cuda))
+    return "; ".join(why) or None
