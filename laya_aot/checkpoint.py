@@ -128,8 +128,10 @@ def _from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
 def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
     """Name, context length and dtype: from the config when given, else from the checkpoint."""
     rl = read_config(ckpt)
+    # `checkpoint.path=DIR` over the default demo config names the bundle after DIR, not "demo"
+    name = ckpt.resolve().name if (cfg.path and cfg.demo_shape) or not cfg.name else cfg.name
     return {
-        "name": cfg.name or ckpt.resolve().name,
+        "name": name,
         "path": str(ckpt.resolve()),
         "max_len": int(cfg.max_len or rl.get("max_len", 512)),
         "dtype": str(cfg.dtype or rl.get("amp_dtype", "bf16")),

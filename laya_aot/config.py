@@ -7,7 +7,7 @@ pick values; the shape lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -101,7 +101,6 @@ class BuildConfig:
     output_dir: Optional[str] = None
     # parallel compile jobs (null = all cores)
     jobs: Optional[int] = None
-    extra: Dict[str, str] = field(default_factory=dict)
 
 
 def register() -> None:
@@ -110,3 +109,20 @@ def register() -> None:
     cs.store(name="base_build", node=BuildConfig)
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
     cs.store(group="target", name="base_target", node=TargetConfig)
+
+
+def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = None):
+    """The resolved build config for `overrides`, as `laya-aot build` would see it (for Python callers).
+
+    `config_dir` plays the part of `--config-dir`: a directory of the user's own config groups,
+    searched before the packaged ones.
+    """
+    from hydra import compose as _compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()
+    extra = ["hydra.searchpath=[file://%s]" % config_dir] if config_dir else []
+    with initialize_config_module(config_module="laya_aot.configs", version_base="1.3"):
+        return _compose(config_name="build", overrides=list(overrides or []) + extra)

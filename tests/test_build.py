@@ -1,0 +1,218 @@
+"""The build pipeline: stages, manifest, hashes, numerical agreement, failures, interruption."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_bundle
+from laya_aot.build import BuildError
+from laya_aot.manifest import (MANIFEST, SCHEMA, SCHEMA_VERSION, check_artifact_hash, read_manifest,
+                               sha256_file)
+from laya_aot.padding import Ranges
+
+
+def _by_kind(manifest, kind):
+    (entry,) = [a for a in manifest["artifacts"] if a["kind"] == kind]
+    return entry
+
+
+def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
+    m = read_manifest(demo_bundle)
+    assert m["schema"] == SCHEMA and m["schema_version"] == SCHEMA_VERSION
+    stages = {s["name"]: s for s in m["stages"]}
+    assert list(stages) == ["load", "export", "aoti", "onnx", "tilelang", "inductor_cache", "verify"]
+    for name in ("load", "export", "aoti", "onnx", "verify"):
+        assert stages[name]["status"] == "ok" and stages[name]["seconds"] >= 0, stages[name]
+    assert stages["tilelang"]["status"] == "skipped" and "CUDA" in stages["tilelang"]["error"]
+    assert m["checkpoint"]["fingerprint"]["files"]["model.safetensors"] == sha256_file(demo_ckpt / "model.safetensors")
+    assert m["tolerance"]["fp32"] == 1e-4
+    kinds = {a["kind"] for a in m["artifacts"]}
+    assert kinds == {"exported_program", "aoti", "onnx"}
+    for a in m["artifacts"]:
+        assert a["status"] == "verified", a
+        assert check_artifact_hash(demo_bundle, a) is None
+        assert a["size"] > 0 and a["build_seconds"] > 0 and a["dtype"] == "fp32"
+    aoti = _by_kind(m, "aoti")
+    assert aoti["variant"].startswith("torch%s%s-cxx11-cpu-" % tuple(torch.__version__.split(".")[:2]))
+    assert aoti["needs"]["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert aoti["latency_ms"]["cpu"]["1x128x4"] > 0
+    assert not list(demo_bundle.parent.glob(".demo.partial-*"))
+
+
+def test_export_ranges_declare_tokens_as_multiples_of_16(demo_bundle):
+    r = Ranges.from_dict(read_manifest(demo_bundle)["ranges"])
+    assert r.token_multiple == 16 and r.min_tokens % 16 == 0 and r.max_tokens == 256
+    assert r.min_rows == 1 and r.max_rows == 64 and r.min_markers == 2 and r.max_markers == 64
+    ep = torch.export.load(str(demo_bundle / "exported_program" / "fp32.pt2"))
+    assert ep.module() is not None
+
+
+def test_aoti_package_carries_no_weights(demo_bundle, demo_ckpt):
+    from safetensors import safe_open
+
+    aoti = _by_kind(read_manifest(demo_bundle), "aoti")
+    spec = json.loads((demo_bundle / aoti["path"] / "constants.json").read_text())["constants"]
+    with safe_open(str(demo_ckpt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    from_ckpt = [s["key"] for s in spec.values() if s["source"] == "model"]
+    assert len(from_ckpt) >= len(keys) - 2 and set(from_ckpt) <= keys
+    names = zipfile.ZipFile(demo_bundle / aoti["path"] / "model.pt2").namelist()
+    assert not [n for n in names if "constants" in n or n.endswith((".bin", ".pt"))], names
+
+
+def test_onnx_model_is_checked_and_has_laya_input_names(demo_bundle):
+    import onnx
+
+    entry = _by_kind(read_manifest(demo_bundle), "onnx")
+    model = onnx.load(str(demo_bundle / entry["path"]))
+    onnx.checker.check_model(model)
+    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask", "marker_pos", "marker_mask",
+                                                   "qtype"]
+    assert [o.name for o in model.graph.output] == ["logits", "act_logits"]
+
+
+def test_numerical_agreement_on_every_case(demo_bundle):
+    m = read_manifest(demo_bundle)
+    for a in m["artifacts"]:
+        v = a["verify"]
+        assert set(v["cases"]) == {"one_row", "many_rows", "one_option", "max_markers", "odd_tokens", "longest",
+                                   "max_rows", "padding_rows"}
+        assert v["max_abs_option_prob"] <= 1e-4 and v["max_abs_action_prob"] <= 1e-4, a["name"]
+        assert v["argmax_agreement"] == 1.0
+        assert v["cases"]["padding_rows"]["rows"] == 3       # padding rows are excluded from the figures
+
+
+def test_onnx_runs_in_laya_onnx_agent(demo_bundle, demo_ckpt):
+    """laya's own ONNXAgent feeds unpadded token counts; the exported model must take them."""
+    import laya
+    from laya.onnx_agent import ONNXAgent
+
+    qs = {"team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "technical"]},
+          "ok": {"type": "noul", "instructions": "It works."}}
+    states = ["The invoice is wrong.", "Everything crashed after the update, please help!!"]
+    onnx_agent = ONNXAgent(str(demo_ckpt), onnx_path=str(demo_bundle / "onnx" / "model.onnx"))
+    eager = laya.load(str(demo_ckpt), device="cpu")
+    for got, ref in zip(onnx_agent.predict_batch(states, qs), eager.predict_batch(states, qs)):
+        for qid in qs:
+            g, r = got["answers"][qid], ref["answers"][qid]
+            assert abs(g["answer_confidence"] - r["answer_confidence"]) < 1e-4
+
+
+def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
+    m = read_manifest(alt_bundle)
+    assert m["checkpoint"]["name"] == "alt" and m["checkpoint"]["max_len"] == 384
+    assert m["ranges"]["max_tokens"] == 384
+    assert {a["kind"] for a in m["artifacts"] if a["status"] == "verified"} == {"exported_program", "aoti", "onnx"}
+    for a in m["artifacts"]:
+        assert a["verify"]["max_abs_option_prob"] <= 1e-4
+
+
+def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
+    import laya_aot.build.aoti as aoti
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated inductor crash")
+    monkeypatch.setattr(aoti, "package", boom)
+    m = build_bundle(demo_ckpt, tmp_path / "b")
+    stage = next(s for s in m["stages"] if s["name"] == "aoti")
+    assert stage["status"] == "failed" and "simulated inductor crash" in stage["error"]
+    failed = [a for a in m["artifacts"] if a["kind"] == "aoti"]
+    assert failed and failed[0]["status"] == "build_failed" and "simulated" in failed[0]["error"]
+    assert _by_kind(read_manifest(tmp_path / "b"), "onnx")["status"] == "verified"
+
+
+def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
+    import laya_aot.build.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **k: (_ for _ in ()).throw(ValueError("no opset")))
+    m = build_bundle(demo_ckpt, tmp_path / "b")
+    stage = next(s for s in m["stages"] if s["name"] == "onnx")
+    assert stage["status"] == "failed" and "no opset" in stage["error"]
+    assert _by_kind(read_manifest(tmp_path / "b"), "aoti")["status"] == "verified"
+
+
+def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, tmp_path, monkeypatch):
+    from laya_aot.runtime import runners
+
+    real = runners.ONNXRunner.__call__
+
+    def noisy(self, *args):
+        logits, act = real(self, *args)
+        return logits + 0.5 * torch.arange(logits.shape[1]), act
+    monkeypatch.setattr(runners.ONNXRunner, "__call__", noisy)
+    with pytest.raises(BuildError, match="no artifact could be built and verified"):
+        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false")
+    assert not (tmp_path / "b").exists()
+
+
+def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypatch):
+    import laya_aot.build.export as export
+
+    def boom(*a, **k):
+        raise RuntimeError("Constraints violated (tokens_16)")
+    monkeypatch.setattr(export, "export_model", boom)
+    with pytest.raises(BuildError, match="stage export failed: RuntimeError: Constraints violated"):
+        build_bundle(demo_ckpt, tmp_path / "b")
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
+
+
+def test_nothing_to_build_fails(demo_ckpt, tmp_path):
+    with pytest.raises(BuildError, match="no artifact could be built"):
+        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false", "stages.onnx=false")
+
+
+def test_max_tokens_beyond_context_is_refused(demo_ckpt, tmp_path):
+    with pytest.raises(BuildError, match="exceeds the checkpoint's context"):
+        build_bundle(demo_ckpt, tmp_path / "b", "export.max_tokens=512")
+
+
+def _start_build(ckpt: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
+                             "output_dir=%s" % out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _kill_after_export(proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("the build finished before it could be interrupted")
+        if any(p.glob("exported_program/*.pt2") for p in out.parent.glob(".%s.partial-*" % out.name)):
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_killed_build_leaves_the_previous_bundle_intact(bundle_copy, demo_ckpt):
+    before = read_manifest(bundle_copy)
+    proc = _start_build(demo_ckpt, bundle_copy)
+    _kill_after_export(proc, bundle_copy)
+    after = read_manifest(bundle_copy)                      # still the old, complete bundle
+    assert after["created"] == before["created"]
+    assert all(check_artifact_hash(bundle_copy, a) is None for a in after["artifacts"])
+    partials = list(bundle_copy.parent.glob(".bundle.partial-*"))
+    assert partials and not any((p / MANIFEST).exists() for p in partials)
+    from laya_aot.build.staging import clean_stale
+    clean_stale(bundle_copy)                                # the next build removes what the killed one left
+    assert not list(bundle_copy.parent.glob(".bundle.partial-*"))
+
+
+def test_killed_first_build_leaves_nothing_that_looks_complete(demo_ckpt, tmp_path):
+    from laya_aot.manifest import BundleError
+
+    out = tmp_path / "fresh"
+    proc = _start_build(demo_ckpt, out)
+    _kill_after_export(proc, out)
+    assert not out.exists()
+    with pytest.raises(BundleError, match="interrupted"):
+        out.mkdir()
+        read_manifest(out)

@@ -1,0 +1,65 @@
+"""The demo checkpoint is a real Laya checkpoint, deterministic, and its answers are not uniform."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from laya_aot.demo import PRESETS, make_checkpoint
+from laya_aot.manifest import sha256_file
+
+QUESTIONS = {
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
+                                                                           "technical": "errors",
+                                                                           "account": "login"}},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high", "critical"]},
+}
+
+
+def test_layout_and_laya_loads_it_unchanged(demo_ckpt):
+    import laya
+
+    for name in ("rl_agent_config.json", "model.safetensors", "tokenizer/tokenizer.json", "encoder/config.json"):
+        assert (demo_ckpt / name).is_file(), name
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    assert agent.model.encoder.config.hidden_size == PRESETS["tiny"].hidden_size
+    assert len(agent.cfg["act_costs"]) + 1 == PRESETS["tiny"].n_actions
+
+
+def test_same_seed_same_weights_other_seed_other_weights(demo_ckpt, tmp_path):
+    again = make_checkpoint(tmp_path / "again", "tiny", seed=0)
+    other = make_checkpoint(tmp_path / "other", "tiny", seed=1)
+    assert sha256_file(again / "model.safetensors") == sha256_file(demo_ckpt / "model.safetensors")
+    assert sha256_file(other / "model.safetensors") != sha256_file(demo_ckpt / "model.safetensors")
+
+
+def test_answers_differ_across_options_and_inputs(demo_ckpt):
+    import laya
+
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    states = ["I was charged twice, please refund me.", "The server is down and nothing works!",
+              "Reset my password please.", "Thanks, all good now."]
+    res = agent.predict_batch(states, QUESTIONS)
+    team = np.array([[r["answers"]["team"]["probabilities"][k] for k in ("billing", "technical", "account")]
+                     for r in res])
+    assert (team.max(1) - team.min(1) > 0.02).all(), team        # options differ within a question
+    assert (team.max(0) - team.min(0) > 0.01).any(), team        # answers differ across inputs
+    acts = [r["answers"]["team"]["action"]["act_probability"] for r in res]
+    assert max(acts) - min(acts) > 1e-3
+
+
+def test_alt_shape_differs_everywhere_it_can(alt_ckpt, demo_ckpt):
+    a = json.loads((alt_ckpt / "encoder/config.json").read_text())
+    d = json.loads((demo_ckpt / "encoder/config.json").read_text())
+    ra = json.loads((alt_ckpt / "rl_agent_config.json").read_text())
+    rd = json.loads((demo_ckpt / "rl_agent_config.json").read_text())
+    assert a["hidden_size"] != d["hidden_size"]
+    assert a["hidden_size"] // a["num_attention_heads"] != 64
+    assert ra["head_layers"] == 1 and len(ra["act_costs"]) + 1 == 4
+    assert ra["max_len"] != rd["max_len"]
+
+
+def test_unknown_preset_is_refused(tmp_path):
+    with pytest.raises(KeyError):
+        make_checkpoint(tmp_path / "x", "nope")
