@@ -95,6 +95,15 @@ def _train_tokenizer(vocab: int):
                                    model_max_length=1 << 20)
 
 
+def _pin_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer class laya expects, so `laya.load` has nothing to rewrite in the checkpoint."""
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("backend", None)
+    cfg.pop("is_local", None)
+    path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+
+
 def _encoder_config(shape: DemoShape, tok):
     from transformers import ModernBertConfig
 
@@ -158,6 +167,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     try:
         tok = _train_tokenizer(spec.tokenizer_vocab)
         tok.save_pretrained(str(tmp / "tokenizer"))
+        _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
         ecfg = _encoder_config(spec, tok)
         ecfg.save_pretrained(str(tmp / "encoder"))
         cfg = {

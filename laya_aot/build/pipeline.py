@@ -64,8 +64,10 @@ def stage_load(ctx: Context) -> str:
     """a. load through laya (its DecisionModel and checkpoint format) and fingerprint the checkpoint."""
     import laya
 
-    ctx.fingerprint = ckpt_mod.fingerprint(ctx.ckpt)
+    # laya.load may normalise tokenizer_config.json in place (laya's _fix_tokenizer_config): fingerprint
+    # after it, so the runtime (which loads first too) sees the same bytes
     ctx.agent = laya.load(str(ctx.ckpt), device="cpu")
+    ctx.fingerprint = ckpt_mod.fingerprint(ctx.ckpt)
     if ctx.info["option_layout"] == "parallel":
         raise BuildError("checkpoint %s uses option_layout='parallel', whose masks only laya's eager forward "
                          "reads; it cannot be exported" % ctx.ckpt)

@@ -1,0 +1,282 @@
+"""The runtime loader: selection, trust checks, the laya Agent backend, threads, crashing artifacts."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import laya_aot
+from laya_aot.manifest import MANIFEST, read_manifest, sha256_tree, write_json_atomic
+from laya_aot.runtime.loader import NoArtifactError
+
+WORDS = ("invoice refund payment charged twice password login server down error crash deploy timeout "
+         "meeting moved thursday angry thanks urgent critical delivery late damaged box security alert").split()
+
+
+def _state(rng: np.random.Generator, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS, n_words))
+
+
+def question_suite():
+    """60 questions: choices (one criterion up to six), score rubrics (2-6 levels), noul with and without text."""
+    rng = np.random.default_rng(5)
+    qs = {}
+    for i in range(20):
+        n = 1 + i % 6
+        qs["choice_%d" % i] = {"type": "choice", "instructions": "Which option fits? %s" % _state(rng, 3),
+                               "criteria": {"opt%d" % j: _state(rng, 2) for j in range(n)}}
+    for i in range(20):
+        qs["score_%d" % i] = {"type": "score", "instructions": "Rate it: %s" % _state(rng, 4),
+                              "criteria": [_state(rng, 2) for _ in range(2 + i % 5)]}
+    for i in range(20):
+        q = {"type": "noul", "instructions": "Is this true? %s" % _state(rng, 5)}
+        if i % 2:
+            q["criteria"] = {"true": _state(rng, 2), "false": _state(rng, 2)}
+        qs["noul_%d" % i] = q
+    return qs
+
+
+def _answer_key(a):
+    if a["type"] == "choice":
+        return a["choice"]
+    if a["type"] == "score":
+        p = a["probabilities"]
+        return max(p, key=p.get)
+    return a["noul"] > 0.5
+
+
+def assert_same_answers(got, ref, tol=1e-4 + 1e-12):
+    """laya rounds probabilities to 4 decimals: a raw difference of 1e-7 can still show as 1e-4."""
+    assert got.keys() == ref.keys()
+    for qid in ref:
+        g, r = got[qid], ref[qid]
+        assert _answer_key(g) == _answer_key(r), qid
+        for k, v in (r.get("probabilities") or {}).items():
+            assert abs(g["probabilities"][k] - v) <= tol, (qid, k)
+        if r["type"] == "noul":
+            assert abs(g["noul"] - r["noul"]) <= tol, qid
+        assert abs(g["action"]["act_probability"] - r["action"]["act_probability"]) <= tol, qid
+
+
+@pytest.fixture(scope="module")
+def eager(demo_ckpt):
+    import laya
+
+    return laya.load(str(demo_ckpt), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def aot(demo_ckpt, demo_bundle):
+    return laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
+
+
+def test_default_picks_a_bundle_artifact(demo_ckpt, demo_bundle):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
+    assert agent.backend in ("aot:aoti", "aot:onnx")      # ranked by the latency the build measured
+    assert agent.backend_object.artifact["status"] == "verified"
+
+
+def test_aoti_is_chosen_and_described(aot):
+    assert aot.backend == "aot:aoti"
+    bo = aot.backend_object
+    assert bo.artifact["kind"] == "aoti" and bo.variant.startswith("torch")
+    assert bo.verify["passed"] and bo.verify["max_abs_option_prob"] <= 1e-4
+    assert "artifact_calls" not in bo.stats  # the load-time smoke check is not counted as traffic
+
+
+def test_fifty_questions_of_all_types_answer_as_laya_eager(aot, eager):
+    qs = question_suite()
+    rng = np.random.default_rng(9)
+    states = [_state(rng, n) for n in (3, 40, 120)]
+    before = aot.backend_object.stats.get("artifact_calls", 0)
+    for got, ref in zip(aot.predict_batch(states, qs), eager.predict_batch(states, qs)):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert aot.backend_object.stats["artifact_calls"] > before
+
+
+def test_long_states_over_several_windows(aot, eager):
+    qs = {k: v for k, v in list(question_suite().items())[::6]}
+    long_state = _state(np.random.default_rng(3), 900)   # far past the 256-token context: several windows
+    got, ref = aot.predict_long(long_state, qs), eager.predict_long(long_state, qs)
+    assert_same_answers(got["answers"], ref["answers"])
+
+
+def test_system_one_and_decide_run_unchanged(aot, eager):
+    q = {"ok": {"type": "noul", "instructions": "The request is valid."}}
+    g, r = aot.system_one("please reset my password", q), eager.system_one("please reset my password", q)
+    assert_same_answers(g["answers"], r["answers"])
+
+
+def test_rows_beyond_the_export_are_chunked(aot, eager):
+    states = [_state(np.random.default_rng(i), 5 + i % 7) for i in range(70)]   # 70 rows > max_rows 64
+    q = {"t": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech", "account"]}}
+    chunks = aot.backend_object.stats.get("chunks", 0)
+    for got, ref in zip(aot.predict_batch(states, q, batch_size=70), eager.predict_batch(states, q, batch_size=70)):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert aot.backend_object.stats["chunks"] - chunks >= 2
+
+
+def test_prefer_onnx(demo_ckpt, demo_bundle, eager):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="onnx")
+    assert agent.backend == "aot:onnx"
+    qs = dict(list(question_suite().items())[::5])
+    for got, ref in zip(agent.predict_batch(["the invoice is wrong"], qs), eager.predict_batch(["the invoice is wrong"], qs)):
+        assert_same_answers(got["answers"], ref["answers"])
+
+
+def test_threads_give_the_serial_answers(aot):
+    qs = list(question_suite().items())
+    rng = np.random.default_rng(1)
+    calls = []
+    for i in range(25):
+        n_q = 1 + i % 4
+        calls.append(([_state(rng, 4 + 13 * (i % 9)) for _ in range(1 + i % 3)], dict(qs[i: i + n_q])))
+    serial = [aot.predict_batch(s, q) for s, q in calls]
+    results = {}
+    errors = []
+
+    def worker(t):
+        try:
+            for j in range(25):
+                k = (j + 3 * t) % 25
+                results[(t, j)] = (k, aot.predict_batch(*calls[k]))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert len(results) == 200
+    for k, res in results.values():
+        assert [r["answers"] for r in res] == [r["answers"] for r in serial[k]]
+
+
+# ---------------------------------------------------------------------------- refusing bad bundles
+@pytest.fixture
+def no_native_load(monkeypatch):
+    """Fail the test if anything tries to load native code from the bundle or probe it."""
+    import torch._inductor.package as pkg
+
+    def forbidden(*a, **k):
+        raise AssertionError("native code was loaded from a bundle that should have been refused")
+    monkeypatch.setattr(pkg, "load_package", forbidden)
+    monkeypatch.setattr(subprocess, "run", forbidden)
+
+
+def _load_expect_eager(ckpt, bundle, match, **kw):
+    with pytest.warns(RuntimeWarning, match=match):
+        agent = laya_aot.load(str(ckpt), bundle=str(bundle), device="cpu", **kw)
+    assert agent.backend == "eager"
+    with pytest.raises(NoArtifactError, match=match):
+        laya_aot.load(str(ckpt), bundle=str(bundle), device="cpu", strict=True, **kw)
+    return agent
+
+
+def test_flipped_byte_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    so = next((bundle_copy / "aoti-cpu").rglob("model.pt2"))
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+    agent = _load_expect_eager(demo_ckpt, bundle_copy, "aoti-cpu: sha256", prefer="aoti")
+    assert any("changed after the build" in why for _, why in agent.backend_object.rejected)
+
+
+def test_bundle_from_another_checkpoint_is_refused(demo_bundle, alt_ckpt, no_native_load):
+    _load_expect_eager(alt_ckpt, demo_bundle, "built from another checkpoint")
+
+
+def test_newer_manifest_schema_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    m["schema_version"] = 99
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    _load_expect_eager(demo_ckpt, bundle_copy, "newer than this laya-aot understands")
+
+
+def test_missing_file_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    (bundle_copy / "aoti-cpu" / "constants.json").unlink()
+    (bundle_copy / "onnx" / "model.onnx").unlink()
+    _load_expect_eager(demo_ckpt, bundle_copy, "missing|sha256")
+
+
+def test_missing_manifest_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    (bundle_copy / MANIFEST).unlink()
+    _load_expect_eager(demo_ckpt, bundle_copy, "not a complete laya-aot bundle")
+
+
+def _edit_needs(bundle: Path, **needs):
+    m = json.loads((bundle / MANIFEST).read_text())
+    for a in m["artifacts"]:
+        if a["kind"] == "aoti":
+            a["needs"].update(needs)
+    write_json_atomic(bundle / MANIFEST, m)
+
+
+def test_artifact_for_another_torch_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    _edit_needs(bundle_copy, torch="2.99.0")
+    _load_expect_eager(demo_ckpt, bundle_copy, "built for torch 2.99.0", prefer="aoti")
+
+
+def test_artifact_for_a_gpu_architecture_is_refused(bundle_copy, demo_ckpt, no_native_load):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    for a in m["artifacts"]:
+        if a["kind"] == "aoti":
+            a["device"] = "cuda"
+            a["needs"].update(device="cuda", gpu_arch="sm_90", cuda="13.0")
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    agent = _load_expect_eager(demo_ckpt, bundle_copy, "aoti-cpu: built for cuda", prefer="aoti")
+    assert agent.backend_object.rejected
+
+
+# ------------------------------------------------------------------------- an artifact that crashes
+ABORT_C = '#include <stdlib.h>\n__attribute__((constructor)) static void boom(void) { abort(); }\n'
+
+
+def _crashing_bundle(bundle: Path, tmp: Path) -> None:
+    """Replace the AOTInductor package's shared library by one that calls abort() when loaded."""
+    src = tmp / "boom.c"
+    src.write_text(ABORT_C)
+    lib = tmp / "boom.so"
+    subprocess.check_call(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)])
+    pkg = bundle / "aoti-cpu" / "model.pt2"
+    old = zipfile.ZipFile(pkg)
+    out = tmp / "model.pt2"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in old.infolist():
+            data = lib.read_bytes() if info.filename.endswith(".so") else old.read(info.filename)
+            z.writestr(info, data)
+    old.close()
+    shutil.copy(out, pkg)
+    m = json.loads((bundle / MANIFEST).read_text())
+    for a in m["artifacts"]:
+        if a["kind"] == "aoti":
+            a["sha256"] = sha256_tree(bundle / a["path"])   # a genuine, correctly hashed, crashing artifact
+    write_json_atomic(bundle / MANIFEST, m)
+
+
+def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ckpt, tmp_path, monkeypatch):
+    _crashing_bundle(bundle_copy, tmp_path)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
+    # this process survived; the next artifact serves
+    assert agent.backend == "aot:onnx"
+    reasons = dict(agent.backend_object.rejected)
+    assert agent.backend_object.load_stats["agent_load_s"] > 0
+    assert reasons["aoti-cpu"] == "loading it crashed a probe process: SIGABRT"
+    r = agent.predict_batch(["hello"], {"q": {"type": "noul", "instructions": "ok?"}})
+    assert 0 <= r[0]["answers"]["q"]["noul"] <= 1
+    # the verdict is reused: no child process runs on the next start
+    def forbidden(*a, **k):
+        raise AssertionError("the probe ran again")
+    monkeypatch.setattr(subprocess, "run", forbidden)
+    again = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
+    assert dict(again.backend_object.rejected)["aoti-cpu"] == "loading it crashed a probe process: SIGABRT"
+    assert again.backend_object.load_stats.get("probe") is None or again.backend == "aot:onnx"
