@@ -61,6 +61,14 @@ class ExportConfig:
 
 
 @dataclass
+class AotiConfig:
+    """AOTInductor packaging. `cxx` null = the first compiler here that links libstdc++ dynamically
+    (torch's default first); a statically linked libstdc++ makes packages crash on load."""
+
+    cxx: Optional[str] = None
+
+
+@dataclass
 class StagesConfig:
     """One switch per stage. `export` and `verify` cannot be turned off: nothing unverified ships."""
 
@@ -95,6 +103,7 @@ class BuildConfig:
     checkpoint: CheckpointConfig = MISSING
     target: TargetConfig = MISSING
     export: ExportConfig = field(default_factory=ExportConfig)
+    aoti: AotiConfig = field(default_factory=AotiConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     # null = artifacts/<checkpoint name>

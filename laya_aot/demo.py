@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
+
 @dataclass(frozen=True)
 class DemoShape:
     """Dimensions of a demo checkpoint; the presets below name the ones the project uses."""
@@ -40,6 +41,11 @@ class DemoShape:
     global_attn_every_n_layers: int = 3
     amp_dtype: str = "bf16"
     tokenizer_vocab: int = 1200
+    # weight scales: large enough that options and inputs get clearly different answers; deep presets use
+    # a smaller layer gain so that 22-28 random layers stay as well conditioned in bf16 as trained ones
+    embed_std: float = 0.5
+    layer_gain: float = 1.0
+    head_gain: float = 3.0
 
 
 PRESETS: Dict[str, DemoShape] = {
@@ -50,13 +56,13 @@ PRESETS: Dict[str, DemoShape] = {
     "tiny-alt": DemoShape(hidden_size=96, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
                           vocab_size=1536, max_len=384, head_layers=1, n_actions=4, local_attention=32,
                           global_attn_every_n_layers=2, tokenizer_vocab=1000),
-    "base-512": DemoShape(hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+    "base-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
                           vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "base-1024": DemoShape(hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+    "base-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
                            vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
-    "large-512": DemoShape(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
+    "large-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
                            vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "large-1024": DemoShape(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
+    "large-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
                             vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
 }
 
@@ -116,7 +122,7 @@ def _encoder_config(shape: DemoShape, tok):
         bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
 
 
-def _fill_weights(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
+def _fill_weights(model: torch.nn.Module, seed: int, spec: DemoShape) -> Dict[str, torch.Tensor]:
     """Seeded weights, drawn per tensor in name order so the result does not depend on module order.
 
     Norm weights are 1, most matrices N(0, 0.02)-like scaled by fan-in; the scorer and action head are
@@ -137,11 +143,11 @@ def _fill_weights(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
             fan_in = ref.shape[-1]
             gain = 1.0
             if name.startswith(("scorer.", "act_head.")):
-                gain = 3.0
+                gain = spec.head_gain / spec.layer_gain
             if "embeddings" in name or name.startswith("type_emb"):
-                t = torch.randn(ref.shape, generator=g) * 0.5
+                t = torch.randn(ref.shape, generator=g) * spec.embed_std
             else:
-                t = torch.randn(ref.shape, generator=g) * (gain / fan_in ** 0.5)
+                t = torch.randn(ref.shape, generator=g) * (gain * spec.layer_gain / fan_in ** 0.5)
         state[name] = t.to(torch.float32).contiguous()
     return state
 
@@ -181,7 +187,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
             "laya_aot_demo": {"seed": seed, "shape": asdict(spec)},
         }
         model = build_model(cfg, encoder_dir=str(tmp / "encoder"), pretrained=False)
-        save_file(_fill_weights(model, seed), str(tmp / "model.safetensors"))
+        save_file(_fill_weights(model, seed, spec), str(tmp / "model.safetensors"))
         with open(tmp / "rl_agent_config.json", "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2)
         os.replace(tmp, out)

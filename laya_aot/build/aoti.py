@@ -8,10 +8,14 @@ hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
+import shutil
+import subprocess
 from pathlib import Path
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch.export import ExportedProgram
@@ -41,18 +45,74 @@ def constants_spec(ep: ExportedProgram, checkpoint_keys: Iterable[str]) -> Dict[
     return {"constants": spec, "extra": extra}
 
 
-def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str]) -> Dict[str, Any]:
+def links_libstdcxx_dynamically(cxx: str) -> bool:
+    """Whether `cxx` links libstdc++ as a shared library.
+
+    A compiler that cannot find libstdc++.so links it statically into the package's wrapper .so, which
+    then holds a second copy of libstdc++ beside the one torch loaded; the two disagree on std::locale's
+    facets and the loader segfaults in std::regex (AOTInductorModel -> parse_device_str). That is the
+    crash every AOTInductor load hit on the H200 image, whose default g++ is such a wrapper
+    (benchmarks/results/aoti_h200_load_crash.md).
+    """
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(out) and os.path.exists(out)
+
+
+def _default_cxx() -> Optional[str]:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - torch without a resolvable compiler
+        return shutil.which("g++")
+
+
+def candidate_compilers(configured: Optional[str] = None) -> List[str]:
+    """The configured compiler, torch's default, then the system g++ builds, without duplicates."""
+    names = [configured, _default_cxx(), shutil.which("g++"), "/usr/bin/g++"]
+    names += sorted(glob.glob("/usr/bin/x86_64-linux-gnu-g++-*") + glob.glob("/usr/bin/g++-*"), reverse=True)
+    seen, out = set(), []
+    for n in names:
+        if n and os.path.exists(n) and os.path.realpath(n) not in seen:
+            seen.add(os.path.realpath(n))
+            out.append(n)
+    return out
+
+
+def choose_compiler(configured: Optional[str] = None) -> Dict[str, Any]:
+    """The first compiler that links libstdc++ dynamically, and why the others were passed over."""
+    if configured and not os.path.exists(configured):
+        raise FileNotFoundError("aoti.cxx=%s does not exist; give the path of a C++ compiler" % configured)
+    passed_over = []
+    for cxx in candidate_compilers(configured):
+        if links_libstdcxx_dynamically(cxx):
+            return {"cxx": cxx, "passed_over": passed_over}
+        passed_over.append("%s cannot link libstdc++ dynamically (its packages crash on load)" % cxx)
+    log.warning("no C++ compiler here links libstdc++ dynamically; AOTInductor packages may crash on load: %s",
+                "; ".join(passed_over))
+    return {"cxx": configured or _default_cxx(), "passed_over": passed_over}
+
+
+def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
+            cxx: Optional[str] = None) -> Dict[str, Any]:
     """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = constants_spec(ep, checkpoint_keys)
-    torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(out_dir / AOTI_PACKAGE),
-        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    compiler = choose_compiler(cxx)
+    with torch._inductor.config.patch({"cpp.cxx": (None, compiler["cxx"])}):
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(out_dir / AOTI_PACKAGE),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
     (out_dir / AOTI_CONSTANTS).write_text(json.dumps({"constants": spec["constants"]}, indent=1), encoding="utf-8")
     if spec["extra"]:
         save_file(spec["extra"], str(out_dir / AOTI_EXTRA))
     n_model = sum(1 for s in spec["constants"].values() if s["source"] == "model")
-    return {"package_bytes": (out_dir / AOTI_PACKAGE).stat().st_size,
+    return {"package_bytes": (out_dir / AOTI_PACKAGE).stat().st_size, "cxx": compiler["cxx"],
+            "cxx_passed_over": compiler["passed_over"],
             "constants_from_checkpoint": n_model, "constants_in_bundle": len(spec["extra"])}

@@ -29,7 +29,8 @@ from . import staging
 
 log = logging.getLogger(__name__)
 
-REFERENCE_SHAPE = (1, 128, 4)   # rows x tokens x markers at which latency is recorded for ranking
+# rows x tokens x markers at which latency is recorded for ranking (tokens capped at the context)
+REFERENCE_SHAPES = ((1, 128, 4), (8, 256, 4))
 
 
 class BuildError(RuntimeError):
@@ -56,7 +57,7 @@ class Context:
     ranges: Optional[Ranges] = None
     artifacts: List[Dict[str, Any]] = field(default_factory=list)
     stages: List[Dict[str, Any]] = field(default_factory=list)
-    eager_latency_ms: Optional[float] = None
+    eager_latency_ms: Optional[Dict[str, float]] = None
 
 
 # ----------------------------------------------------------------------------------------- stages
@@ -112,7 +113,7 @@ def stage_aoti(ctx: Context) -> str:
         keys = list(f.keys())
     name = "aoti-%s" % ctx.cfg.target.name
     t0 = time.perf_counter()
-    facts = package(ctx.ep, ctx.staging / name, keys)
+    facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
     _add_artifact(ctx, name, "aoti", name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     return "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
 
@@ -170,7 +171,7 @@ def stage_inductor_cache(ctx: Context) -> str:
 
     name = "compile-%s" % ctx.cfg.target.name
     t0 = time.perf_counter()
-    facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype)
+    facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
     _add_artifact(ctx, name, "compile", name, "cuda", ctx.dtype, time.perf_counter() - t0, details=facts)
     return "%d shapes, %.1f MB" % (len(facts["shapes"]), facts["bytes"] / 1e6)
 
@@ -183,30 +184,40 @@ def stage_verify(ctx: Context) -> str:
     tol = ctx.cfg.verify.tolerance
     case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
     reference = ctx.agent.model.float().eval()
-    ref_shape = _reference_batch(ctx)
-    ctx.eager_latency_ms = latency_ms(lambda: _no_grad(reference, ref_shape), ctx.cfg.verify.latency_repeats)
+    ref_batches = {shape: _reference_batch(ctx, shape) for shape in REFERENCE_SHAPES}
+    ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
+        lambda: _no_grad(reference, batch), ctx.cfg.verify.latency_repeats), 3) for shape, batch in ref_batches.items()}
     tensors = model_tensors(reference)
     summary = []
     for art in ctx.artifacts:
         if art["status"] != "built":
             continue
-        if art["kind"] in ("tilelang", "compile") or (art["device"] == "cuda" and not torch.cuda.is_available()):
+        if art["kind"] == "tilelang" or (art["device"] == "cuda" and not torch.cuda.is_available()):
             art["status"] = "unverified"
             art["verify"] = {"passed": False, "reason": "needs a %s GPU to verify; verify it there with "
                              "`laya-aot verify`" % (art["needs"].get("gpu_arch") or "CUDA")}
             summary.append("%s unverified" % art["name"])
             continue
         t0 = time.perf_counter()
+        crash = _probe_native(ctx, art)
+        if crash:
+            art["verify"] = {"passed": False, "reason": crash, "seconds": round(time.perf_counter() - t0, 3)}
+            art["status"] = "failed_verification"
+            summary.append("%s FAILED (%s)" % (art["name"], crash))
+            continue
         try:
-            runner = make_runner(art["kind"], ctx.staging / art["path"], tensors, art["device"])
+            runner = make_runner(art["kind"], ctx.staging / art["path"], tensors, art["device"], model=reference)
             is_fp32 = art["dtype"] == "fp32"
             result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
                                    tol.fp32 if is_fp32 else getattr(tol, art["dtype"]),
                                    tol.argmax_fp32 if is_fp32 else tol.argmax_16bit)
             if art["kind"] != "exported_program":
-                lat = latency_ms(lambda: run_padded(runner, ref_shape, ctx.ranges, ctx.pad_id, runner.device),
-                                 ctx.cfg.verify.latency_repeats)
-                art["latency_ms"] = {art["device"]: {"x".join(map(str, REFERENCE_SHAPE)): round(lat, 3)}}
+                sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+                art["latency_ms"] = {art["device"]: {
+                    "x".join(map(str, shape)): round(latency_ms(
+                        lambda: run_padded(runner, batch, ctx.ranges, ctx.pad_id, runner.device),
+                        ctx.cfg.verify.latency_repeats, sync), 3)
+                    for shape, batch in ref_batches.items()}}
         except Exception as e:
             result = {"passed": False, "reason": "running it failed: %s: %s" % (type(e).__name__, e)}
         result["seconds"] = round(time.perf_counter() - t0, 3)
@@ -217,6 +228,16 @@ def stage_verify(ctx: Context) -> str:
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _probe_native(ctx: Context, art: Dict[str, Any]) -> Optional[str]:
+    """Load a native artifact in a child process first: a crash there must not kill the build."""
+    if art["kind"] != "aoti":
+        return None
+    from ..runtime.probe import probe
+
+    entry = dict(art, sha256=sha256_tree(ctx.staging / art["path"]), ranges=ctx.ranges.as_dict())
+    return probe(ctx.staging, entry, ctx.ckpt, art["device"], ctx.machine, manifest_entry=entry)
+
+
 class _Skip(Exception):
     """A stage that does not apply to this target or machine (recorded as skipped with the reason)."""
 
@@ -226,11 +247,12 @@ def _no_grad(model, batch):
         return model(*batch)
 
 
-def _reference_batch(ctx: Context):
+def _reference_batch(ctx: Context, shape):
     from .verify import _rows
 
-    rows, tokens, markers = REFERENCE_SHAPE
+    rows, tokens, markers = shape
     tokens = min(tokens, ctx.ranges.max_tokens)
+    rows = min(rows, ctx.ranges.max_rows)
     g = torch.Generator().manual_seed(7)
     return _rows(g, [tokens] * rows, [markers] * rows, ctx.vocab, ctx.pad_id)
 
@@ -289,8 +311,7 @@ def manifest_of(ctx: Context) -> Dict[str, Any]:
         "build_machine": ctx.machine.as_dict(),
         "tolerance": OmegaConf.to_container(tol, resolve=True),
         "ranges": ctx.ranges.as_dict() if ctx.ranges else None,
-        "eager_latency_ms": {"cpu": {"x".join(map(str, REFERENCE_SHAPE)): round(ctx.eager_latency_ms, 3)}}
-        if ctx.eager_latency_ms else {},
+        "eager_latency_ms": {"cpu": ctx.eager_latency_ms} if ctx.eager_latency_ms else {},
         "stages": ctx.stages,
         "artifacts": ctx.artifacts,
         "config": OmegaConf.to_container(ctx.cfg, resolve=True),
@@ -370,8 +391,10 @@ def build(cfg: DictConfig, report: Callable[[Dict[str, Any]], None] = lambda rec
             _run_stage(ctx, name, fn, fatal, enabled, report)
         usable = [a for a in ctx.artifacts if a["status"] == "verified" and a["kind"] != "exported_program"]
         if not usable and not any(a["status"] == "unverified" for a in ctx.artifacts):
-            raise BuildError("no artifact could be built and verified: %s" % "; ".join(
-                "%s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed") or "see above")
+            why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
+            why += ["%s: %s" % (a["name"], (a.get("verify") or {}).get("reason") or a.get("error"))
+                    for a in ctx.artifacts if a["status"] != "verified"]
+            raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
         _hash_artifacts(ctx)
         manifest = manifest_of(ctx)
         write_json_atomic(stage_dir / MANIFEST, manifest)

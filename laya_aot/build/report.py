@@ -50,14 +50,14 @@ def summary_table(manifest: Dict[str, Any]) -> Table:
         t.add_column(col)
     for a in manifest["artifacts"]:
         v = a.get("verify") or {}
-        lat = next(iter(next(iter((a.get("latency_ms") or {}).values()), {}).values()), None)
+        lat = (next(iter((a.get("latency_ms") or {}).values()), {}) or {}).get("1x128x4")
         diff = ("%.2g / %.2g" % (v["max_abs_option_prob"], v["max_abs_action_prob"])
                 if "max_abs_option_prob" in v else (v.get("reason") or a.get("error") or "-"))
         t.add_row(a["name"], str(a.get("variant")), str(a.get("dtype", "-")), _fmt_size(a.get("size")),
                   "[%s]%s[/]" % ("green" if a["status"] == "verified" else "red", a["status"]), diff[:90],
                   "%.1f%%" % (100 * v["argmax_agreement"]) if "argmax_agreement" in v else "-",
                   "%.2f" % lat if lat is not None else "-")
-    eager = next(iter(next(iter(manifest.get("eager_latency_ms", {}).values()), {}).values()), None)
+    eager = (next(iter(manifest.get("eager_latency_ms", {}).values()), {}) or {}).get("1x128x4")
     if eager is not None:
         t.caption = "eager fp32 reference: %.2f ms @1x128x4 on the build machine" % eager
     return t

@@ -156,7 +156,8 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             if tensors is None:
                 tensors = model_tensors(agent.model)
             t1 = time.perf_counter()
-            runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device))
+            runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
+                                 model=agent.model)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
             backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
             if smoke_check:

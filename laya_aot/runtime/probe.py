@@ -46,8 +46,12 @@ def _describe_exit(rc: int) -> str:
 
 
 def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
-          stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """None when the artifact loads and runs in a child process on this machine, else the reason."""
+          stats: Optional[Dict[str, Any]] = None, manifest_entry: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """None when the artifact loads and runs in a child process on this machine, else the reason.
+
+    `manifest_entry` hands the child the artifact's entry directly (the build probes before any
+    manifest exists); otherwise the child reads it from the bundle's manifest.
+    """
     stats = stats if stats is not None else {}
     path = verdict_path(entry, machine, device)
     try:
@@ -59,6 +63,8 @@ def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, ma
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "laya_aot.runtime.probe", str(bundle), entry["name"], str(checkpoint), device]
     env = dict(os.environ, PYTHONFAULTHANDLER="0")
+    if manifest_entry is not None:
+        env["LAYA_AOT_PROBE_ENTRY"] = json.dumps(manifest_entry)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
@@ -92,7 +98,8 @@ def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
     from ..padding import Ranges
     from .runners import make_runner
 
-    entry = next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
+    given = os.environ.get("LAYA_AOT_PROBE_ENTRY")
+    entry = json.loads(given) if given else next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
     tensors = load_file(os.path.join(checkpoint, "model.safetensors")) if entry["kind"] == "aoti" else None
     runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, device)
     r = Ranges.from_dict(entry["ranges"])

@@ -108,12 +108,33 @@ class ExportedProgramRunner(Runner):
 
     kind = "exported_program"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, device: str = "cpu"):
+        self.device = torch.device(device)  # the device the program was exported on
         self._module = torch.export.load(str(path)).module()
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
         with torch.no_grad():
             return self._module(ids, att, mpos, mmask, qtype)
+
+
+class CompileRunner(Runner):
+    """torch.compile of the explicit-dtype model, with the bundle's Inductor cache loaded first."""
+
+    kind = "compile"
+
+    def __init__(self, art_dir: Path, model: torch.nn.Module, device: str = "cuda"):
+        from ..build.inductor_cache import CACHE_FILE, INFO_FILE, compiled_module
+
+        info = json.loads((Path(art_dir) / INFO_FILE).read_text(encoding="utf-8"))
+        torch.compiler.load_cache_artifacts((Path(art_dir) / CACHE_FILE).read_bytes())
+        self.device = torch.device(device)
+        self._module, self._fn = compiled_module(model, info["dtype"], info["action_head_dtype"], device)
+        self._lock = threading.Lock()
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        with self._lock, torch.no_grad():  # one compile at a time; Dynamo's cache is process-wide
+            logits, act = self._fn(ids, att, mpos, mmask, qtype)
+        return logits.clone(), act.clone()
 
 
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -124,12 +145,13 @@ def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def make_runner(kind: str, path: Path, tensors: Optional[Mapping[str, torch.Tensor]] = None,
-                device: str = "cpu") -> Runner:
+                device: str = "cpu", model: Optional[torch.nn.Module] = None) -> Runner:
     """The runner for an artifact entry's kind; raises ValueError for kinds that do not run here."""
     factories: Dict[str, Callable[[], Runner]] = {
         "aoti": lambda: AOTIRunner(path, tensors or {}, device),
         "onnx": lambda: ONNXRunner(path),
-        "exported_program": lambda: ExportedProgramRunner(path),
+        "exported_program": lambda: ExportedProgramRunner(path, device),
+        "compile": lambda: CompileRunner(path, model, device),
     }
     if kind not in factories:
         raise ValueError("no runner for artifact kind %r" % kind)

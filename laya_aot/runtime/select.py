@@ -39,7 +39,7 @@ def reject_reason(entry: Dict[str, Any], machine: Machine, agent_device: str) ->
 
 def _latency(entry: Dict[str, Any], device: str) -> Optional[float]:
     per_device = (entry.get("latency_ms") or {}).get(device) or {}
-    return min(per_device.values()) if per_device else None
+    return sum(per_device.values()) if per_device else None
 
 
 def rank(entries: List[Dict[str, Any]], device: str, prefer: Optional[str] = None

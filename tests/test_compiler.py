@@ -1,0 +1,42 @@
+"""AOTInductor compiler choice: never a compiler that links libstdc++ statically (the H200 load crash)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from laya_aot.build import aoti
+
+
+def _fake_cxx(tmp_path, name: str, prints: str) -> str:
+    p = tmp_path / name
+    p.write_text("#!/bin/sh\necho '%s'\n" % prints)
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_a_compiler_without_libstdcxx_so_is_passed_over(tmp_path, monkeypatch):
+    # like the H200 image's /opt/gcc/bin/g++: asked for libstdc++.so it answers the bare name (not found)
+    static = _fake_cxx(tmp_path, "g++-static", "libstdc++.so")
+    real_lib = tmp_path / "libstdc++.so"
+    real_lib.write_text("")
+    dynamic = _fake_cxx(tmp_path, "g++-dynamic", str(real_lib))
+    assert not aoti.links_libstdcxx_dynamically(static)
+    assert aoti.links_libstdcxx_dynamically(dynamic)
+    monkeypatch.setattr(aoti, "candidate_compilers", lambda configured=None: [static, dynamic])
+    chosen = aoti.choose_compiler()
+    assert chosen["cxx"] == dynamic
+    assert "cannot link libstdc++ dynamically" in chosen["passed_over"][0]
+
+
+def test_missing_configured_compiler_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="aoti.cxx"):
+        aoti.choose_compiler(str(tmp_path / "nope"))
+
+
+def test_this_machine_has_a_usable_compiler(demo_bundle):
+    from laya_aot.manifest import read_manifest
+
+    (entry,) = [a for a in read_manifest(demo_bundle)["artifacts"] if a["kind"] == "aoti"]
+    assert os.path.exists(entry["details"]["cxx"])
+    assert aoti.links_libstdcxx_dynamically(entry["details"]["cxx"])
