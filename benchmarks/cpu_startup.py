@@ -1,0 +1,176 @@
+"""CPU benchmark: process start -> first answer, and per-call latency, bundle vs laya eager vs laya compile.
+
+Every start-up figure is a whole fresh Python process (median of --runs): the parent records the wall
+clock just before it spawns the child and the child reports the wall clock at its first answer, so
+interpreter start, imports, loading and the first request all count.
+
+    python benchmarks/cpu_startup.py --shape tiny --runs 5
+    python benchmarks/cpu_startup.py --shape base-512 --runs 5
+
+Writes benchmarks/results/cpu_<shape>.json and .md (with this command line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = {
+    "team": {"type": "choice", "instructions": "Which team should handle this?",
+             "criteria": {"billing": "payments", "technical": "errors", "account": "login"}},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high", "critical"]},
+    "angry": {"type": "noul", "instructions": "The customer is angry."},
+}
+STATE = "The service has been down since this morning and I was charged twice for the March invoice."
+
+
+def child(mode: str, ckpt: str, bundle: str, latency: bool) -> None:
+    """One fresh process: load, answer once, optionally time per-call latency, print JSON."""
+    import laya  # noqa: F401  (part of what a service imports)
+    import torch
+
+    t_import = time.time()
+    if mode == "bundle":
+        import laya_aot
+
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cpu")
+    elif mode == "eager":
+        agent = laya.load(ckpt, device="cpu")
+    else:
+        agent = laya.load(ckpt, device="cpu", compile=True)
+    t_loaded = time.time()
+    res = agent.predict_batch([STATE], QUESTIONS)
+    t_first = time.time()
+    out = {"mode": mode, "backend": agent.backend, "t_import": t_import, "t_loaded": t_loaded,
+           "t_first": t_first, "answer": res[0]["answers"]["team"]["choice"],
+           "load_stats": getattr(agent.backend_object, "load_stats", None)}
+    if latency:
+        out["latency_ms"] = per_call(agent, torch)
+    print("BENCH " + json.dumps(out), flush=True)
+
+
+def per_call(agent, torch) -> dict:
+    """Median ms of agent.model(...) at rows x tokens x 4 markers after 3 warm-ups (20 calls)."""
+    max_len = int(agent.cfg.get("max_len", 512))
+    out = {}
+    for rows, tokens in ((1, 128), (8, 256)):
+        tokens = min(tokens, max_len)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, 200, (rows, tokens), generator=g)
+        batch = (ids, torch.ones_like(ids), torch.tensor([[3, 9, 15, 21]] * rows),
+                 torch.ones((rows, 4), dtype=torch.bool), torch.zeros(rows, dtype=torch.long))
+        with torch.no_grad():
+            for _ in range(3):
+                agent.model(*batch)
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                agent.model(*batch)
+                times.append((time.perf_counter() - t0) * 1e3)
+        out["%dx%dx4" % (rows, tokens)] = statistics.median(times)
+    return out
+
+
+def spawn(mode: str, ckpt: Path, bundle: Path, env: dict, latency: bool = False) -> dict:
+    t0 = time.time()
+    p = subprocess.run([sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle)]
+                       + (["--latency"] if latency else []), capture_output=True, text=True, env=env)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError("%s child failed (%d): %s" % (mode, p.returncode, p.stderr[-2000:]))
+    r = json.loads(line[6:])
+    r.update(start_to_first_s=r["t_first"] - t0, start_to_loaded_s=r["t_loaded"] - t0)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--modes", default="bundle,eager,compile")
+    ap.add_argument("--child")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--bundle")
+    ap.add_argument("--latency", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.ckpt, a.bundle, a.latency)
+        return
+    command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    from laya_aot.demo import make_checkpoint
+
+    ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
+    bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)
+    build_s = None
+    if not (bundle / "bundle.json").exists():
+        t0 = time.time()
+        subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
+                               "output_dir=%s" % bundle])
+        build_s = time.time() - t0
+    cache = tempfile.mkdtemp(prefix="laya-aot-bench-cache-")
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
+    results: dict = {"command": command, "shape": a.shape, "runs": a.runs, "build_s": build_s,
+                     "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+                     "modes": {}}
+    modes = a.modes.split(",")
+    if "bundle" in modes:
+        cold = spawn("bundle", ckpt, bundle, env)        # empty verdict cache: the probe runs
+        results["bundle_cold_probe"] = {"start_to_first_s": cold["start_to_first_s"], "load_stats": cold["load_stats"]}
+    for mode in modes:
+        runs = []
+        for i in range(a.runs):
+            run_env = dict(env)
+            if mode == "compile":  # cold Inductor cache every time: what a fresh container sees
+                run_env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+            runs.append(spawn(mode, ckpt, bundle, run_env))
+        firsts = [r["start_to_first_s"] for r in runs]
+        results["modes"][mode] = {"backend": runs[0]["backend"], "start_to_first_s": firsts,
+                                  "median_start_to_first_s": statistics.median(firsts),
+                                  "load_stats": runs[-1]["load_stats"]}
+    for mode in ("bundle", "eager"):
+        if mode in modes:
+            results["modes"][mode]["latency_ms"] = spawn(mode, ckpt, bundle, env, latency=True)["latency_ms"]
+    if "bundle" in modes and "eager" in modes:
+        results["latency_ratio_bundle_over_eager"] = {
+            k: results["modes"]["bundle"]["latency_ms"][k] / results["modes"]["eager"]["latency_ms"][k]
+            for k in results["modes"]["eager"]["latency_ms"]}
+    out = ROOT / "benchmarks" / "results" / ("cpu_%s" % a.shape)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    lines = ["# CPU start-up and latency, shape `%s`" % r["shape"], "",
+             "Command: `%s` (%d cores). Start-up = whole fresh process, median of %d." % (
+                 r["command"], r["machine"]["cores"] or 0, r["runs"]), ""]
+    if r.get("build_s"):
+        lines.append("Bundle build: %.1f s." % r["build_s"])
+    if "bundle_cold_probe" in r:
+        lines.append("Bundle, first start on this machine (probe runs): %.2f s; load stats %s." % (
+            r["bundle_cold_probe"]["start_to_first_s"], r["bundle_cold_probe"]["load_stats"]))
+    lines += ["", "| mode | backend | start -> first answer (median) | runs | 1x128x4 ms | 8x256x4 ms |",
+              "|---|---|---|---|---|---|"]
+    for mode, m in r["modes"].items():
+        lat = m.get("latency_ms") or {}
+        cols = [lat.get(k) for k in sorted(lat)] or [None, None]
+        lines.append("| %s | %s | %.2f s | %s | %s | %s |" % (
+            mode, m["backend"], m["median_start_to_first_s"], ", ".join("%.2f" % x for x in m["start_to_first_s"]),
+            *["%.2f" % c if c is not None else "-" for c in (cols + [None, None])[:2]]))
+    if "latency_ratio_bundle_over_eager" in r:
+        lines += ["", "Per-call latency ratio bundle/eager: " + ", ".join(
+            "%s %.2f" % kv for kv in r["latency_ratio_bundle_over_eager"].items())]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
