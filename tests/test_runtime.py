@@ -260,6 +260,7 @@ def _crashing_bundle(bundle: Path, tmp: Path) -> None:
     for a in m["artifacts"]:
         if a["kind"] == "aoti":
             a["sha256"] = sha256_tree(bundle / a["path"])   # a genuine, correctly hashed, crashing artifact
+            a["latency_ms"] = {"cpu": {"1x128x4": 1e-3}}     # ranked first, so it is tried first
     write_json_atomic(bundle / MANIFEST, m)
 
 

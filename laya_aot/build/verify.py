@@ -104,9 +104,10 @@ def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case
     per_case = {}
     worst_p = worst_a = 0.0
     agree = total = 0
+    ref_device = next(reference_model.parameters()).device
     for case in case_list:
         with torch.no_grad():
-            ref = reference_model(*case.batch)
+            ref = tuple(t.cpu() for t in reference_model(*(x.to(ref_device) for x in case.batch)))
             got = run_padded(runner, case.batch, ranges, pad_id, device)
         c = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
         per_case[case.name] = c

@@ -74,6 +74,41 @@ def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any]) -> Optional[
     return None
 
 
+def _verify_here(agent, runner, entry: Dict[str, Any], manifest: Dict[str, Any], machine,
+                 stats: Dict[str, Any]) -> Optional[str]:
+    """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
+    TileLang kernels). The verdict is cached per artifact and machine like the probe's."""
+    import json as _json
+
+    from ..build.verify import cases, verify_runner
+    from ..manifest import write_json_atomic
+    from .probe import verdict_path
+
+    path = verdict_path(entry, machine, "verify:" + str(agent.device))
+    try:
+        return _json.loads(path.read_text(encoding="utf-8")).get("reason")
+    except (OSError, ValueError):
+        pass
+    r = Ranges.from_dict(entry["ranges"])
+    tol = manifest.get("tolerance", {})
+    dtype = str(entry.get("dtype", "bf16"))
+    vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res = verify_runner(runner, agent.model, cases(int(time.time()), r, vocab, int(agent.tok.pad_token_id or 0)),
+                            r, int(agent.tok.pad_token_id or 0), runner.device, float(tol.get(dtype, 2e-2)),
+                            float(tol.get("argmax_16bit", 0.95)))
+    stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
+    reason = None if res["passed"] else "verified on this machine and failed: %s" % res["reason"]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"artifact": entry.get("name"), "reason": reason, "figures": {
+            k: res.get(k) for k in ("max_abs_option_prob", "max_abs_action_prob", "argmax_agreement")}})
+    except OSError:
+        pass
+    return reason
+
+
 def _install(agent, backend) -> None:
     """Swap the agent's forward the way laya's own set_backend does: under its write lock."""
     with agent._gate.write_lock():
@@ -157,10 +192,12 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
                 tensors = model_tensors(agent.model)
             t1 = time.perf_counter()
             runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
-                                 model=agent.model)
+                                 model=agent.model, agent=agent, entry=entry)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
             backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
-            if smoke_check:
+            if entry.get("status") == "unverified":
+                why = _verify_here(agent, runner, entry, manifest, machine, stats)
+            if why is None and smoke_check:
                 why = _smoke_check(agent, backend, entry)
         except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
             why = "loading it failed: %s: %s" % (type(e).__name__, e)

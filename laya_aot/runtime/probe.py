@@ -100,8 +100,15 @@ def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
 
     given = os.environ.get("LAYA_AOT_PROBE_ENTRY")
     entry = json.loads(given) if given else next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
-    tensors = load_file(os.path.join(checkpoint, "model.safetensors")) if entry["kind"] == "aoti" else None
-    runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, device)
+    tensors = agent = None
+    if entry["kind"] == "aoti":
+        tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    elif entry["kind"] in ("tilelang", "compile"):  # these drive laya's model itself
+        import laya
+
+        agent = laya.load(checkpoint, device=device)
+    runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, device,
+                         model=agent.model if agent else None, agent=agent, entry=entry)
     r = Ranges.from_dict(entry["ranges"])
     t = r.min_tokens
     batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),

@@ -137,6 +137,23 @@ class CompileRunner(Runner):
         return logits.clone(), act.clone()
 
 
+class TileLangRunner(Runner):
+    """laya's own fast path fed only the bundle's precompiled TileLang kernels (laya_aot.kernels)."""
+
+    kind = "tilelang"
+
+    def __init__(self, art_dir: Path, agent, entry: Mapping[str, object]):
+        from ..kernels import make_fast_forward
+
+        details = entry.get("details") or {}
+        self.device = agent.device
+        self._fast = make_fast_forward(agent, Path(art_dir), str((entry.get("needs") or {}).get("gpu_arch")),
+                                       details.get("kernels"))
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        return self._fast.forward(ids, att, mpos, mmask, qtype)
+
+
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every parameter and buffer of a DecisionModel by name, non-persistent buffers included."""
     out = dict(model.named_parameters())
@@ -145,13 +162,15 @@ def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def make_runner(kind: str, path: Path, tensors: Optional[Mapping[str, torch.Tensor]] = None,
-                device: str = "cpu", model: Optional[torch.nn.Module] = None) -> Runner:
+                device: str = "cpu", model: Optional[torch.nn.Module] = None, agent=None,
+                entry: Optional[Mapping[str, object]] = None) -> Runner:
     """The runner for an artifact entry's kind; raises ValueError for kinds that do not run here."""
     factories: Dict[str, Callable[[], Runner]] = {
         "aoti": lambda: AOTIRunner(path, tensors or {}, device),
         "onnx": lambda: ONNXRunner(path),
         "exported_program": lambda: ExportedProgramRunner(path, device),
         "compile": lambda: CompileRunner(path, model, device),
+        "tilelang": lambda: TileLangRunner(path, agent, entry or {}),
     }
     if kind not in factories:
         raise ValueError("no runner for artifact kind %r" % kind)
