@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from typing import List, Optional
 
 START = time.perf_counter()
@@ -48,6 +49,11 @@ def _build(argv: List[str]) -> int:
         from .build import BuildError, build
 
         _setup_logging(bool(os.environ.get("LAYA_AOT_VERBOSE")))
+        # torch's exporters warn about their own internals (pytree, online softmax); the stage table says
+        # what matters. LAYA_AOT_VERBOSE=1 shows them.
+        if not os.environ.get("LAYA_AOT_VERBOSE"):
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
         with Reporter() as rep:
             try:
                 manifest = build(cfg, report=rep.update)

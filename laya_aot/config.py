@@ -66,6 +66,9 @@ class AotiConfig:
     (torch's default first); a statically linked libstdc++ makes packages crash on load."""
 
     cxx: Optional[str] = None
+    # CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN):
+    # faster than eager per call on real model sizes, at the cost of a package the size of the weights
+    cpu_frozen: bool = True
 
 
 @dataclass

@@ -20,6 +20,11 @@ from laya_aot.manifest import (MANIFEST, SCHEMA, SCHEMA_VERSION, check_artifact_
 from laya_aot.padding import Ranges
 
 
+def _by_name(manifest, name):
+    (entry,) = [a for a in manifest["artifacts"] if a["name"] == name]
+    return entry
+
+
 def _by_kind(manifest, kind):
     (entry,) = [a for a in manifest["artifacts"] if a["kind"] == kind]
     return entry
@@ -35,13 +40,13 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert stages["tilelang"]["status"] == "skipped" and "CUDA" in stages["tilelang"]["error"]
     assert m["checkpoint"]["fingerprint"]["files"]["model.safetensors"] == sha256_file(demo_ckpt / "model.safetensors")
     assert m["tolerance"]["fp32"] == 1e-4
-    kinds = {a["kind"] for a in m["artifacts"]}
-    assert kinds == {"exported_program", "aoti", "onnx"}
+    names = {a["name"] for a in m["artifacts"]}
+    assert names == {"exported_program-fp32", "aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}
     for a in m["artifacts"]:
         assert a["status"] == "verified", a
         assert check_artifact_hash(demo_bundle, a) is None
         assert a["size"] > 0 and a["build_seconds"] > 0 and a["dtype"] == "fp32"
-    aoti = _by_kind(m, "aoti")
+    aoti = _by_name(m, "aoti-cpu")
     assert aoti["variant"].startswith("torch%s%s-cxx11-cpu-" % tuple(torch.__version__.split(".")[:2]))
     assert aoti["needs"]["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
     assert aoti["latency_ms"]["cpu"]["1x128x4"] > 0
@@ -59,7 +64,7 @@ def test_export_ranges_declare_tokens_as_multiples_of_16(demo_bundle):
 def test_aoti_package_carries_no_weights(demo_bundle, demo_ckpt):
     from safetensors import safe_open
 
-    aoti = _by_kind(read_manifest(demo_bundle), "aoti")
+    aoti = _by_name(read_manifest(demo_bundle), "aoti-cpu")
     spec = json.loads((demo_bundle / aoti["path"] / "constants.json").read_text())["constants"]
     with safe_open(str(demo_ckpt / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -67,6 +72,15 @@ def test_aoti_package_carries_no_weights(demo_bundle, demo_ckpt):
     assert len(from_ckpt) >= len(keys) - 2 and set(from_ckpt) <= keys
     names = zipfile.ZipFile(demo_bundle / aoti["path"] / "model.pt2").namelist()
     assert not [n for n in names if "constants" in n or n.endswith((".bin", ".pt"))], names
+
+
+def test_frozen_cpu_package_carries_the_weights(demo_bundle, demo_ckpt):
+    m = read_manifest(demo_bundle)
+    frozen, plain = _by_name(m, "aoti-cpu-frozen"), _by_name(m, "aoti-cpu")
+    assert frozen["details"]["weights_inside"] and not plain["details"]["weights_inside"]
+    assert frozen["status"] == "verified" and frozen["verify"]["max_abs_option_prob"] <= 1e-4
+    weights = (demo_ckpt / "model.safetensors").stat().st_size
+    assert frozen["details"]["package_bytes"] - plain["details"]["package_bytes"] > 0.5 * weights
 
 
 def test_onnx_model_is_checked_and_has_laya_input_names(demo_bundle):
@@ -112,6 +126,7 @@ def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
     assert m["checkpoint"]["name"] == "alt" and m["checkpoint"]["max_len"] == 384
     assert m["ranges"]["max_tokens"] == 384
     assert {a["kind"] for a in m["artifacts"] if a["status"] == "verified"} == {"exported_program", "aoti", "onnx"}
+    assert len([a for a in m["artifacts"] if a["kind"] == "aoti"]) == 2
     for a in m["artifacts"]:
         assert a["verify"]["max_abs_option_prob"] <= 1e-4
 
@@ -137,7 +152,7 @@ def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, mon
     m = build_bundle(demo_ckpt, tmp_path / "b")
     stage = next(s for s in m["stages"] if s["name"] == "onnx")
     assert stage["status"] == "failed" and "no opset" in stage["error"]
-    assert _by_kind(read_manifest(tmp_path / "b"), "aoti")["status"] == "verified"
+    assert _by_name(read_manifest(tmp_path / "b"), "aoti-cpu")["status"] == "verified"
 
 
 def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, tmp_path, monkeypatch):
@@ -232,3 +247,12 @@ def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(demo_ckpt, tmp_pat
     kernels = tl["details"]["kernels"]
     assert kernels and all(k["status"] == "ok" and len(k["sha256"]) == 64 for k in kernels)
     assert check_artifact_hash(tmp_path / "b", tl) is None
+
+
+def test_an_output_dir_that_is_not_a_bundle_is_never_replaced(demo_ckpt, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(BuildError, match="is not a laya-aot bundle"):
+        build_bundle(demo_ckpt, out)
+    assert (out / "notes.txt").read_text() == "keep me"

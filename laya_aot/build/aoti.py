@@ -98,21 +98,30 @@ def choose_compiler(configured: Optional[str] = None) -> Dict[str, Any]:
 
 
 def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
-            cxx: Optional[str] = None) -> Dict[str, Any]:
-    """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest."""
+            cxx: Optional[str] = None, frozen: bool = False) -> Dict[str, Any]:
+    """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
+
+    `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
+    Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
+    larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
+    """
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = constants_spec(ep, checkpoint_keys)
     compiler = choose_compiler(cxx)
+    configs = ({"freezing": True, "aot_inductor.package_constants_in_so": True} if frozen
+               else {"aot_inductor.package_constants_in_so": False})
     with torch._inductor.config.patch({"cpp.cxx": (None, compiler["cxx"])}):
-        torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(out_dir / AOTI_PACKAGE),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
-    (out_dir / AOTI_CONSTANTS).write_text(json.dumps({"constants": spec["constants"]}, indent=1), encoding="utf-8")
-    if spec["extra"]:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / AOTI_PACKAGE),
+                                                 inductor_configs=configs)
+    constants = {} if frozen else spec["constants"]
+    (out_dir / AOTI_CONSTANTS).write_text(json.dumps({"frozen": frozen, "constants": constants}, indent=1),
+                                          encoding="utf-8")
+    if spec["extra"] and not frozen:
         save_file(spec["extra"], str(out_dir / AOTI_EXTRA))
-    n_model = sum(1 for s in spec["constants"].values() if s["source"] == "model")
+    n_model = sum(1 for s in constants.values() if s["source"] == "model")
     return {"package_bytes": (out_dir / AOTI_PACKAGE).stat().st_size, "cxx": compiler["cxx"],
+            "weights_inside": frozen,
             "cxx_passed_over": compiler["passed_over"],
-            "constants_from_checkpoint": n_model, "constants_in_bundle": len(spec["extra"])}
+            "constants_from_checkpoint": n_model, "constants_in_bundle": 0 if frozen else len(spec["extra"])}

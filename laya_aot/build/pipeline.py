@@ -115,7 +115,14 @@ def stage_aoti(ctx: Context) -> str:
     t0 = time.perf_counter()
     facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
     _add_artifact(ctx, name, "aoti", name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
-    return "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
+    done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
+    if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
+        t0 = time.perf_counter()
+        frozen = package(ctx.ep, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx, frozen=True)
+        _add_artifact(ctx, name + "-frozen", "aoti", name + "-frozen", ctx.device, ctx.dtype,
+                      time.perf_counter() - t0, details=frozen)
+        done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)
+    return done
 
 
 def stage_onnx(ctx: Context) -> str:
@@ -367,6 +374,21 @@ def _record_failed_artifact(ctx: Context, stage: str, error: str) -> None:
                               "needs": {"device": ctx.device}, "variant": None})
 
 
+def _refuse_foreign_output(out: Path) -> None:
+    """A rebuild replaces a previous bundle; anything else at the output path is never touched."""
+    from ..manifest import BundleError, read_manifest
+
+    if not out.exists():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    try:
+        read_manifest(out)
+    except BundleError:
+        raise BuildError("output_dir %s exists and is not a laya-aot bundle; a build replaces the whole "
+                         "directory, so choose another output_dir or remove it first" % out) from None
+
+
 def default_dtype(target: Any) -> str:
     return str(target.dtype or ("fp32" if target.device == "cpu" else "bf16"))
 
@@ -379,6 +401,7 @@ def build(cfg: DictConfig, report: Callable[[Dict[str, Any]], None] = lambda rec
     except ckpt_mod.CheckpointError as e:
         raise BuildError(str(e)) from e
     out = Path(cfg.output_dir or os.path.join("artifacts", info["name"]))
+    _refuse_foreign_output(out)
     device = str(cfg.target.device)
     if device not in ("cpu", "cuda"):
         raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)

@@ -48,6 +48,10 @@ class AOTIRunner(Runner):
         spec = json.loads((art_dir / AOTI_CONSTANTS).read_text(encoding="utf-8"))
         extra = load_file(str(art_dir / AOTI_EXTRA)) if (art_dir / AOTI_EXTRA).exists() else {}
         self._compiled = load_package(str(art_dir / AOTI_PACKAGE), device_index=self._index())
+        self._lock = threading.Lock()
+        self._consts: Dict[str, torch.Tensor] = {}
+        if spec.get("frozen"):  # weights folded into the package at build time
+            return
         wanted = set(self._compiled.get_constant_fqns())
         missing = wanted - set(spec["constants"])
         if missing:
@@ -70,7 +74,6 @@ class AOTIRunner(Runner):
             consts[fqn] = t.detach().to(device=self.device, dtype=dtype).contiguous()
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
         self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
-        self._lock = threading.Lock()
 
     def _index(self) -> int:
         if self.device.type != "cuda":
