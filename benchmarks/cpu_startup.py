@@ -39,10 +39,11 @@ def child(mode: str, ckpt: str, bundle: str, latency: bool) -> None:
     import torch
 
     t_import = time.time()
-    if mode == "bundle":
+    if mode.startswith("bundle"):
         import laya_aot
 
-        agent = laya_aot.load(ckpt, bundle=bundle, device="cpu")
+        prefer = mode.split(":", 1)[1] if ":" in mode else None
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cpu", prefer=prefer, strict=bool(prefer))
     elif mode == "eager":
         agent = laya.load(ckpt, device="cpu")
     else:
@@ -51,6 +52,7 @@ def child(mode: str, ckpt: str, bundle: str, latency: bool) -> None:
     res = agent.predict_batch([STATE], QUESTIONS)
     t_first = time.time()
     out = {"mode": mode, "backend": agent.backend, "t_import": t_import, "t_loaded": t_loaded,
+           "artifact": (getattr(agent.backend_object, "artifact", None) or {}).get("name"),
            "t_first": t_first, "answer": res[0]["answers"]["team"]["choice"],
            "load_stats": getattr(agent.backend_object, "load_stats", None)}
     if latency:
@@ -133,16 +135,26 @@ def main() -> None:
                 run_env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
             runs.append(spawn(mode, ckpt, bundle, run_env))
         firsts = [r["start_to_first_s"] for r in runs]
-        results["modes"][mode] = {"backend": runs[0]["backend"], "start_to_first_s": firsts,
+        results["modes"][mode] = {"backend": runs[0]["backend"], "artifact": runs[0].get("artifact"),
+                                  "start_to_first_s": firsts,
                                   "median_start_to_first_s": statistics.median(firsts),
                                   "load_stats": runs[-1]["load_stats"]}
     for mode in ("bundle", "eager"):
         if mode in modes:
             results["modes"][mode]["latency_ms"] = spawn(mode, ckpt, bundle, env, latency=True)["latency_ms"]
+    # per-call latency of each runtime artifact kind, forced with prefer=
+    results["latency_by_artifact_ms"] = {}
+    for kind in ("aoti", "onnx"):
+        r = spawn("bundle:" + kind, ckpt, bundle, env, latency=True)
+        results["latency_by_artifact_ms"][kind] = {
+            "artifact": r.get("artifact"), "latency_ms": r["latency_ms"]}
     if "bundle" in modes and "eager" in modes:
+        eager = results["modes"]["eager"]["latency_ms"]
         results["latency_ratio_bundle_over_eager"] = {
-            k: results["modes"]["bundle"]["latency_ms"][k] / results["modes"]["eager"]["latency_ms"][k]
-            for k in results["modes"]["eager"]["latency_ms"]}
+            k: results["modes"]["bundle"]["latency_ms"][k] / eager[k] for k in eager}
+        results["latency_ratio_by_artifact_over_eager"] = {
+            kind: {k: v["latency_ms"][k] / eager[k] for k in eager}
+            for kind, v in results["latency_by_artifact_ms"].items()}
     out = ROOT / "benchmarks" / "results" / ("cpu_%s" % a.shape)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(markdown(results))
@@ -164,8 +176,13 @@ def markdown(r: dict) -> str:
         lat = m.get("latency_ms") or {}
         cols = [lat.get(k) for k in sorted(lat)] or [None, None]
         lines.append("| %s | %s | %.2f s | %s | %s | %s |" % (
-            mode, m["backend"], m["median_start_to_first_s"], ", ".join("%.2f" % x for x in m["start_to_first_s"]),
+            mode, m["backend"] + (" (%s)" % m["artifact"] if m.get("artifact") else ""), m["median_start_to_first_s"], ", ".join("%.2f" % x for x in m["start_to_first_s"]),
             *["%.2f" % c if c is not None else "-" for c in (cols + [None, None])[:2]]))
+    for kind, v in (r.get("latency_by_artifact_ms") or {}).items():
+        ratio = (r.get("latency_ratio_by_artifact_over_eager") or {}).get(kind, {})
+        lines.append("")
+        lines.append("Artifact `%s` forced with prefer=%r: %s" % (v["artifact"], kind, ", ".join(
+            "%s %.2f ms (%.2fx eager)" % (k, ms, ratio.get(k, float("nan"))) for k, ms in v["latency_ms"].items())))
     if "latency_ratio_bundle_over_eager" in r:
         lines += ["", "Per-call latency ratio bundle/eager: " + ", ".join(
             "%s %.2f" % kv for kv in r["latency_ratio_bundle_over_eager"].items())]

@@ -112,7 +112,10 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     compiler = choose_compiler(cxx)
     configs = ({"freezing": True, "aot_inductor.package_constants_in_so": True} if frozen
                else {"aot_inductor.package_constants_in_so": False})
-    with torch._inductor.config.patch({"cpp.cxx": (None, compiler["cxx"])}):
+    # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
+    # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
+    patch = {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
+    with torch._inductor.config.patch(patch), torch.no_grad():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / AOTI_PACKAGE),
                                                  inductor_configs=configs)
     constants = {} if frozen else spec["constants"]
