@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 from laya.backends.base import Backend, BackendUnavailable
 
+from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
 from .catalogue import FACTORIES, KernelSpec, encoder_dims, shape_specs
 from .compile import INDEX_NAME, META_FORMAT, cuda_target, sha256_file
 
@@ -41,9 +42,6 @@ class KernelMissing(RuntimeError):
     kernel that failed to compile for this architecture). Nothing is compiled instead."""
 
 
-class BundleError(RuntimeError):
-    """The bundle cannot be used here: a file is missing or altered, or it was built with another
-    TileLang/laya than the one installed."""
 
 
 # ------------------------------------------------------------------------------------ architecture
