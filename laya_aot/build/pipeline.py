@@ -161,7 +161,8 @@ def stage_tilelang(ctx: Context) -> str:
         rel = "tilelang/%s" % arch
         _add_artifact(ctx, "tilelang-%s" % arch, "tilelang", rel, "cuda", ctx.dtype, res["seconds"],
                       details=res, gpu_arch=arch)
-        lines.append("%s %d/%d kernels" % (arch, len(ok), len(res["kernels"])))
+        lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
+                                                                     res.get("from_cache", 0)))
     ctx.stages[-1]["seconds_compile"] = time.perf_counter() - t0
     return ", ".join(lines)
 
@@ -186,7 +187,7 @@ def stage_inductor_cache(ctx: Context) -> str:
 def stage_verify(ctx: Context) -> str:
     """e. each artifact vs the eager fp32 forward; over tolerance -> marked unusable with the figure."""
     from ..runtime.runners import make_runner, model_tensors
-    from .verify import cases, latency_ms, run_padded, verify_runner
+    from .verify import cases, latency_ms, reference_outputs, run_padded, verify_runner
 
     tol = ctx.cfg.verify.tolerance
     case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
@@ -195,6 +196,7 @@ def stage_verify(ctx: Context) -> str:
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
         lambda: _no_grad(reference, batch), ctx.cfg.verify.latency_repeats), 3) for shape, batch in ref_batches.items()}
     tensors = model_tensors(reference)
+    references = None
     summary = []
     for art in ctx.artifacts:
         if art["status"] != "built":
@@ -215,9 +217,10 @@ def stage_verify(ctx: Context) -> str:
         try:
             runner = make_runner(art["kind"], ctx.staging / art["path"], tensors, art["device"], model=reference)
             is_fp32 = art["dtype"] == "fp32"
+            references = references or reference_outputs(reference, case_list)
             result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
                                    tol.fp32 if is_fp32 else getattr(tol, art["dtype"]),
-                                   tol.argmax_fp32 if is_fp32 else tol.argmax_16bit)
+                                   tol.argmax_fp32 if is_fp32 else tol.argmax_16bit, references)
             if art["kind"] != "exported_program":
                 sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
                 art["latency_ms"] = {art["device"]: {

@@ -98,16 +98,26 @@ def compare(reference, candidate, batch: Batch, pad_rows: int) -> Dict[str, floa
     }
 
 
+def reference_outputs(reference_model: torch.nn.Module, case_list: List[Case]) -> Dict[str, Batch]:
+    """The eager forward of every case, on the CPU: computed once and shared by all artifacts."""
+    ref_device = next(reference_model.parameters()).device
+    with torch.no_grad():
+        return {case.name: tuple(t.cpu() for t in reference_model(*(x.to(ref_device) for x in case.batch)))
+                for case in case_list}
+
+
 def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
-                  device: torch.device, tolerance: float, argmax_share: float) -> Dict[str, Any]:
+                  device: torch.device, tolerance: float, argmax_share: float,
+                  references: Optional[Dict[str, Batch]] = None) -> Dict[str, Any]:
     """Figures for one artifact over all cases, and whether it passes its tolerance."""
     per_case = {}
     worst_p = worst_a = 0.0
     agree = total = 0
-    ref_device = next(reference_model.parameters()).device
+    if references is None:
+        references = reference_outputs(reference_model, case_list)
     for case in case_list:
         with torch.no_grad():
-            ref = tuple(t.cpu() for t in reference_model(*(x.to(ref_device) for x in case.batch)))
+            ref = references[case.name]
             got = run_padded(runner, case.batch, ranges, pad_id, device)
         c = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
         per_case[case.name] = c
