@@ -221,6 +221,28 @@ def test_failed_kernel_is_recorded_and_the_rest_go_on(tmp_path):
     assert rep["ok"] == 1 and rep["failed"] == 2
 
 
+@needs_tilelang
+@needs_nvcc
+def test_kernel_cache_reuses_a_compiled_kernel_and_ignores_a_bad_entry(tmp_path, monkeypatch):
+    from laya_aot.kernels import compile_catalogue
+
+    spec = KernelSpec.of("add_ln_kernel", 96, dtype="bfloat16")
+    monkeypatch.setenv("LAYA_AOT_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = compile_catalogue([spec], "sm_86", tmp_path / "a", jobs=1, progress=False)
+    again = compile_catalogue([spec], "sm_86", tmp_path / "b", jobs=1, progress=False)
+    assert (first["from_cache"], again["from_cache"]) == (0, 1)
+    assert again["kernels"][0]["sha256"] == first["kernels"][0]["sha256"]
+    assert (tmp_path / "b" / again["kernels"][0]["path"]).read_bytes() == (tmp_path / "a" / first["kernels"][0]["path"]).read_bytes()
+    # an entry whose metadata names another kernel is not trusted: the kernel is compiled again
+    meta = Path(again["cache"]) / (spec.key + ".json")
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), key="other")))
+    third = compile_catalogue([spec], "sm_86", tmp_path / "c", jobs=1, progress=False)
+    assert third["from_cache"] == 0 and third["kernels"][0]["status"] == "ok"
+    monkeypatch.setenv("LAYA_AOT_KERNEL_CACHE", "0")
+    off = compile_catalogue([spec], "sm_86", tmp_path / "d", jobs=1, progress=False)
+    assert off["cache"] is None and off["from_cache"] == 0
+
+
 def _strip_nvcc(monkeypatch):
     """No nvcc reachable: PATH without it, and TileLang's CUDA home (resolved at its import) emptied."""
     import importlib

@@ -165,13 +165,68 @@ def _entry(spec: KernelSpec) -> Dict[str, Any]:
             "meta_path": None, "meta_sha256": None, "status": "failed", "error": None, "seconds": 0.0}
 
 
-def _run_one(spec: KernelSpec, func, arch: str, out_dir: Path) -> Dict[str, Any]:
+def kernel_cache_dir(arch: str, nvcc: str) -> Optional[Path]:
+    """Where compiled kernels are kept between builds, per arch and tool versions; None when disabled.
+
+    $LAYA_AOT_KERNEL_CACHE (or the laya-aot cache dir's tilelang-kernels/); "0" or "" disables it.
+    A kernel's key is a hash of its factory call, so a hit is the same kernel compiled earlier by the
+    same TileLang, laya and nvcc for the same arch: a GPU build host can reuse what a CPU CI job compiled.
+    """
+    root = os.environ.get("LAYA_AOT_KERNEL_CACHE")
+    if root is not None and root.strip() in ("", "0"):
+        return None
+    if root is None:
+        from ..checkpoint import cache_dir
+
+        root = str(cache_dir() / "tilelang-kernels")
+    v = _versions()
+    return Path(root) / ("tilelang%s-laya%s-nvcc%s" % (v["tilelang_version"], v["laya_version"], nvcc)) / arch
+
+
+def _from_cache(spec: KernelSpec, cache: Optional[Path], out_dir: Path) -> Optional[Dict[str, Any]]:
+    """Copy a cached kernel into out_dir; None on a miss (or a cache entry that does not read back)."""
+    if cache is None:
+        return None
+    lib, meta = cache / (spec.key + ".so"), cache / (spec.key + ".json")
+    try:
+        if json.loads(meta.read_text(encoding="utf-8")).get("key") != spec.key:
+            return None
+        data_lib, data_meta = lib.read_bytes(), meta.read_bytes()
+    except (OSError, ValueError):
+        return None
+    _write_atomic(out_dir / lib.name, data_lib)
+    _write_atomic(out_dir / meta.name, data_meta)
+    return {"path": lib.name, "sha256": sha256_file(out_dir / lib.name), "size": len(data_lib),
+            "meta_path": meta.name, "meta_sha256": sha256_file(out_dir / meta.name), "cached": True}
+
+
+def _to_cache(files: Dict[str, Any], cache: Optional[Path], out_dir: Path) -> None:
+    if cache is None:
+        return
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for name in (files["path"], files["meta_path"]):
+            _write_atomic(cache / name, (out_dir / name).read_bytes())
+    except OSError as e:  # a read-only cache only costs the next build time
+        log.debug("kernel cache not written: %s", e)
+
+
+def _run_one(spec: KernelSpec, func, arch: str, out_dir: Path, cache: Optional[Path] = None) -> Dict[str, Any]:
     entry = _entry(spec)
     t0 = time.perf_counter()
     try:
+        hit = _from_cache(spec, cache, out_dir)
+        if hit is not None:
+            entry.update(hit, status="ok")
+            entry["seconds"] = round(time.perf_counter() - t0, 3)
+            return entry
+        if func is None:  # skipped up front as a cache hit, but the entry did not read back
+            func = elaborate(spec)
         if isinstance(func, BaseException):
             raise func
-        entry.update(_compile_one(spec, func, arch, out_dir), status="ok")
+        files = _compile_one(spec, func, arch, out_dir)
+        _to_cache(files, cache, out_dir)
+        entry.update(files, status="ok", cached=False)
     except Exception as e:  # the compiler's message goes into the report; the build goes on
         entry["error"] = compiler_message(e)
         log.warning("kernel %s failed for %s: %s", spec.key, arch, entry["error"].splitlines()[0][:300])
@@ -203,9 +258,14 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
     specs = list(dict.fromkeys(specs))
     jobs = max(1, jobs or default_jobs())
     nvcc = find_nvcc()
+    nvcc_v = nvcc_version(nvcc)
+    cache = kernel_cache_dir(arch, nvcc_v)
     t0 = time.perf_counter()
     funcs: List[Any] = []
     for spec in specs:
+        if cache is not None and (cache / (spec.key + ".so")).exists():
+            funcs.append(None)  # a cache hit needs no PrimFunc
+            continue
         try:
             funcs.append(elaborate(spec))
         except Exception as e:  # recorded per kernel by _run_one
@@ -213,7 +273,7 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
     results: Dict[str, Dict[str, Any]] = {}
     with _build_env(), ThreadPoolExecutor(jobs, thread_name_prefix="tl-aot") as pool, \
             tqdm(total=len(specs), desc="tilelang %s" % arch, unit="kernel", disable=not progress) as bar:
-        futures = {pool.submit(_run_one, s, f, arch, out_dir): s for s, f in zip(specs, funcs)}
+        futures = {pool.submit(_run_one, s, f, arch, out_dir, cache): s for s, f in zip(specs, funcs)}
         for fut in as_completed(futures):
             entry = fut.result()
             results[entry["key"]] = entry
@@ -221,11 +281,13 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
             bar.set_postfix(failed=sum(e["status"] != "ok" for e in results.values()))
     kernels = [results[s.key] for s in specs]
     n_ok = sum(e["status"] == "ok" for e in kernels)
+    n_cached = sum(bool(e.get("cached")) for e in kernels)
     report = {"arch": arch, "target": target, "kernels": kernels, "seconds": round(time.perf_counter() - t0, 3),
-              **_versions(), "nvcc_version": nvcc_version(nvcc), "jobs": jobs, "ok": n_ok,
-              "failed": len(kernels) - n_ok}
+              **_versions(), "nvcc_version": nvcc_v, "jobs": jobs, "ok": n_ok,
+              "failed": len(kernels) - n_ok, "from_cache": n_cached, "cache": str(cache) if cache else None}
     _write_atomic(out_dir / INDEX_NAME, json.dumps(report, indent=1).encode())
-    log.info("compiled %d/%d kernels for %s in %.1f s (%d jobs)", n_ok, len(kernels), arch, report["seconds"], jobs)
+    log.info("compiled %d/%d kernels for %s in %.1f s (%d jobs, %d from the kernel cache)", n_ok, len(kernels), arch,
+             report["seconds"], jobs, n_cached)
     return report
 
 
@@ -259,5 +321,5 @@ def build_for_checkpoint(checkpoint_dir: Path, archs: Sequence[str], dtype: str,
     return reports
 
 
-__all__ = ["DEFAULT_ARCHS", "build_for_checkpoint", "checkpoint_catalogue", "compile_catalogue", "cuda_target",
+__all__ = ["DEFAULT_ARCHS", "build_for_checkpoint", "kernel_cache_dir", "checkpoint_catalogue", "compile_catalogue", "cuda_target",
            "find_nvcc", "nvcc_version", "read_checkpoint_config", "sha256_file"]
