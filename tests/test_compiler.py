@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -27,6 +28,16 @@ def test_a_compiler_without_libstdcxx_so_is_passed_over(tmp_path, monkeypatch):
     chosen = aoti.choose_compiler()
     assert chosen["cxx"] == dynamic
     assert "cannot link libstdc++ dynamically" in chosen["passed_over"][0]
+
+
+@pytest.mark.skipif(not (shutil.which("g++") and shutil.which("readelf")), reason="needs g++ and readelf")
+def test_a_wrapper_that_adds_static_libstdcxx_is_passed_over(tmp_path):
+    # finds libstdc++.so, yet links it statically: only linking a test library shows it
+    wrapper = tmp_path / "g++-wrapper"
+    wrapper.write_text('#!/bin/sh\nexec %s -static-libstdc++ "$@"\n' % shutil.which("g++"))
+    wrapper.chmod(0o755)
+    assert not aoti.links_libstdcxx_dynamically(str(wrapper))
+    assert aoti.links_libstdcxx_dynamically(shutil.which("g++"))
 
 
 def test_missing_configured_compiler_is_an_error(tmp_path):

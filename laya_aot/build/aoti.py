@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import shutil
+import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -59,7 +61,29 @@ def links_libstdcxx_dynamically(cxx: str) -> bool:
                              timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return False
-    return os.path.isabs(out) and os.path.exists(out)
+    if not (os.path.isabs(out) and os.path.exists(out)):
+        return False
+    needed = _needed_by_a_test_library(cxx)
+    return True if needed is None else any(n.startswith("libstdc++.so") for n in needed)
+
+
+def _needed_by_a_test_library(cxx: str) -> Optional[List[str]]:
+    """NEEDED entries of a one-line shared library `cxx` links (a wrapper may add -static-libstdc++);
+    None when that cannot be checked here (no readelf, or the compile itself fails)."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="laya-aot-cxx-") as tmp:
+        src, lib = os.path.join(tmp, "t.cpp"), os.path.join(tmp, "t.so")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write('#include <string>\nextern "C" int laya_aot_probe(const char* s) { return std::string(s).size(); }\n')
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", "-O0", src, "-o", lib], capture_output=True, timeout=60,
+                           check=True)
+            dyn = subprocess.run([readelf, "-d", lib], capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
 
 
 def _default_cxx() -> Optional[str]:
