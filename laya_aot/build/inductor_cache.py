@@ -27,10 +27,22 @@ INFO_FILE = "compile.json"
 COMPILE_OPTIONS: Dict[str, Any] = {"dynamic": True}
 
 
+# Dynamo specialises a dimension of size 1, so a one-row call would compile a second graph; the runner
+# pads such a call to MIN_ROWS rows instead, and one dynamic graph serves every request.
+MIN_ROWS = 2
+
+
 def warm_shapes(ranges: Ranges) -> List[Tuple[int, int]]:
-    """(rows, tokens) run at build: a single row (Dynamo specialises size 1) and a multi-row batch."""
-    tokens = ranges.padded_tokens(min(ranges.max_tokens, 128))
-    return [(1, tokens), (min(4, ranges.max_rows), ranges.padded_tokens(min(ranges.max_tokens, 64)))]
+    """(rows, tokens) run at build: one multi-row batch compiles the dynamic graph every request uses."""
+    return [(max(MIN_ROWS, min(4, ranges.max_rows)), ranges.padded_tokens(min(ranges.max_tokens, 128)))]
+
+
+def pad_rows(batch: Tuple[torch.Tensor, ...], rows: int = MIN_ROWS) -> Tuple[torch.Tensor, ...]:
+    """Repeat the last row until the batch has `rows` rows (outputs of the copies are dropped)."""
+    n = batch[0].shape[0]
+    if n >= rows:
+        return batch
+    return tuple(torch.cat([t, t[-1:].expand(rows - n, *t.shape[1:])], 0) for t in batch)
 
 
 def compiled_module(model: torch.nn.Module, dtype: str, action_head_dtype: str, device: str):

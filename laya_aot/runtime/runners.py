@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -41,17 +42,19 @@ class AOTIRunner(Runner):
 
     def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu"):
         from safetensors.torch import load_file
-        from torch._inductor.package import load_package
 
         art_dir = Path(art_dir)
         self.device = torch.device(device)
         spec = json.loads((art_dir / AOTI_CONSTANTS).read_text(encoding="utf-8"))
         extra = load_file(str(art_dir / AOTI_EXTRA)) if (art_dir / AOTI_EXTRA).exists() else {}
-        self._compiled = load_package(str(art_dir / AOTI_PACKAGE), device_index=self._index())
+        t0 = time.perf_counter()
+        self._compiled = load_aoti_package(art_dir / AOTI_PACKAGE, self._index())
+        self.stats = {"load_package_s": round(time.perf_counter() - t0, 3)}
         self._lock = threading.Lock()
         self._consts: Dict[str, torch.Tensor] = {}
         if spec.get("frozen"):  # weights folded into the package at build time
             return
+        t0 = time.perf_counter()
         wanted = set(self._compiled.get_constant_fqns())
         missing = wanted - set(spec["constants"])
         if missing:
@@ -74,6 +77,7 @@ class AOTIRunner(Runner):
             consts[fqn] = t.detach().to(device=self.device, dtype=dtype).contiguous()
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
         self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
+        self.stats["constants_s"] = round(time.perf_counter() - t0, 3)
 
     def _index(self) -> int:
         if self.device.type != "cuda":
@@ -84,6 +88,34 @@ class AOTIRunner(Runner):
         with self._lock:
             logits, act = self._compiled(ids, att, mpos, mmask, qtype)
         return logits, act
+
+
+def load_aoti_package(path: Path, device_index: int):
+    """An AOTInductor package straight from torch's C++ package loader.
+
+    `torch._inductor.package.load_package` first calls `codecache.get_device_information()`, only to log
+    a warning when the build machine differs; that call dry-compiles a test library per CPU vector ISA
+    and dlopens each in a child Python. On the H200 image it cost 35-48 s of every load
+    (benchmarks/results/aoti_load_time.md). laya-aot checks that an artifact fits this machine itself
+    (laya_aot.variant) before loading it, so it goes to the C++ loader directly, as that function
+    does after its check; torch's own route remains the fallback for a torch without that binding.
+    """
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        make = torch._C._aoti.AOTIModelPackageLoader
+    except (ImportError, AttributeError):
+        make = None
+    if make is not None:
+        try:
+            loader = make(str(path), "model", False, 1, device_index)
+        except TypeError:  # another signature in this torch: use its public route
+            loader = None
+        if loader is not None:
+            return AOTICompiledModel(loader)
+    from torch._inductor.package import load_package
+
+    return load_package(str(path), device_index=device_index)
 
 
 class ONNXRunner(Runner):
@@ -135,9 +167,12 @@ class CompileRunner(Runner):
         self._lock = threading.Lock()
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        from ..build.inductor_cache import pad_rows
+
+        n = ids.shape[0]
         with self._lock, torch.no_grad():  # one compile at a time; Dynamo's cache is process-wide
-            logits, act = self._fn(ids, att, mpos, mmask, qtype)
-        return logits.clone(), act.clone()
+            logits, act = self._fn(*pad_rows((ids, att, mpos, mmask, qtype)))
+        return logits[:n].clone(), act[:n].clone()
 
 
 class TileLangRunner(Runner):
