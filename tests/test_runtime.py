@@ -167,10 +167,19 @@ def no_native_load(monkeypatch):
     """Fail the test if anything tries to load native code from the bundle or probe it."""
     import torch._inductor.package as pkg
 
-    def forbidden(*a, **k):
+    from laya_aot.runtime import runners
+
+    calls = []
+
+    def forbidden(*a, **k):  # recorded too: a call from the loader's early-probe thread must fail the test
+        calls.append(a)
         raise AssertionError("native code was loaded from a bundle that should have been refused")
     monkeypatch.setattr(pkg, "load_package", forbidden)
+    monkeypatch.setattr(runners, "load_aoti_package", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
+    monkeypatch.setattr(subprocess, "Popen", forbidden)
+    yield
+    assert not calls, "native code was loaded or probed: %r" % (calls[:1],)
 
 
 def _load_expect_eager(ckpt, bundle, match, **kw):
@@ -280,6 +289,19 @@ def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ck
     def forbidden(*a, **k):
         raise AssertionError("the probe ran again")
     monkeypatch.setattr(subprocess, "run", forbidden)
+    monkeypatch.setattr(subprocess, "Popen", forbidden)
     again = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
     assert dict(again.backend_object.rejected)["aoti-cpu"] == "loading it crashed a probe process: SIGABRT"
+    assert again.backend_object.artifact["name"] == agent.backend_object.artifact["name"]
+
+
+def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, monkeypatch):
+    # a machine that never saw the bundle: the probe child starts before laya.load and is collected after
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
+    stats = agent.backend_object.load_stats
+    assert stats["probe"] == "ran" and stats["probe_overlapped_laya_load"] is True
+    # the verdict it wrote is the one the next start reads
+    again = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
+    assert again.backend_object.load_stats["probe"] == "cached"
     assert again.backend_object.artifact["name"] == agent.backend_object.artifact["name"]

@@ -6,11 +6,15 @@ sha256 of the artifact's bytes -> a probe in a child process (native artifacts, 
 in-process load -> a smoke comparison with the eager forward on one seeded batch -> install.
 Every artifact that falls out gets one reason; when none is left the agent runs eager with one
 RuntimeWarning listing them all (or `strict=True` raises with the same list).
+
+The checks up to the probe do not need laya's agent, so they run in a thread while `laya.load` reads
+the checkpoint: a first start on a machine then pays for the probe child only where it outlasts that.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +33,59 @@ from .select import rank, reject_reason
 log = logging.getLogger(__name__)
 
 NATIVE_KINDS = ("aoti", "tilelang", "compile")
+
+
+class _Early:
+    """The fingerprint, hash and probe of the first candidate artifact, overlapped with `laya.load`.
+
+    It applies the same checks in the same order as `_choose` (a probe child starts only for an
+    artifact of this checkpoint, fit for this machine, whose bytes match the manifest); `_choose`
+    takes the started probe when it reaches that artifact on the same device, and `close` kills a
+    probe nobody took.
+    """
+
+    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]):
+        self.pending = None
+        self.device: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer), daemon=True,
+                                        name="laya-aot-early-probe")
+        self._thread.start()
+
+    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]) -> None:
+        from .probe import start
+
+        try:
+            manifest = read_manifest(bundle)
+            built_from = (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+            if built_from != ckpt_mod.fingerprint(ckpt)["sha256"]:
+                return
+            dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dev_type = torch.device(dev).type
+            machine = current_machine(dev)
+            candidates, _ = rank(manifest["artifacts"], dev_type, prefer)
+            for entry in candidates:
+                if reject_reason(entry, machine, dev_type) is None:
+                    if entry.get("kind") in NATIVE_KINDS and check_artifact_hash(bundle, entry) is None:
+                        self.device = dev
+                        self.pending = start(bundle, entry, ckpt, dev, machine)
+                    return
+        except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
+            log.debug("early probe not started: %s", e)
+
+    def take(self, name: str, device: str):
+        """The probe started for artifact `name` on `device`, or None."""
+        self._thread.join()
+        p = self.pending
+        if p is not None and p.entry.get("name") == name and self.device == device:
+            self.pending = None
+            return p
+        return None
+
+    def close(self) -> None:
+        self._thread.join()
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
 
 
 class NoArtifactError(RuntimeError):
@@ -132,14 +189,19 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
 
     t0 = time.perf_counter()
     ckpt = _checkpoint_dir(str(checkpoint))
-    agent = laya.load(str(ckpt), device=device, **agent_kwargs)
-    load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3)}
-    rejected: List[Tuple[str, str]] = []
-    chosen = None
+    early = _Early(ckpt, Path(bundle), device, prefer) if probe else None
     try:
-        chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats)
-    except BundleError as e:
-        rejected.append(("bundle", str(e)))
+        agent = laya.load(str(ckpt), device=device, **agent_kwargs)
+        load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3)}
+        rejected: List[Tuple[str, str]] = []
+        chosen = None
+        try:
+            chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early)
+        except BundleError as e:
+            rejected.append(("bundle", str(e)))
+    finally:
+        if early is not None:
+            early.close()
     load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
     if chosen is not None:
         chosen.load_stats.update(load_stats)
@@ -155,7 +217,9 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
 
 
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
-            rejected: List[Tuple[str, str]], load_stats: Dict[str, Any]) -> Optional[AOTBackend]:
+            rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
+            early: Optional[_Early] = None) -> Optional[AOTBackend]:
+    from .probe import finish
     from .probe import probe as run_probe
 
     manifest = read_manifest(bundle)
@@ -166,7 +230,9 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
                                    "forward runs"))
         return None
     built_from = (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+    t_fp = time.perf_counter()
     here = ckpt_mod.fingerprint(ckpt)["sha256"]
+    load_stats["fingerprint_s"] = round(time.perf_counter() - t_fp, 3)
     if built_from != here:
         rejected.append(("bundle", "it was built from another checkpoint (fingerprint %s..., this checkpoint is "
                                    "%s...); its artifacts would give wrong answers: rebuild it with "
@@ -179,11 +245,18 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
     for entry in candidates:
         name = entry.get("name", "?")
         why = reject_reason(entry, machine, device)
-        if why is None:
-            why = check_artifact_hash(bundle, entry)
         stats: Dict[str, Any] = {}
+        if why is None:
+            t_hash = time.perf_counter()
+            why = check_artifact_hash(bundle, entry)
+            stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
         if why is None and probe and entry["kind"] in NATIVE_KINDS:
-            why = run_probe(bundle, entry, ckpt, str(agent.device), machine, stats)
+            pending = early.take(name, str(agent.device)) if early is not None else None
+            if pending is not None:
+                stats["probe_overlapped_laya_load"] = True
+                why = finish(pending, stats)
+            else:
+                why = run_probe(bundle, entry, ckpt, str(agent.device), machine, stats)
         if why is not None:
             rejected.append((name, why))
             continue
@@ -194,16 +267,20 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
                                  model=agent.model, agent=agent, entry=entry)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
+            stats.update(getattr(runner, "stats", None) or {})
             backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
             if entry.get("status") == "unverified":
                 why = _verify_here(agent, runner, entry, manifest, machine, stats)
             if why is None and smoke_check:
+                t_smoke = time.perf_counter()
                 why = _smoke_check(agent, backend, entry)
+                stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
             why = "loading it failed: %s: %s" % (type(e).__name__, e)
         if why is not None:
             rejected.append((name, why))
             continue
+        backend.load_stats.update(stats)  # the checks after the backend was made (verify here, smoke check)
         _install(agent, backend)
         log.info("laya-aot: %s runs %s (%s)", ckpt, name, entry.get("variant"))
         return backend

@@ -45,6 +45,72 @@ def _describe_exit(rc: int) -> str:
     return "a probe process that loaded it exited with status %d" % rc
 
 
+class Pending:
+    """A probe child started early (for example while laya loads the checkpoint); `finish` collects it."""
+
+    def __init__(self, entry: Dict[str, Any], path: Path, machine: Machine, device: str,
+                 proc: Optional[subprocess.Popen] = None, cached: Optional[Dict[str, Any]] = None):
+        self.entry, self.path, self.machine, self.device = entry, path, machine, device
+        self.proc, self.cached = proc, cached
+        self.t0 = time.perf_counter()
+
+    def cancel(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
+          manifest_entry: Optional[Dict[str, Any]] = None) -> Pending:
+    """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
+    path = verdict_path(entry, machine, device)
+    try:
+        return Pending(entry, path, machine, device, cached=json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        pass
+    cmd = [sys.executable, "-m", "laya_aot.runtime.probe", str(bundle), entry["name"], str(checkpoint), device]
+    env = dict(os.environ, PYTHONFAULTHANDLER="0")
+    if manifest_entry is not None:
+        env["LAYA_AOT_PROBE_ENTRY"] = json.dumps(manifest_entry)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return Pending(entry, path, machine, device, proc=proc)
+
+
+def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
+    stats = stats if stats is not None else {}
+    if pending.cached is not None:
+        stats.update(probe="cached", probe_seconds=0.0)
+        return pending.cached.get("reason")
+    assert pending.proc is not None
+    try:
+        out, err = pending.proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - pending.t0)))
+    except subprocess.TimeoutExpired:
+        pending.cancel()
+        stats.update(probe="timeout", probe_seconds=time.perf_counter() - pending.t0)
+        return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
+    seconds = time.perf_counter() - pending.t0
+    rc = pending.proc.returncode
+    reason: Optional[str] = None
+    result = next((line[len(_MARK):] for line in out.splitlines() if line.startswith(_MARK)), None)
+    if rc != 0:
+        tail = (err.strip().splitlines() or [""])[-1][:300]
+        reason = _describe_exit(rc) + (" (%s)" % tail if tail and rc > 0 else "")
+    elif result is None or not json.loads(result).get("ok"):
+        reason = "a probe process could not run it: %s" % (json.loads(result).get("error") if result else "no result")
+    stats.update(probe="ran", probe_seconds=seconds)
+    entry = pending.entry
+    try:
+        pending.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(pending.path, {"artifact": entry["name"], "sha256": entry.get("sha256"), "reason": reason,
+                                         "seconds": round(seconds, 3), "machine": pending.machine.as_dict(),
+                                         "device": pending.device,
+                                         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    except OSError as e:  # a read-only cache must not stop a load; the probe just runs again next time
+        log.debug("could not cache probe verdict: %s", e)
+    return reason
+
+
 def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
           stats: Optional[Dict[str, Any]] = None, manifest_entry: Optional[Dict[str, Any]] = None) -> Optional[str]:
     """None when the artifact loads and runs in a child process on this machine, else the reason.
@@ -52,41 +118,7 @@ def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, ma
     `manifest_entry` hands the child the artifact's entry directly (the build probes before any
     manifest exists); otherwise the child reads it from the bundle's manifest.
     """
-    stats = stats if stats is not None else {}
-    path = verdict_path(entry, machine, device)
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-        stats.update(probe="cached", probe_seconds=0.0)
-        return cached.get("reason")
-    except (OSError, ValueError):
-        pass
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "laya_aot.runtime.probe", str(bundle), entry["name"], str(checkpoint), device]
-    env = dict(os.environ, PYTHONFAULTHANDLER="0")
-    if manifest_entry is not None:
-        env["LAYA_AOT_PROBE_ENTRY"] = json.dumps(manifest_entry)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired:
-        stats.update(probe="timeout", probe_seconds=time.perf_counter() - t0)
-        return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
-    seconds = time.perf_counter() - t0
-    reason: Optional[str] = None
-    result = next((line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)), None)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
-        reason = _describe_exit(proc.returncode) + (" (%s)" % tail if tail and proc.returncode > 0 else "")
-    elif result is None or not json.loads(result).get("ok"):
-        reason = "a probe process could not run it: %s" % (json.loads(result).get("error") if result else "no result")
-    stats.update(probe="ran", probe_seconds=seconds)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"artifact": entry["name"], "sha256": entry.get("sha256"), "reason": reason,
-                                 "seconds": round(seconds, 3), "machine": machine.as_dict(), "device": device,
-                                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    except OSError as e:  # a read-only cache must not stop a load; the probe just runs again next time
-        log.debug("could not cache probe verdict: %s", e)
-    return reason
+    return finish(start(bundle, entry, checkpoint, device, machine, manifest_entry), stats)
 
 
 def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
