@@ -2,14 +2,24 @@
 
 On the GPU host, after the .device-site unpack line:
 
-    python3 benchmarks/gpu_bench.py --out $OUT [--modes eager,bundle:compile,fast,compile] [--shape large-1024]
+    python3 benchmarks/gpu_bench.py --out $OUT [--modes eager,bundle:aoti,...] [--shape large-1024] [--budget-s 560]
 
 Makes the ModernBERT-large-sized random checkpoint (context 1024) unless it exists, builds the bundle for
 the local GPU unless it exists, then runs each mode in its own fresh process and records: process start
 to first answer (the parent's wall clock at spawn to the child's at its first answer), median latency of
 20 forwards through the agent (CUDA events, 3 warm-ups, 4 markers) at 1x128, 8x256, 32x512, 32x1024,
-peak allocated GPU memory at 32x1024, and the largest difference of option/action probabilities from
-laya eager on the same inputs. Writes gpu_<shape>.json and .md under --out.
+peak allocated GPU memory at 32x1024, TileLang/nvcc compile attempts, and the largest difference of
+option/action probabilities from laya eager on the same inputs.
+
+Every process gets its own empty Inductor, Triton, TileLang and laya-aot cache directories, so each
+"first answer" is a cold start on this machine, except `compile-warm`, which reuses the cache that the
+`compile` mode wrote (laya's persistent cache, warm). Bundle processes run with nvcc off PATH.
+The build uses its own Inductor cache too, so no mode inherits the build's compiled code.
+
+Modes: eager, fast, compile, compile-warm, bundle:<kind> (aoti, tilelang, compile, exported_program),
+bundle (whatever the loader picks). Only gpu_<shape>.json/.md and build_<shape>.txt go to --out;
+outputs and logs stay under --work. The JSON is rewritten after every mode, so a run cut short keeps
+what it measured.
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,26 +40,36 @@ QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handl
 STATE = "The service has been down since this morning and I was charged twice for the March invoice."
 
 
-def child(mode: str, ckpt: str, bundle: str, out: str) -> None:
+def child(mode: str, ckpt: str, bundle: str, work: str) -> None:
+    from laya_aot.kernels.guard import jit_guard
+
+    with jit_guard(forbid=False) as attempts:
+        _child(mode, ckpt, bundle, work, attempts)
+
+
+def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
     import laya
     import torch
 
+    t_import = time.time()
     if mode == "eager":
         agent = laya.load(ckpt, device="cuda")
     elif mode == "fast":
         agent = laya.load(ckpt, device="cuda", fast=True)
-    elif mode == "compile":
+    elif mode in ("compile", "compile-warm"):
         agent = laya.load(ckpt, device="cuda", compile=True)
     else:
         import laya_aot
 
-        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=mode.split(":", 1)[1], strict=True)
+        kind = mode.split(":", 1)[1] if ":" in mode else None
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=kind, strict=True)
     agent.predict_batch([STATE], QUESTIONS)
     torch.cuda.synchronize()
     t_first = time.time()
     print("FIRST %.6f" % t_first, flush=True)
-    res = {"mode": mode, "backend": agent.backend, "t_first": t_first,
-           "load_stats": getattr(agent.backend_object, "load_stats", None), "latency_ms": {}, "first_call_s": {}}
+    res = {"mode": mode, "backend": agent.backend, "t_first": t_first, "t_imported": t_import,
+           "load_stats": getattr(getattr(agent, "backend_object", None), "load_stats", None),
+           "latency_ms": {}, "first_call_s": {}, "compile_attempts_before_first_answer": sum(attempts.values())}
     max_len = int(agent.cfg.get("max_len", 512))
     outs = {}
     for rows, tokens in SHAPES:
@@ -77,39 +98,70 @@ def child(mode: str, ckpt: str, bundle: str, out: str) -> None:
                 torch.cuda.synchronize()
                 times.append(s.elapsed_time(e))
             res["latency_ms"][key] = statistics.median(times)
-            if key == "32x1024x4" or (tokens == max_len and rows == 32):
+            if rows == 32 and tokens == min(1024, max_len):
                 torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 agent._infer(batch)
                 torch.cuda.synchronize()
-                res["peak_gb_%s" % key] = torch.cuda.max_memory_allocated() / 1e9
-    torch.save(outs, os.path.join(out, "outputs_%s.pt" % mode.replace(":", "_")))
+                res["peak_gb_32x1024x4"] = torch.cuda.max_memory_allocated() / 1e9
+                res["peak_over_resident_gb_32x1024x4"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        print("[%s] %s first %.3f s, median %.3f ms" % (mode, key, res["first_call_s"][key], res["latency_ms"][key]),
+              flush=True)
+    res["compile_attempts"] = dict(attempts)
+    res["versions"] = {"torch": torch.__version__, "laya": laya.__version__, "device": torch.cuda.get_device_name()}
+    torch.save(outs, os.path.join(work, "outputs_%s.pt" % _slug(mode)))
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def spawn(mode: str, ckpt: Path, bundle: Path, out: Path, timeout: float) -> dict:
+def _slug(mode: str) -> str:
+    return mode.replace(":", "_")
+
+
+def _env(work: Path, mode: str, cache_name: str, no_nvcc: bool) -> dict:
+    """Fresh, private caches for one process (a cold start on this machine); nvcc hidden for bundles."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    caches = work / "caches" / cache_name
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
+               TILELANG_CACHE_DIR=str(caches / "tilelang"), LAYA_AOT_CACHE_DIR=str(caches / "laya-aot"))
+    if no_nvcc:
+        env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                      if p and not shutil.which("nvcc", path=p))
+    return env
+
+
+def spawn(mode: str, ckpt: Path, bundle: Path, work: Path, timeout: float) -> dict:
+    cache = "compile" if mode == "compile-warm" else _slug(mode)
+    if mode == "compile-warm" and not (work / "caches" / "compile" / "inductor").exists():
+        return {"mode": mode, "error": "no cache from the `compile` mode to reuse"}
+    env = _env(work, mode, cache, no_nvcc=mode.startswith("bundle"))
+    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle), "--work", str(work)]
     t0 = time.time()
-    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle), "--out", str(out)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        first = next((float(x.split()[1]) for x in text.splitlines() if x.startswith("FIRST ")), None)
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc = None
+    (work / ("log_%s.txt" % _slug(mode))).write_text(stdout[-20000:] + "\n" + stderr[-20000:])
+    first = next((float(x.split()[1]) for x in stdout.splitlines() if x.startswith("FIRST ")), None)
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    if rc is None:
         return {"mode": mode, "error": "no result within %.0f s" % timeout,
-                "start_to_first_s": (first - t0) if first else None}
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    (out / ("log_%s.txt" % mode.replace(":", "_"))).write_text(p.stdout[-20000:] + "\n" + p.stderr[-20000:])
-    if p.returncode != 0 or line is None:
-        return {"mode": mode, "error": "exit %d: %s" % (p.returncode, (p.stderr.strip().splitlines() or [""])[-1][:300])}
+                "start_to_first_s": (first - t0) if first else None, "log_tail": stdout[-1500:] + stderr[-1500:]}
+    if rc != 0 or line is None:
+        return {"mode": mode, "error": "exit %d: %s" % (rc, (stderr.strip().splitlines() or [""])[-1][:300]),
+                "log_tail": stderr[-3000:]}
     r = json.loads(line[7:])
     r["start_to_first_s"] = r["t_first"] - t0
     return r
 
 
-def agreement(out: Path, mode: str) -> dict:
+def agreement(work: Path, mode: str) -> dict:
     import torch
 
-    ref_path, got_path = out / "outputs_eager.pt", out / ("outputs_%s.pt" % mode.replace(":", "_"))
+    ref_path, got_path = work / "outputs_eager.pt", work / ("outputs_%s.pt" % _slug(mode))
     if not (ref_path.exists() and got_path.exists()):
         return {}
     ref, got = torch.load(ref_path), torch.load(got_path)
@@ -117,67 +169,108 @@ def agreement(out: Path, mode: str) -> dict:
             for k in ref if k in got}
 
 
+def build(ckpt: Path, bundle: Path, work: Path, args: str, timeout: float, kernel_cache: str = "") -> dict:
+    """`laya-aot build` for sm_90 in a child with its own caches; the manifest's facts, or why it failed.
+
+    `kernel_cache`: a TileLang kernel cache to reuse (kernels cross-compiled earlier on a CPU machine);
+    empty = the build's own empty cache, so every kernel compiles here."""
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt, "target=sm_90",
+           "output_dir=%s" % bundle, *args.split()]
+    env = _env(work, "build", "build", False)
+    if kernel_cache:
+        env["LAYA_AOT_KERNEL_CACHE"] = kernel_cache
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        log, rc = p.stdout[-20000:] + "\n" + p.stderr[-30000:], p.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = str(e.stderr or "")[-30000:], None
+    (work / "build_log.txt").write_text(log)
+    out = {"command": "laya-aot build " + " ".join(shlex.quote(x) for x in cmd[4:]), "rc": rc,
+           "seconds": round(time.time() - t0, 1)}
+    if (bundle / "bundle.json").exists():
+        m = json.loads((bundle / "bundle.json").read_text())
+        out["stages"] = [{k: s.get(k) for k in ("name", "status", "seconds", "summary", "error")} for s in m["stages"]]
+        out["artifacts"] = [{k: x.get(k) for k in ("name", "status", "variant", "size", "build_seconds", "latency_ms")}
+                            | {"verify": {k: (x.get("verify") or {}).get(k) for k in
+                                          ("passed", "reason", "max_abs_option_prob", "max_abs_action_prob",
+                                           "argmax_agreement", "seconds")}}
+                            for x in m["artifacts"]]
+        out["tolerance"] = m.get("tolerance")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child")
     ap.add_argument("--ckpt", default="/tmp/laya-large-1024")
     ap.add_argument("--bundle", default="/tmp/bundle-large-1024")
+    ap.add_argument("--work", default="/tmp/laya-aot-gpu-bench")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--shape", default="large-1024")
-    ap.add_argument("--modes", default="eager,bundle:compile,bundle:aoti,fast,compile")
-    ap.add_argument("--build-args", default="stages.onnx=false stages.tilelang=false")
-    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--modes", default="eager,bundle:aoti,bundle:tilelang,bundle:compile,fast,compile,compile-warm")
+    ap.add_argument("--build-args", default="stages.onnx=false")
+    ap.add_argument("--timeout", type=float, default=240, help="per mode, seconds")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting modes when this is spent")
+    ap.add_argument("--kernel-cache", default="", help="LAYA_AOT_KERNEL_CACHE for the build (cross-compiled kernels)")
+    ap.add_argument("--no-build", action="store_true", help="never build (modes that need no bundle)")
+    ap.add_argument("--tag", default="", help="suffix of the result files (several runs of one shape)")
     a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        child(a.child, a.ckpt, a.bundle, str(work))
+        return
+    t_end = time.time() + a.budget_s
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        child(a.child, a.ckpt, a.bundle, str(out))
-        return
+    name = "gpu_%s%s" % (a.shape, a.tag)
     command = "python3 benchmarks/gpu_bench.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     ckpt, bundle = Path(a.ckpt), Path(a.bundle)
     t0 = time.time()
     subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "make-demo", str(ckpt), "--shape", a.shape])
-    made_s = time.time() - t0
-    build = {}
-    if not (bundle / "bundle.json").exists():
-        t0 = time.time()
-        p = subprocess.run([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt, "target=sm_90",
-                            "output_dir=%s" % bundle, *a.build_args.split()], capture_output=True, text=True)
-        (out / "build_log.txt").write_text(p.stdout[-20000:] + "\n" + p.stderr[-30000:])
-        build = {"rc": p.returncode, "seconds": time.time() - t0}
-        if (bundle / "bundle.json").exists():
-            m = json.loads((bundle / "bundle.json").read_text())
-            build["stages"] = [{k: s.get(k) for k in ("name", "status", "seconds", "error")} for s in m["stages"]]
-            build["artifacts"] = [{k: x.get(k) for k in ("name", "status", "variant", "size", "build_seconds")}
-                                  | {"verify": {k: (x.get("verify") or {}).get(k) for k in
-                                                ("passed", "reason", "max_abs_option_prob", "max_abs_action_prob")}}
-                                  for x in m["artifacts"]]
-    results = {"command": command, "checkpoint": a.shape, "checkpoint_write_s": made_s, "build": build, "modes": {}}
-    for mode in a.modes.split(","):
-        r = spawn(mode, ckpt, bundle, out, a.timeout)
-        r["agreement_with_eager"] = agreement(out, mode) if mode != "eager" else {}
+    results = {"command": command, "checkpoint": a.shape, "checkpoint_write_s": round(time.time() - t0, 1),
+               "build": {"reused": str(bundle)}, "modes": {}}
+    if a.no_build:
+        results["build"] = {"skipped": "--no-build", "bundle_present": (bundle / "bundle.json").exists()}
+    elif not (bundle / "bundle.json").exists():
+        results["build"] = build(ckpt, bundle, work, a.build_args, max(60, t_end - time.time()), a.kernel_cache)
+        shutil.copyfile(work / "build_log.txt", out / ("build_%s%s.txt" % (a.shape, a.tag)))
+    (out / (name + ".json")).write_text(json.dumps(results, indent=2))
+    print("build", json.dumps(results["build"], indent=1), flush=True)
+    for mode in [m for m in a.modes.split(",") if m and m != "none"]:
+        left = t_end - time.time()
+        if left < 30:
+            results["modes"][mode] = {"mode": mode, "error": "not run: the run's time budget was spent"}
+            continue
+        r = spawn(mode, ckpt, bundle, work, min(a.timeout, left))
+        r["agreement_with_eager"] = agreement(work, mode) if mode != "eager" else {}
         results["modes"][mode] = r
-        (out / ("gpu_%s.json" % a.shape)).write_text(json.dumps(results, indent=2))
-        print(mode, json.dumps({k: r.get(k) for k in ("backend", "start_to_first_s", "latency_ms", "error")}), flush=True)
-    (out / ("gpu_%s.md" % a.shape)).write_text(markdown(results))
+        (out / (name + ".json")).write_text(json.dumps(results, indent=2))
+        print(mode, json.dumps({k: r.get(k) for k in ("backend", "start_to_first_s", "latency_ms", "error",
+                                                       "compile_attempts", "peak_gb_32x1024x4")}), flush=True)
+    (out / (name + ".md")).write_text(markdown(results))
     print(markdown(results))
 
 
 def markdown(r: dict) -> str:
     keys = ["%dx%dx4" % s for s in SHAPES]
     lines = ["# GPU benchmark, checkpoint `%s` (one H200)" % r["checkpoint"], "", "Command: `%s`" % r["command"], "",
-             "| mode | backend | start -> first answer | " + " | ".join(keys) + " (ms) | peak GB @32x1024 | max dp vs eager |",
-             "|---|---|---|" + "---|" * len(keys) + "---|---|"]
+             "| mode | backend | start -> first answer | " + " | ".join(keys) + " (ms) | peak GB @32x1024 "
+             "| compiles (TileLang/nvcc) | max dp vs eager |",
+             "|---|---|---|" + "---|" * len(keys) + "---|---|---|"]
     for mode, m in r["modes"].items():
         lat = m.get("latency_ms") or {}
         agree = m.get("agreement_with_eager") or {}
         worst = max((max(v.values()) for v in agree.values()), default=None)
         first = m.get("start_to_first_s")
-        lines.append("| %s | %s | %s | %s | %s | %s |" % (
+        compiles = m.get("compile_attempts")
+        lines.append("| %s | %s | %s | %s | %s | %s | %s |" % (
             mode, m.get("backend", "-"),
             ("%.1f s" % first if first else "-") + (" (%s)" % m["error"] if m.get("error") else ""),
             " | ".join("%.2f" % lat[k] if k in lat else "-" for k in keys),
             "%.2f" % m["peak_gb_32x1024x4"] if "peak_gb_32x1024x4" in m else "-",
+            sum(compiles.values()) if compiles is not None else "-",
             "%.3g" % worst if worst is not None else "-"))
     return "\n".join(lines) + "\n"
 

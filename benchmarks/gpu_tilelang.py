@@ -254,7 +254,8 @@ def _no_nvcc_env(tmp: Path) -> dict:
 def _spawn(mode, a, tmp: Path, env: dict, timeout: float, ckpt=None, bundle=None) -> dict:
     result, outputs = tmp / ("%s.json" % mode), tmp / ("%s.pt" % mode)
     env = dict(env, LAYA_AOT_T_SPAWN=repr(time.time()), PYTHONUNBUFFERED="1",
-               TILELANG_CACHE_DIR=str(tmp / ("tl-cache-" + mode)))
+               TILELANG_CACHE_DIR=os.environ.get("LAYA_AOT_AB_TL_CACHE" if mode == "ab" else "-", "")
+               or str(tmp / ("tl-cache-" + mode)))
     cmd = [sys.executable, __file__, "child", "--mode", mode, "--ckpt", ckpt or a.ckpt, "--bundle", bundle or a.bundle,
            "--result", str(result), "--outputs", str(outputs)]
     t0 = time.time()
