@@ -168,8 +168,15 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     spec = PRESETS[shape] if isinstance(shape, str) else shape
     out = Path(out_dir)
     if out.exists():
+        made = _demo_facts(out)
         if not overwrite and (out / "model.safetensors").exists():
-            return out
+            if made == {"seed": seed, "shape": asdict(spec)}:
+                return out
+            if made is None:
+                raise FileExistsError("%s holds a checkpoint that make_checkpoint did not write; choose another "
+                                      "directory or pass overwrite=True (--overwrite)" % out)
+            log.warning("demo checkpoint %s was written for another shape or seed (an older preset?); "
+                        "writing it again", out)
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".%s.partial-" % out.name, dir=out.parent))
@@ -199,6 +206,15 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
         raise
     log.info("wrote demo checkpoint %s (%s, seed %d)", out, shape if isinstance(shape, str) else "custom", seed)
     return out
+
+
+def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:
+    """The seed and shape a demo checkpoint was written with (None: not one of ours, or unreadable)."""
+    try:
+        with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
+            return json.load(f).get("laya_aot_demo")
+    except (OSError, ValueError):
+        return None
 
 
 def demo_shape(name: str, **overrides) -> DemoShape:

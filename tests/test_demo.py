@@ -63,3 +63,18 @@ def test_alt_shape_differs_everywhere_it_can(alt_ckpt, demo_ckpt):
 def test_unknown_preset_is_refused(tmp_path):
     with pytest.raises(KeyError):
         make_checkpoint(tmp_path / "x", "nope")
+
+
+def test_an_existing_directory_is_reused_only_for_the_same_shape_and_seed(tmp_path):
+    out = make_checkpoint(tmp_path / "c", "tiny", seed=0)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert make_checkpoint(out, "tiny", seed=0) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp        # same request: not rewritten
+    make_checkpoint(out, "tiny", seed=2)                                   # stale (another seed): rewritten
+    assert json.loads((out / "rl_agent_config.json").read_text())["laya_aot_demo"]["seed"] == 2
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"not ours")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        make_checkpoint(foreign, "tiny")
+    assert (foreign / "model.safetensors").read_bytes() == b"not ours"   # nothing lost
