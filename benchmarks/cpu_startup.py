@@ -94,6 +94,7 @@ def spawn(mode: str, ckpt: Path, bundle: Path, env: dict, latency: bool = False)
     return r
 
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny")
@@ -109,11 +110,12 @@ def main() -> None:
         return
     command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     from laya_aot.demo import make_checkpoint
+    from laya_aot.manifest import built_from
 
     ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
     bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)
     build_s = None
-    if not (bundle / "bundle.json").exists():
+    if not built_from(bundle, ckpt):
         t0 = time.time()
         subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                                "output_dir=%s" % bundle])

@@ -200,6 +200,21 @@ def test_flipped_byte_is_refused(bundle_copy, demo_ckpt, no_native_load):
     assert any("changed after the build" in why for _, why in agent.backend_object.rejected)
 
 
+def test_a_byte_flipped_after_a_good_load_is_refused_despite_the_digest_cache(bundle_copy, demo_ckpt, monkeypatch):
+    import os
+
+    laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", prefer="aoti")  # digests now cached
+    for so in bundle_copy.glob("aoti-cpu*/model.pt2"):
+        st = so.stat()
+        data = bytearray(so.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        with open(so, "r+b") as f:  # in place: same inode and size
+            f.write(bytes(data))
+        os.utime(so, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the old mtime: only ctime tells
+    agent = _load_expect_eager(demo_ckpt, bundle_copy, "aoti-cpu: sha256", prefer="aoti")
+    assert any("changed after the build" in why for _, why in agent.backend_object.rejected)
+
+
 def test_bundle_from_another_checkpoint_is_refused(demo_bundle, alt_ckpt, no_native_load):
     _load_expect_eager(alt_ckpt, demo_bundle, "built from another checkpoint")
 
@@ -305,3 +320,11 @@ def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, m
     again = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
     assert again.backend_object.load_stats["probe"] == "cached"
     assert again.backend_object.artifact["name"] == agent.backend_object.artifact["name"]
+
+
+def test_built_from_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt, tmp_path):
+    from laya_aot.manifest import built_from
+
+    assert built_from(demo_bundle, demo_ckpt)
+    assert not built_from(demo_bundle, alt_ckpt)
+    assert not built_from(tmp_path, demo_ckpt)  # no manifest at all

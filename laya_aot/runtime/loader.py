@@ -32,7 +32,11 @@ from .select import rank, reject_reason
 
 log = logging.getLogger(__name__)
 
-NATIVE_KINDS = ("aoti", "tilelang", "compile")
+# Artifacts that load native libraries (a crash there is a signal, not an exception): probed in a child
+# first. The compile artifact is Python plus Triton kernels; a child probe would run its whole
+# torch.compile a second time (tens of seconds on a large model), so it is loaded in-process, where a
+# failure is an exception the loader catches like any other.
+NATIVE_KINDS = ("aoti", "tilelang")
 
 
 class _Early:

@@ -135,7 +135,7 @@ def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
     tensors = agent = None
     if entry["kind"] == "aoti":
         tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
-    elif entry["kind"] in ("tilelang", "compile"):  # these drive laya's model itself
+    elif entry["kind"] in ("tilelang", "compile"):  # these drive laya's model itself (compile: only if asked)
         import laya
 
         agent = laya.load(checkpoint, device=device)
