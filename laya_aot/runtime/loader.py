@@ -51,6 +51,8 @@ class _Early:
     def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]):
         self.pending = None
         self.device: Optional[str] = None
+        self.started_after_s: Optional[float] = None  # from load() to the probe child's start
+        self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer), daemon=True,
                                         name="laya-aot-early-probe")
         self._thread.start()
@@ -71,6 +73,7 @@ class _Early:
                 if reject_reason(entry, machine, dev_type) is None:
                     if entry.get("kind") in NATIVE_KINDS and check_artifact_hash(bundle, entry) is None:
                         self.device = dev
+                        self.started_after_s = round(time.perf_counter() - self._t0, 3)
                         self.pending = start(bundle, entry, ckpt, dev, machine)
                     return
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
@@ -258,7 +261,10 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             pending = early.take(name, str(agent.device)) if early is not None else None
             if pending is not None:
                 stats["probe_overlapped_laya_load"] = True
+                stats["probe_started_after_s"] = early.started_after_s
+                t_wait = time.perf_counter()
                 why = finish(pending, stats)
+                stats["probe_wait_after_laya_load_s"] = round(time.perf_counter() - t_wait, 3)
             else:
                 why = run_probe(bundle, entry, ckpt, str(agent.device), machine, stats)
         if why is not None:
