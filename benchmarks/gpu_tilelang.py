@@ -53,16 +53,7 @@ def _time_shape(model, inputs):
     first = time.perf_counter() - t0
     for _ in range(WARMUP):
         model(*inputs)
-    times = []
-    for _ in range(REPEATS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        model(*inputs)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return out, first, times[len(times) // 2]
+    return out, first, _median_ms(model, inputs)
 
 
 TINY_SHAPES = [(1, 64, 3), (4, 128, 3), (8, 256, 3)]
