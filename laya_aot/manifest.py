@@ -80,6 +80,11 @@ def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
     return data
 
 
+def checkpoint_sha256(manifest: Dict[str, Any]) -> Optional[str]:
+    """The fingerprint of the checkpoint a bundle was built from, as its manifest records it."""
+    return (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+
+
 def built_from(bundle: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
     """Whether `bundle` is a readable bundle built from this very checkpoint (its fingerprint matches)."""
     from .checkpoint import fingerprint
@@ -88,7 +93,7 @@ def built_from(bundle: str | os.PathLike, checkpoint: str | os.PathLike) -> bool
         m = read_manifest(bundle)
     except BundleError:
         return False
-    return (m.get("checkpoint") or {}).get("fingerprint", {}).get("sha256") == fingerprint(Path(checkpoint))["sha256"]
+    return checkpoint_sha256(m) == fingerprint(Path(checkpoint))["sha256"]
 
 
 def artifact_path(bundle: str | os.PathLike, entry: Dict[str, Any]) -> Path:

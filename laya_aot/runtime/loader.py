@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import checkpoint as ckpt_mod
-from ..manifest import BundleError, artifact_path, check_artifact_hash, read_manifest
+from ..manifest import BundleError, artifact_path, check_artifact_hash, checkpoint_sha256, read_manifest
 from ..padding import Ranges
 from ..variant import current_machine
 from .backend import AOTBackend, EagerFallback
@@ -62,8 +62,7 @@ class _Early:
 
         try:
             manifest = read_manifest(bundle)
-            built_from = (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
-            if built_from != ckpt_mod.fingerprint(ckpt)["sha256"]:
+            if checkpoint_sha256(manifest) != ckpt_mod.fingerprint(ckpt)["sha256"]:
                 return
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dev_type = torch.device(dev).type
@@ -236,7 +235,7 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         rejected.append(("bundle", "this checkpoint uses option_layout='parallel', which only laya's eager "
                                    "forward runs"))
         return None
-    built_from = (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+    built_from = checkpoint_sha256(manifest)
     t_fp = time.perf_counter()
     here = ckpt_mod.fingerprint(ckpt)["sha256"]
     load_stats["fingerprint_s"] = round(time.perf_counter() - t_fp, 3)
