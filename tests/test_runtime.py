@@ -328,3 +328,50 @@ def test_built_from_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, d
     assert built_from(demo_bundle, demo_ckpt)
     assert not built_from(demo_bundle, alt_ckpt)
     assert not built_from(tmp_path, demo_ckpt)  # no manifest at all
+
+
+# ------------------------------------------------------------------ the load-time smoke check, the probe
+def test_smoke_check_compares_with_the_builds_reference_not_eager(demo_ckpt, demo_bundle, monkeypatch):
+    from laya_aot.runtime.backend import AOTBackend
+
+    assert read_manifest(demo_bundle)["smoke"]["reference"]
+    def no_eager(*a, **k):
+        raise AssertionError("the smoke check ran the eager forward")
+    monkeypatch.setattr(AOTBackend, "stock_forward", no_eager)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti", strict=True)
+    assert agent.backend == "aot:aoti" and agent.backend_object.load_stats["smoke_check_s"] >= 0
+
+
+def test_an_artifact_that_disagrees_with_the_builds_reference_is_refused(bundle_copy, demo_ckpt):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    logits = m["smoke"]["reference"][0]
+    m["smoke"]["reference"][0] = [row[::-1] for row in logits]   # what a wrongly loaded artifact would answer
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    agent = _load_expect_eager(demo_ckpt, bundle_copy, "disagrees with the build's eager fp32 reference",
+                               prefer="aoti")
+    reasons = dict(agent.backend_object.rejected)
+    assert {n for n in reasons if n.startswith("aoti")} == {"aoti-cpu", "aoti-cpu-frozen"}
+    assert all("disagrees" in why for n, why in reasons.items() if n.startswith("aoti"))
+
+
+def test_a_bundle_without_a_smoke_reference_is_checked_against_eager(bundle_copy, demo_ckpt):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    del m["smoke"]
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", prefer="aoti", strict=True)
+    assert agent.backend == "aot:aoti"
+
+
+def test_probe_stand_in_weights_have_the_checkpoints_shapes(demo_ckpt, demo_bundle):
+    from safetensors.torch import load_file
+
+    from laya_aot.runtime.runners import AOTI_CONSTANTS, synthetic_constants
+
+    art = demo_bundle / "aoti-cpu"
+    fake = synthetic_constants(art, demo_ckpt, "cpu")
+    real = load_file(str(demo_ckpt / "model.safetensors"))
+    spec = json.loads((art / AOTI_CONSTANTS).read_text())["constants"]
+    wanted = {s["key"]: s["dtype"] for s in spec.values() if s["source"] == "model"}
+    assert fake.keys() == wanted.keys() and wanted
+    for key, t in fake.items():
+        assert t.shape == real[key].shape and t.dtype == getattr(torch, wanted[key])

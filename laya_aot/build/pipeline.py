@@ -58,6 +58,7 @@ class Context:
     artifacts: List[Dict[str, Any]] = field(default_factory=list)
     stages: List[Dict[str, Any]] = field(default_factory=list)
     eager_latency_ms: Optional[Dict[str, float]] = None
+    smoke: Optional[Dict[str, Any]] = None
 
 
 # ----------------------------------------------------------------------------------------- stages
@@ -187,11 +188,12 @@ def stage_inductor_cache(ctx: Context) -> str:
 def stage_verify(ctx: Context) -> str:
     """e. each artifact vs the eager fp32 forward; over tolerance -> marked unusable with the figure."""
     from ..runtime.runners import make_runner, model_tensors
-    from .verify import cases, latency_ms, reference_outputs, run_padded, verify_runner
+    from .verify import cases, latency_ms, reference_outputs, run_padded, smoke_record, verify_runner
 
     tol = ctx.cfg.verify.tolerance
     case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
     reference = ctx.agent.model.float().eval()
+    ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
     ref_batches = {shape: _reference_batch(ctx, shape) for shape in REFERENCE_SHAPES}
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
         lambda: _no_grad(reference, batch), ctx.cfg.verify.latency_repeats), 3) for shape, batch in ref_batches.items()}
@@ -322,6 +324,8 @@ def manifest_of(ctx: Context) -> Dict[str, Any]:
         "tolerance": OmegaConf.to_container(tol, resolve=True),
         "ranges": ctx.ranges.as_dict() if ctx.ranges else None,
         "eager_latency_ms": {"cpu": ctx.eager_latency_ms} if ctx.eager_latency_ms else {},
+        # the batch and eager fp32 outputs the runtime checks a loaded artifact against (verify.smoke_record)
+        "smoke": ctx.smoke,
         "stages": ctx.stages,
         "artifacts": ctx.artifacts,
         "config": OmegaConf.to_container(ctx.cfg, resolve=True),

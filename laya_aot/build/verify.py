@@ -76,6 +76,32 @@ def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int) -> List[Case]:
     return out
 
 
+SMOKE_SEED = 11
+
+
+def smoke_batch(ranges: Ranges, vocab: int, pad_id: int) -> Batch:
+    """The seeded batch the runtime runs before it trusts an artifact: two rows of odd lengths, 3 and 2 options."""
+    g = torch.Generator().manual_seed(SMOKE_SEED)
+    tokens = min(ranges.max_tokens, 45)
+    return _rows(g, [tokens, tokens - 7], [3, 2], vocab, pad_id)
+
+
+def smoke_record(reference_model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int) -> Dict[str, Any]:
+    """The smoke batch and the eager fp32 forward's outputs on it, for the manifest: the runtime then
+    checks a loaded artifact against the build's reference without running the eager model itself."""
+    batch = smoke_batch(ranges, vocab, pad_id)
+    ref = reference_outputs(reference_model, [Case("smoke", batch)])["smoke"]
+    return {"inputs": [t.tolist() for t in batch], "input_dtypes": [str(t.dtype).split(".")[-1] for t in batch],
+            "reference": [t.float().tolist() for t in ref]}
+
+
+def smoke_from_record(record: Dict[str, Any]) -> Tuple[Batch, Tuple[torch.Tensor, torch.Tensor]]:
+    """The batch and reference outputs stored by `smoke_record`."""
+    batch = tuple(torch.tensor(x, dtype=getattr(torch, d)) for x, d in zip(record["inputs"], record["input_dtypes"]))
+    logits, act = (torch.tensor(x, dtype=torch.float32) for x in record["reference"])
+    return batch, (logits, act)
+
+
 def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: Batch, ranges: Ranges,
                pad_id: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run an artifact the way the runtime does: pad, split rows into chunks, concatenate."""

@@ -39,9 +39,13 @@ class AOTBackend(Backend):
 
     @property
     def stats(self) -> Dict[str, Any]:
-        """Calls served by the artifact, chunks run, and eager calls by reason."""
+        """Calls served by the artifact, chunks run, eager calls by reason, and CUDA graph use."""
         with self._lock:
-            return dict(self._counts)
+            out: Dict[str, Any] = dict(self._counts)
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None:
+            out["cuda_graphs"] = graphs.stats
+        return out
 
     def _count(self, **kw: int) -> None:
         with self._lock:

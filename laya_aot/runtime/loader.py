@@ -111,29 +111,39 @@ def _format(rejected: List[Tuple[str, str]]) -> str:
     return "; ".join("%s: %s" % (name, why) for name, why in rejected) or "the bundle lists no artifacts"
 
 
-def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any]) -> Optional[str]:
-    """Compare the installed artifact with the eager forward on one seeded batch (cheap, catches a bad load)."""
-    from ..build.verify import _rows, compare
+def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any], manifest: Dict[str, Any]) -> Optional[str]:
+    """Run the installed artifact on one seeded batch and compare it with a reference (catches a bad load).
 
-    r = Ranges.from_dict(entry["ranges"])
-    g = torch.Generator().manual_seed(11)
-    vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
-    tokens = min(r.max_tokens, 45)
-    batch = _rows(g, [tokens, tokens - 7], [3, 2], vocab, backend.pad_id)
+    The reference is the build's eager fp32 forward on that batch, stored in the manifest
+    (verify.smoke_record), so a start does not also warm up and run the eager model; a bundle
+    written before that record existed is compared with the eager forward here instead.
+    """
+    from ..build.verify import _rows, compare, smoke_from_record
+
     dev = agent.device
+    tol = float((entry.get("verify") or {}).get("tolerance", 1e-4))
+    record = manifest.get("smoke")
     with torch.no_grad():
-        ref = backend.stock_forward(*(x.to(dev) for x in batch))
+        if record:
+            batch, ref = smoke_from_record(record)
+        else:
+            r = Ranges.from_dict(entry["ranges"])
+            g = torch.Generator().manual_seed(11)
+            vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
+            tokens = min(r.max_tokens, 45)
+            batch = _rows(g, [tokens, tokens - 7], [3, 2], vocab, backend.pad_id)
+            ref = backend.stock_forward(*(x.to(dev) for x in batch))
+            # this reference runs in the agent's own precision (bf16 autocast on CUDA): allow for it
+            if agent.amp_enabled and agent.dtype != torch.float32:
+                tol = max(tol, 5e-2)
         got = backend.forward(*(x.to(dev) for x in batch))
     c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
                 batch, 0)
-    tol = float((entry.get("verify") or {}).get("tolerance", 1e-4))
-    # the eager reference here runs in the agent's own precision (bf16 autocast on CUDA): allow for it
-    if agent.amp_enabled and agent.dtype != torch.float32:
-        tol = max(tol, 5e-2)
     backend._counts.clear()  # the smoke batch is not traffic
     worst = max(c["max_abs_option_prob"], c["max_abs_action_prob"])
     if not worst <= tol:
-        return "it loaded but disagrees with the eager forward here by %.3g (tolerance %.3g)" % (worst, tol)
+        return "it loaded but disagrees with the %s by %.3g (tolerance %.3g)" % (
+            "build's eager fp32 reference" if record else "eager forward here", worst, tol)
     return None
 
 
@@ -172,6 +182,19 @@ def _verify_here(agent, runner, entry: Dict[str, Any], manifest: Dict[str, Any],
     return reason
 
 
+def _graphs_wanted(asked: bool, entry: Dict[str, Any], device: torch.device, probed: bool,
+                   stats: Dict[str, Any]) -> bool:
+    """CUDA graphs for a CUDA AOTInductor artifact, unless not asked for or the probe child's capture failed."""
+    if entry.get("kind") != "aoti" or device.type != "cuda":
+        return False
+    why = stats.get("probe_graphs") if probed else None
+    stats["cuda_graphs"] = bool(asked and why is None)
+    if asked and why is not None:
+        stats["cuda_graphs_off"] = why
+        log.warning("laya-aot: CUDA graphs off for %s: %s", entry.get("name"), why)
+    return stats["cuda_graphs"]
+
+
 def _install(agent, backend) -> None:
     """Swap the agent's forward the way laya's own set_backend does: under its write lock."""
     with agent._gate.write_lock():
@@ -182,12 +205,14 @@ def _install(agent, backend) -> None:
 
 
 def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = None, prefer: Optional[str] = None,
-         strict: bool = False, probe: bool = True, smoke_check: bool = True, **agent_kwargs: Any):
+         strict: bool = False, probe: bool = True, smoke_check: bool = True, cuda_graphs: bool = True,
+         **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
     process probe of native artifacts (only for machines where they are known to load).
-    Other keyword arguments go to `laya.load`. `agent.backend` names what runs (`aot:aoti`, ...);
+    `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (runtime.graphs),
+    where the probe child captured one without trouble. Other keyword arguments go to `laya.load`. `agent.backend` names what runs (`aot:aoti`, ...);
     `agent.backend_object` holds the artifact entry, its variant, verify figures, `stats` and, for
     every artifact not used, the reason in `rejected`.
     """
@@ -202,7 +227,8 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
         rejected: List[Tuple[str, str]] = []
         chosen = None
         try:
-            chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early)
+            chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
+                             cuda_graphs)
         except BundleError as e:
             rejected.append(("bundle", str(e)))
     finally:
@@ -224,7 +250,7 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
 
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
-            early: Optional[_Early] = None) -> Optional[AOTBackend]:
+            early: Optional[_Early] = None, cuda_graphs: bool = True) -> Optional[AOTBackend]:
     from .probe import finish
     from .probe import probe as run_probe
 
@@ -272,9 +298,10 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         try:
             if tensors is None:
                 tensors = model_tensors(agent.model)
+            graphs = _graphs_wanted(cuda_graphs, entry, agent.device, probe, stats)
             t1 = time.perf_counter()
             runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
-                                 model=agent.model, agent=agent, entry=entry)
+                                 model=agent.model, agent=agent, entry=entry, cuda_graphs=graphs)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
             stats.update(getattr(runner, "stats", None) or {})
             backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
@@ -282,7 +309,7 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
                 why = _verify_here(agent, runner, entry, manifest, machine, stats)
             if why is None and smoke_check:
                 t_smoke = time.perf_counter()
-                why = _smoke_check(agent, backend, entry)
+                why = _smoke_check(agent, backend, entry, manifest)
                 stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
             why = "loading it failed: %s: %s" % (type(e).__name__, e)

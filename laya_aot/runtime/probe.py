@@ -28,11 +28,13 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = float(os.environ.get("LAYA_AOT_PROBE_TIMEOUT", "600"))
 _MARK = "LAYA_AOT_PROBE_RESULT "
+# bumped when the child checks something new, so verdicts cached by an older probe are not trusted
+PROBE_VERSION = 2
 
 
 def verdict_path(entry: Dict[str, Any], machine: Machine, device: str) -> Path:
-    facts = json.dumps({"sha256": entry.get("sha256"), "machine": machine.as_dict(), "device": device},
-                       sort_keys=True)
+    facts = json.dumps({"sha256": entry.get("sha256"), "machine": machine.as_dict(), "device": device,
+                        "probe": PROBE_VERSION}, sort_keys=True)
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
 
@@ -80,7 +82,7 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
     stats = stats if stats is not None else {}
     if pending.cached is not None:
-        stats.update(probe="cached", probe_seconds=0.0)
+        stats.update(probe="cached", probe_seconds=0.0, probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
     assert pending.proc is not None
     try:
@@ -92,17 +94,21 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     seconds = time.perf_counter() - pending.t0
     rc = pending.proc.returncode
     reason: Optional[str] = None
-    result = next((line[len(_MARK):] for line in out.splitlines() if line.startswith(_MARK)), None)
+    line = next((x[len(_MARK):] for x in out.splitlines() if x.startswith(_MARK)), None)
+    result = json.loads(line) if line else {}
     if rc != 0:
         tail = (err.strip().splitlines() or [""])[-1][:300]
         reason = _describe_exit(rc) + (" (%s)" % tail if tail and rc > 0 else "")
-    elif result is None or not json.loads(result).get("ok"):
-        reason = "a probe process could not run it: %s" % (json.loads(result).get("error") if result else "no result")
-    stats.update(probe="ran", probe_seconds=seconds)
+    elif not result.get("ok"):
+        reason = "a probe process could not run it: %s" % (result.get("error") if line else "no result")
+    # None: CUDA graphs captured and replayed in the child; else why not (or "not probed")
+    graphs = result.get("graphs", "not probed") if reason is None else reason
+    stats.update(probe="ran", probe_seconds=seconds, probe_graphs=graphs)
     entry = pending.entry
     try:
         pending.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(pending.path, {"artifact": entry["name"], "sha256": entry.get("sha256"), "reason": reason,
+                                         "graphs": graphs,
                                          "seconds": round(seconds, 3), "machine": pending.machine.as_dict(),
                                          "device": pending.device,
                                          "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -122,33 +128,50 @@ def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, ma
 
 
 def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
-    """Load the artifact with the checkpoint's weights, run one small batch, report on stdout."""
+    """Load the artifact, run one small batch (and, for a CUDA AOTInductor package, capture and replay
+    it as a CUDA graph), report on stdout.
+
+    An AOTInductor package runs on stand-in weights of the checkpoint's shapes (runners.synthetic_constants):
+    a crash does not depend on the values, and reading the real ones would double the first start's
+    disk and GPU traffic while laya loads them in the parent. Its outputs are not judged here; the
+    parent's smoke check compares the real-weight outputs with the build's reference.
+    """
     import torch
-    from safetensors.torch import load_file
 
     from ..manifest import artifact_path, read_manifest
     from ..padding import Ranges
-    from .runners import make_runner
+    from .runners import make_runner, synthetic_constants
 
     given = os.environ.get("LAYA_AOT_PROBE_ENTRY")
     entry = json.loads(given) if given else next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
+    path = artifact_path(bundle, entry)
     tensors = agent = None
     if entry["kind"] == "aoti":
-        tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+        tensors = synthetic_constants(path, Path(checkpoint), device)
     elif entry["kind"] in ("tilelang", "compile"):  # these drive laya's model itself (compile: only if asked)
         import laya
 
         agent = laya.load(checkpoint, device=device)
-    runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, device,
-                         model=agent.model if agent else None, agent=agent, entry=entry)
+    graphs = entry["kind"] == "aoti" and torch.device(device).type == "cuda"
+    runner = make_runner(entry["kind"], path, tensors, device, model=agent.model if agent else None, agent=agent,
+                         entry=entry, cuda_graphs=graphs)
     r = Ranges.from_dict(entry["ranges"])
     t = r.min_tokens
     batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
              torch.tensor([[1, 2] + [0] * (r.min_markers - 2)]), torch.tensor([[True, True] + [False] * (r.min_markers - 2)]),
              torch.zeros((1,), dtype=torch.long))
-    logits, act = runner(*(x.to(runner.device) for x in batch))
-    ok = bool(torch.isfinite(logits[:, :2]).all() and torch.isfinite(act).all())
-    print(_MARK + json.dumps({"ok": ok, "error": None if ok else "non-finite outputs"}), flush=True)
+    inputs = [x.to(runner.device) for x in batch]
+    logits, act = runner(*inputs)
+    result: Dict[str, Any] = {"ok": True, "error": None}
+    if entry["kind"] != "aoti":  # real weights: the outputs must at least be finite
+        ok = bool(torch.isfinite(logits[:, :2]).all() and torch.isfinite(act).all())
+        result = {"ok": ok, "error": None if ok else "non-finite outputs"}
+    if graphs:
+        runner(*inputs)  # the second call of a shape captures it, then checks one replay
+        gstats = runner.graphs.stats
+        result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
+            "no graph was captured"
+    print(_MARK + json.dumps(result), flush=True)
     return 0
 
 

@@ -1,0 +1,122 @@
+"""CUDA graphs for an artifact's small calls, where kernel launches, not the GPU, set the latency.
+
+At 1 row x 128 tokens a 28-layer encoder is a few hundred short kernels: the GPU waits on the
+CPU launching them. A CUDA graph replays the whole forward with one launch. A shape is captured
+on its second call (the first one warms it, so nothing loads lazily during capture), only when it
+is small (`max_tokens` rows x tokens), and at most `max_graphs` shapes are kept (least recently
+used dropped). Each capture is checked against the plain call it replaces; a capture that fails
+or disagrees turns graphs off for that shape, with the reason in `stats`.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS = 8192
+MAX_GRAPHS = 16
+# replay vs plain call on the same inputs: the same kernels on the same data, so this is generous
+ATOL = RTOL = 1e-3
+
+Key = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
+Fn = Callable[..., Sequence[torch.Tensor]]
+
+
+class _Graph:
+    """One captured call: static input buffers, the graph, and its static outputs."""
+
+    def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
+        self.inputs = [x.clone() for x in inputs]
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread of the service using CUDA meanwhile does not break the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.outputs = list(fn(*self.inputs))
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        for dst, src in zip(self.inputs, inputs):
+            dst.copy_(src)
+        self.graph.replay()
+        return [o.clone() for o in self.outputs]  # the next replay overwrites the static outputs
+
+    def pool(self) -> Any:
+        return self.graph.pool()
+
+
+def _key(inputs: Sequence[torch.Tensor]) -> Key:
+    return tuple((tuple(x.shape), x.dtype) for x in inputs)
+
+
+def _disagreement(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Optional[str]:
+    for x, y in zip(a, b):
+        if x.shape != y.shape or not torch.allclose(x.float(), y.float(), rtol=RTOL, atol=ATOL, equal_nan=True):
+            diff = (x.float() - y.float()).abs().max() if x.shape == y.shape else float("nan")
+            return "its replay differs from the plain call by %.3g" % float(diff)
+    return None
+
+
+class GraphedCalls:
+    """Calls `fn(*tensors)`; small shapes seen twice are captured and replayed as CUDA graphs.
+
+    Not thread-safe by itself: the runner that owns it serialises calls (as AOTIRunner does).
+    `graph_factory` exists for tests on machines without CUDA.
+    """
+
+    def __init__(self, fn: Fn, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS,
+                 graph_factory: Callable[[Fn, Sequence[torch.Tensor], Any], Any] = _Graph):
+        self._fn = fn
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self._factory = graph_factory
+        self._graphs: "OrderedDict[Key, Any]" = OrderedDict()
+        self._seen: Counter = Counter()
+        self._refused: Dict[Key, str] = {}
+        self._pool: Any = None  # one memory pool for all graphs: calls are serialised, outputs cloned
+        self._counts: Counter = Counter()
+
+    def eligible(self, inputs: Sequence[torch.Tensor]) -> bool:
+        ids = inputs[0]
+        return ids.dim() == 2 and ids.shape[0] * ids.shape[1] <= self.max_tokens
+
+    def __call__(self, *inputs: torch.Tensor) -> List[torch.Tensor]:
+        key = _key(inputs)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            self._counts["replays"] += 1
+            return graph.replay(inputs)
+        out = list(self._fn(*inputs))
+        if key not in self._refused and self.eligible(inputs):
+            self._seen[key] += 1
+            if self._seen[key] >= 2:
+                self._capture(key, inputs, out)
+        return out
+
+    def _capture(self, key: Key, inputs: Sequence[torch.Tensor], plain: Sequence[torch.Tensor]) -> None:
+        try:
+            graph = self._factory(self._fn, inputs, self._pool)
+            why = _disagreement(plain, graph.replay(inputs))
+        except Exception as e:  # noqa: BLE001 - any capture failure: this shape runs plain calls
+            graph, why = None, "capture failed: %s: %s" % (type(e).__name__, e)
+        if why is not None:
+            self._refused[key] = why
+            self._counts["refusals"] += 1
+            log.warning("laya-aot: no CUDA graph for inputs %s (%s); they run as plain calls",
+                        [s for s, _ in key], why)
+            return
+        self._pool = graph.pool()
+        self._graphs[key] = graph
+        self._counts["captured"] += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+            self._counts["evicted"] += 1
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = dict(self._counts, graphs=len(self._graphs))
+        if self._refused:
+            out["refused"] = {"x".join(map(str, k[0][0])): why for k, why in self._refused.items()}
+        return out

@@ -1,0 +1,88 @@
+"""CUDA graph policy of the AOTInductor runner (runtime.graphs), with a stand-in graph: CI has no GPU.
+
+What a real capture does on the H200 is measured by benchmarks/gpu_bench.py; here: which calls are
+captured, that replays serve later calls, that a failed or disagreeing capture leaves plain calls.
+"""
+from __future__ import annotations
+
+import torch
+
+from laya_aot.runtime.graphs import GraphedCalls
+
+
+class FakeGraph:
+    """Records the captured call; replay runs the function on copies of the new inputs."""
+
+    made = 0
+
+    def __init__(self, fn, inputs, pool, offset=0.0):
+        FakeGraph.made += 1
+        self.fn, self.offset, self.replays = fn, offset, 0
+
+    def replay(self, inputs):
+        self.replays += 1
+        return [o + self.offset for o in self.fn(*inputs)]
+
+    def pool(self):
+        return "pool"
+
+
+def _fn(calls):
+    def fn(ids, att):
+        calls.append(tuple(ids.shape))
+        return (ids.float().sum(1, keepdim=True) * 2, att.float().mean(1))
+    return fn
+
+
+def _inputs(rows, tokens, value=1):
+    return torch.full((rows, tokens), value), torch.ones((rows, tokens), dtype=torch.long)
+
+
+def test_second_call_of_a_small_shape_is_captured_and_then_replayed():
+    calls = []
+    g = GraphedCalls(_fn(calls), max_tokens=256, graph_factory=FakeGraph)
+    first = g(*_inputs(1, 128))
+    assert g.stats == {"graphs": 0}
+    second = g(*_inputs(1, 128))
+    assert g.stats["captured"] == 1 and g.stats["graphs"] == 1
+    third = g(*_inputs(1, 128, value=3))   # new values, same shape: a replay on the new inputs
+    assert g.stats["replays"] == 1
+    assert torch.equal(first[0], second[0]) and torch.equal(third[0], torch.full((1, 1), 768.0))
+
+
+def test_large_shapes_are_never_captured():
+    g = GraphedCalls(_fn([]), max_tokens=256, graph_factory=FakeGraph)
+    for _ in range(3):
+        g(*_inputs(4, 128))          # 512 tokens > 256
+    assert g.stats == {"graphs": 0}
+
+
+def test_a_failing_capture_leaves_plain_calls_and_says_why():
+    def broken(fn, inputs, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    calls = []
+    g = GraphedCalls(_fn(calls), graph_factory=broken)
+    outs = [g(*_inputs(2, 16)) for _ in range(4)]
+    assert all(torch.equal(o[0], outs[0][0]) for o in outs)
+    assert len(calls) == 4                                       # every call ran the function itself
+    assert "operation not permitted" in g.stats["refused"]["2x16"]
+    assert g.stats["refusals"] == 1                               # tried once, not on every call
+
+
+def test_a_capture_whose_replay_disagrees_is_refused():
+    g = GraphedCalls(_fn([]), graph_factory=lambda fn, x, pool: FakeGraph(fn, x, pool, offset=0.5))
+    for _ in range(3):
+        out = g(*_inputs(1, 32))
+    assert torch.equal(out[0], torch.full((1, 1), 64.0))         # the plain call's answer, not the replay's
+    assert "differs from the plain call by 0.5" in g.stats["refused"]["1x32"]
+    assert g.stats["graphs"] == 0
+
+
+def test_least_recently_used_graphs_are_dropped_beyond_the_cap():
+    g = GraphedCalls(_fn([]), max_graphs=2, graph_factory=FakeGraph)
+    for tokens in (16, 32, 48):
+        for _ in range(2):
+            g(*_inputs(1, tokens))
+    assert g.stats["graphs"] == 2 and g.stats["evicted"] == 1
+    g(*_inputs(1, 32))       # still captured: a replay
+    assert g.stats["replays"] == 1
