@@ -17,7 +17,8 @@ Every process gets its own empty Inductor, Triton, TileLang and laya-aot cache d
 The build uses its own Inductor cache too, so no mode inherits the build's compiled code.
 
 Modes: eager, fast, compile, compile-warm, bundle:<kind> (aoti, tilelang, compile, exported_program),
-bundle (whatever the loader picks). Only gpu_<shape>.json/.md and build_<shape>.txt go to --out;
+bundle (whatever the loader picks); `/nographs` after a bundle mode turns the runtime's CUDA graphs off;
+`+restart` after any mode starts it again with the caches its first start wrote (probe verdicts). Only gpu_<shape>.json/.md and build_<shape>.txt go to --out;
 outputs and logs stay under --work. The JSON is rewritten after every mode, so a run cut short keeps
 what it measured.
 """
@@ -48,10 +49,14 @@ def child(mode: str, ckpt: str, bundle: str, work: str) -> None:
 
 
 def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
-    import laya
+    t0 = time.time()
     import torch
 
+    t_torch = time.time()
+    import laya
+
     t_import = time.time()
+    base = mode.split("+")[0]
     if mode == "eager":
         agent = laya.load(ckpt, device="cuda")
     elif mode == "fast":
@@ -61,13 +66,15 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
     else:
         import laya_aot
 
-        kind = mode.split(":", 1)[1] if ":" in mode else None
-        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=kind, strict=True)
+        kind = base.split("/")[0].split(":", 1)[1] if ":" in base else None
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=kind, strict=True,
+                              cuda_graphs="/nographs" not in base)
     agent.predict_batch([STATE], QUESTIONS)
     torch.cuda.synchronize()
     t_first = time.time()
     print("FIRST %.6f" % t_first, flush=True)
     res = {"mode": mode, "backend": agent.backend, "t_first": t_first, "t_imported": t_import,
+           "import_torch_s": t_torch - t0, "import_laya_s": t_import - t_torch, "t_child_start": t0,
            "load_stats": getattr(getattr(agent, "backend_object", None), "load_stats", None),
            "latency_ms": {}, "first_call_s": {}, "compile_attempts_before_first_answer": sum(attempts.values())}
     max_len = int(agent.cfg.get("max_len", 512))
@@ -109,13 +116,14 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
         print("[%s] %s first %.3f s, median %.3f ms" % (mode, key, res["first_call_s"][key], res["latency_ms"][key]),
               flush=True)
     res["compile_attempts"] = dict(attempts)
+    res["backend_stats"] = getattr(getattr(agent, "backend_object", None), "stats", None)
     res["versions"] = {"torch": torch.__version__, "laya": laya.__version__, "device": torch.cuda.get_device_name()}
     torch.save(outs, os.path.join(work, "outputs_%s.pt" % _slug(mode)))
     print("RESULT " + json.dumps(res), flush=True)
 
 
 def _slug(mode: str) -> str:
-    return mode.replace(":", "_")
+    return mode.replace(":", "_").replace("/", "_").replace("+", "_")
 
 
 def _env(work: Path, mode: str, cache_name: str, no_nvcc: bool) -> dict:
@@ -131,7 +139,8 @@ def _env(work: Path, mode: str, cache_name: str, no_nvcc: bool) -> dict:
 
 
 def spawn(mode: str, ckpt: Path, bundle: Path, work: Path, timeout: float) -> dict:
-    cache = "compile" if mode == "compile-warm" else _slug(mode)
+    # "<mode>+restart": a second start of <mode> on this machine, reusing the caches its first start wrote
+    cache = "compile" if mode == "compile-warm" else _slug(mode.split("+")[0])
     if mode == "compile-warm" and not (work / "caches" / "compile" / "inductor").exists():
         return {"mode": mode, "error": "no cache from the `compile` mode to reuse"}
     env = _env(work, mode, cache, no_nvcc=mode.startswith("bundle"))
