@@ -72,6 +72,23 @@ def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
     return {"sha256": combined, "files": files}
 
 
+def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: int = 64 << 20) -> bool:
+    """Whether every fingerprinted file under `limit_bytes` (configs, tokenizer) has the digest `recorded`
+    in a manifest: a check of milliseconds that tells a checkpoint of another architecture or tokenizer
+    apart before the weights' digest (seconds for a large model never seen here) is known."""
+    ckpt = Path(ckpt)
+    if not recorded:
+        return False
+    for rel, digest in recorded.items():
+        p = ckpt / rel
+        try:
+            if p.stat().st_size < limit_bytes and cached_sha256(p) != digest:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def check_layout(ckpt: Path) -> None:
     """Refuse a directory that is not a Laya checkpoint, naming what is missing."""
     if not ckpt.is_dir():

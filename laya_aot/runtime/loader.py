@@ -3,12 +3,18 @@
 Order of trust, cheapest first, and nothing native is loaded until every check before it passed:
 manifest schema -> checkpoint fingerprint -> machine compatibility and build-time verification ->
 sha256 of the artifact's bytes -> a probe in a child process (native artifacts, once per machine) ->
-in-process load -> a smoke comparison with the eager forward on one seeded batch -> install.
+in-process load -> a smoke comparison with the build's eager fp32 outputs on one seeded batch -> install.
 Every artifact that falls out gets one reason; when none is left the agent runs eager with one
 RuntimeWarning listing them all (or `strict=True` raises with the same list).
 
 The checks up to the probe do not need laya's agent, so they run in a thread while `laya.load` reads
 the checkpoint: a first start on a machine then pays for the probe child only where it outlasts that.
+The probe child runs the artifact on stand-in weights (probe._child), so what it shows (that the
+package loads and runs here) does not depend on the checkpoint: it starts as soon as the artifact's
+bytes match the manifest and the checkpoint's configs and tokenizer match the build's, while the
+weights' digest is still being computed; a fingerprint that does not match kills it, and its verdict
+is recorded only after the fingerprint matched. The service's own process loads nothing native
+before every check passed.
 """
 from __future__ import annotations
 
@@ -40,12 +46,15 @@ NATIVE_KINDS = ("aoti", "tilelang")
 
 
 class _Early:
-    """The fingerprint, hash and probe of the first candidate artifact, overlapped with `laya.load`.
+    """The hash and probe of the first candidate artifact, and the checkpoint's fingerprint, overlapped
+    with `laya.load`.
 
-    It applies the same checks in the same order as `_choose` (a probe child starts only for an
-    artifact of this checkpoint, fit for this machine, whose bytes match the manifest); `_choose`
-    takes the started probe when it reaches that artifact on the same device, and `close` kills a
-    probe nobody took.
+    A probe child starts only for an artifact fit for this machine whose bytes match the manifest, and
+    only when the checkpoint's small files (configs, tokenizer) match the ones the bundle was built
+    from: the checks `_choose` makes before probing, except the weights' digest, which the child does
+    not depend on and which runs beside it (a mismatch kills the child). `_choose` repeats every check, takes
+    the started probe when it reaches that artifact on the same device, and `close` kills a probe
+    nobody took.
     """
 
     def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]):
@@ -62,7 +71,8 @@ class _Early:
 
         try:
             manifest = read_manifest(bundle)
-            if checkpoint_sha256(manifest) != ckpt_mod.fingerprint(ckpt)["sha256"]:
+            recorded = ((manifest.get("checkpoint") or {}).get("fingerprint") or {}).get("files") or {}
+            if not ckpt_mod.small_files_match(ckpt, recorded):  # another architecture or tokenizer
                 return
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dev_type = torch.device(dev).type
@@ -74,7 +84,11 @@ class _Early:
                         self.device = dev
                         self.started_after_s = round(time.perf_counter() - self._t0, 3)
                         self.pending = start(bundle, entry, ckpt, dev, machine)
-                    return
+                    break
+            # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
+            if checkpoint_sha256(manifest) != ckpt_mod.fingerprint(ckpt)["sha256"] and self.pending is not None:
+                self.pending.cancel()
+                self.pending = None
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
             log.debug("early probe not started: %s", e)
 
