@@ -57,11 +57,11 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
 
     t_import = time.time()
     base = mode.split("+")[0]
-    if mode == "eager":
+    if base == "eager":
         agent = laya.load(ckpt, device="cuda")
-    elif mode == "fast":
+    elif base == "fast":
         agent = laya.load(ckpt, device="cuda", fast=True)
-    elif mode in ("compile", "compile-warm"):
+    elif base in ("compile", "compile-warm"):
         agent = laya.load(ckpt, device="cuda", compile=True)
     else:
         import laya_aot
@@ -140,8 +140,8 @@ def _env(work: Path, mode: str, cache_name: str, no_nvcc: bool) -> dict:
 
 def spawn(mode: str, ckpt: Path, bundle: Path, work: Path, timeout: float) -> dict:
     # "<mode>+restart": a second start of <mode> on this machine, reusing the caches its first start wrote
-    cache = "compile" if mode == "compile-warm" else _slug(mode.split("+")[0])
-    if mode == "compile-warm" and not (work / "caches" / "compile" / "inductor").exists():
+    cache = "compile" if mode.startswith("compile-warm") else _slug(mode.split("+")[0])
+    if mode.startswith("compile-warm") and not (work / "caches" / "compile" / "inductor").exists():
         return {"mode": mode, "error": "no cache from the `compile` mode to reuse"}
     env = _env(work, mode, cache, no_nvcc=mode.startswith("bundle"))
     cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle), "--work", str(work)]

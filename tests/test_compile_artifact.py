@@ -51,3 +51,11 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(demo_ckpt, tmp_path):
                         torch.device("cpu"), 1e-4, 1.0)
     assert res["passed"], res["reason"]
     assert res["cases"]["one_row"]["rows"] == 1
+    # laya's agent calls the forward under bf16 autocast on CUDA: that must not compile a second graph
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    case = cases(3, ranges, vocab, pad)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runner(*case.batch)
+    assert counters["stats"]["unique_graphs"] == graphs

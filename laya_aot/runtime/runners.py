@@ -208,7 +208,11 @@ class CompileRunner(Runner):
         from ..build.inductor_cache import pad_rows
 
         n = ids.shape[0]
-        with self._lock, torch.no_grad():  # one compile at a time; Dynamo's cache is process-wide
+        # one compile at a time (Dynamo's cache is process-wide); autocast off: laya's agent calls its
+        # forward under bf16 autocast on CUDA, and Dynamo guards on the autocast state, so a call under
+        # it would compile a second graph from scratch that the saved cache does not hold (59 s on the
+        # H200, run 6). The module casts to its dtype itself.
+        with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             logits, act = self._fn(*pad_rows((ids, att, mpos, mmask, qtype)))
         return logits[:n].clone(), act[:n].clone()
 
