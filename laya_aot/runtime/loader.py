@@ -132,7 +132,7 @@ def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any], manifest: Di
     (verify.smoke_record), so a start does not also warm up and run the eager model; a bundle
     written before that record existed is compared with the eager forward here instead.
     """
-    from ..build.verify import _rows, compare, smoke_from_record
+    from ..build.verify import compare, smoke_batch, smoke_from_record
 
     dev = agent.device
     tol = float((entry.get("verify") or {}).get("tolerance", 1e-4))
@@ -141,11 +141,8 @@ def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any], manifest: Di
         if record:
             batch, ref = smoke_from_record(record)
         else:
-            r = Ranges.from_dict(entry["ranges"])
-            g = torch.Generator().manual_seed(11)
             vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
-            tokens = min(r.max_tokens, 45)
-            batch = _rows(g, [tokens, tokens - 7], [3, 2], vocab, backend.pad_id)
+            batch = smoke_batch(Ranges.from_dict(entry["ranges"]), vocab, backend.pad_id)
             ref = backend.stock_forward(*(x.to(dev) for x in batch))
             # this reference runs in the agent's own precision (bf16 autocast on CUDA): allow for it
             if agent.amp_enabled and agent.dtype != torch.float32:
