@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from laya_aot.build.inductor_cache import CACHE_FILE, INFO_FILE, MIN_ROWS, build_cache, pad_rows, warm_shapes
@@ -33,12 +34,40 @@ def test_one_warm_shape_with_more_than_one_row():
     assert rows == MIN_ROWS  # even when the export allows one row
 
 
-def test_saved_cache_serves_a_fresh_dynamo_like_eager(demo_ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def even_head_ckpt(tmp_path_factory):
+    """A tiny checkpoint whose decision head has 2 attention heads: an even count, so under no_grad
+    nn.TransformerEncoderLayer would take its fused path, as a ModernBERT-large-sized head (16) does."""
+    from laya_aot.demo import DemoShape, make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "even", DemoShape(hidden_size=128), seed=1)
+
+
+_FUSED = torch._transformer_encoder_layer_fwd
+
+
+def _untraceable(*args, **kwargs):
+    """The fused op as torch 2.11 has it: eager runs it, Dynamo cannot trace it."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the fused encoder-layer op, which torch 2.11's Dynamo cannot trace")
+    return _FUSED(*args, **kwargs)
+
+
+def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, monkeypatch):
     import laya
 
     from laya_aot.runtime.runners import CompileRunner
 
-    agent = laya.load(str(demo_ckpt), device="cpu")
+    agent = laya.load(str(even_head_ckpt), device="cpu")
+    assert agent.model.head.layers[0].self_attn.num_heads % 2 == 0
+    # stand in for torch 2.11, whose Dynamo cannot trace the fused op (a graph break on the H200, run 8):
+    # the build and the runner must not reach it; a plain full-graph compile does, which shows the
+    # stand-in is in the way
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", _untraceable)
+    plain = torch.compile(agent.model.float().eval(), backend="eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception, match="fused encoder-layer"):
+        plain(*cases(3, Ranges(1, 8, 16, 256, 2, 64), 100, 0)[0].batch)
+    torch._dynamo.reset()
     ranges = Ranges(1, 8, 16, int(agent.cfg.get("max_len", 256)), 2, 64)
     facts = build_cache(agent, tmp_path / "compile", ranges, "fp32", "fp32", device="cpu")
     assert facts["bytes"] > 0 and (tmp_path / "compile" / CACHE_FILE).stat().st_size == facts["bytes"]
@@ -51,6 +80,12 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(demo_ckpt, tmp_path):
                         torch.device("cpu"), 1e-4, 1.0)
     assert res["passed"], res["reason"]
     assert res["cases"]["one_row"]["rows"] == 1
+    # every case (one row, one option, odd lengths, padded rows) ran on the one graph the first call
+    # traced, and that call took Inductor's output from the cache instead of compiling it
+    first = {k: v for k, v in runner.stats.items() if k.startswith("first_call_") and k != "first_call_s"}
+    assert first == {"first_call_dynamo_graphs": 1, "first_call_fxgraph_cache_hit": 1,
+                     "first_call_fxgraph_cache_miss": 0, "first_call_autograd_cache_hit": 1,
+                     "first_call_autograd_cache_miss": 0}, first
     # laya's agent calls the forward under bf16 autocast on CUDA: that must not compile a second graph
     from torch._dynamo.utils import counters
 
@@ -59,3 +94,21 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(demo_ckpt, tmp_path):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         runner(*case.batch)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_cache_compiled_with_other_options_is_refused(demo_ckpt, tmp_path):
+    import laya
+
+    from laya_aot.runtime.runners import CompileRunner
+
+    art = tmp_path / "compile"
+    art.mkdir()
+    (art / INFO_FILE).write_text(json.dumps({"options": {"dynamic": True}, "dtype": "fp32", "action_head_dtype": "fp32"}))
+    (art / CACHE_FILE).write_bytes(b"")
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    try:
+        CompileRunner(art, agent.model, device="cpu")
+    except ValueError as e:
+        assert "rebuild the bundle" in str(e) and "'dynamic': True" in str(e)
+    else:
+        raise AssertionError("a cache compiled with other options was loaded")

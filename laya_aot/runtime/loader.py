@@ -327,6 +327,7 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         if why is not None:
             rejected.append((name, why))
             continue
+        stats.update(getattr(runner, "stats", None) or {})  # what its first call cost (compile route)
         backend.load_stats.update(stats)  # the checks after the backend was made (verify here, smoke check)
         _install(agent, backend)
         log.info("laya-aot: %s runs %s (%s)", ckpt, name, entry.get("variant"))
