@@ -51,3 +51,24 @@ def test_this_machine_has_a_usable_compiler(demo_bundle):
     (entry,) = [a for a in read_manifest(demo_bundle)["artifacts"] if a["name"] == "aoti-cpu"]
     assert os.path.exists(entry["details"]["cxx"])
     assert aoti.links_libstdcxx_dynamically(entry["details"]["cxx"])
+
+
+def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
+    # aoti_compile_and_package fills aot_inductor.metadata in place; left so, it changed the FX-graph
+    # cache key of the compile route's cache saved later in the same build (a miss on the H200, run 10)
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    before = dict(torch._inductor.config.aot_inductor.metadata)
+    ep = torch.export.export(Tiny(), (torch.randn(2, 4),))
+    facts = aoti.package(ep, tmp_path / "pkg", ["lin.weight", "lin.bias"])
+    assert facts["package_bytes"] > 0
+    assert torch._inductor.config.aot_inductor.metadata == before
+

@@ -8,6 +8,8 @@ hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import json
 import logging
@@ -17,7 +19,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch.export import ExportedProgram
@@ -121,6 +123,29 @@ def choose_compiler(configured: Optional[str] = None) -> Dict[str, Any]:
     return {"cxx": configured or _default_cxx(), "passed_over": passed_over}
 
 
+@contextlib.contextmanager
+def inductor_config_kept() -> Iterator[None]:
+    """Put back every Inductor config value a compile changed, in place or not.
+
+    `aoti_compile_and_package` fills `aot_inductor.metadata` in place (device key, CPU ISA) and leaves it
+    so; that dict is part of the FX-graph cache key, so the compile route's cache, saved later in the
+    same build, held graphs that no fresh process looks up: on the H200 (run 10) the runtime missed and
+    compiled from scratch for 42 s. `config.patch` does not help: it restores the same dict object."""
+    config = torch._inductor.config
+    before = {}
+    for key, value in config.get_config_copy().items():
+        try:
+            before[key] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - a value that cannot be copied is compared by identity below
+            before[key] = value
+    try:
+        yield
+    finally:
+        for key, value in config.get_config_copy().items():
+            if key in before and value != before[key]:
+                setattr(config, key, before[key])
+
+
 def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
             cxx: Optional[str] = None, frozen: bool = False) -> Dict[str, Any]:
     """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
@@ -139,7 +164,7 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
     # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
     patch = {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
-    with torch._inductor.config.patch(patch), torch.no_grad():
+    with inductor_config_kept(), torch._inductor.config.patch(patch), torch.no_grad():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / AOTI_PACKAGE),
                                                  inductor_configs=configs)
     constants = {} if frozen else spec["constants"]
