@@ -41,13 +41,13 @@ def child(role: str, ckpt: str, art: str, device: str) -> None:
         facts = build_cache(agent, Path(art), ranges, dtype, "fp32", device=device)
         out = {"role": role, "facts": facts}
     else:
-        from laya_aot.build.inductor_cache import compiled_module
+        from laya_aot.build.inductor_cache import compiled_module, mark_dynamic_batch, no_mha_fastpath
 
         if role == "load":
             torch.compiler.load_cache_artifacts((Path(art) / "inductor_cache.bin").read_bytes())
         _, fn = compiled_module(agent.model, dtype, "fp32", device)
-        with torch.no_grad():
-            fn(*_batch(4, 128, 4, device))
+        with torch.no_grad(), no_mha_fastpath():
+            fn(*mark_dynamic_batch(_batch(4, 128, 4, device)))
         out = {"role": role}
     out.update(seconds=round(time.perf_counter() - t0, 2), counters=_counters())
     print("RESULT " + json.dumps(out), flush=True)

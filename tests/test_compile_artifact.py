@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from laya_aot.build.inductor_cache import CACHE_FILE, INFO_FILE, MIN_ROWS, build_cache, pad_rows, warm_shapes
+from laya_aot.build.inductor_cache import (CACHE_FILE, INFO_FILE, MIN_ROWS, build_cache, check_in_fresh_process,
+                                           pad_rows, warm_shapes)
 from laya_aot.build.verify import cases, verify_runner
 from laya_aot.padding import Ranges
 
@@ -86,6 +87,9 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, 
     assert first == {"first_call_dynamo_graphs": 1, "first_call_fxgraph_cache_hit": 1,
                      "first_call_fxgraph_cache_miss": 0, "first_call_autograd_cache_hit": 1,
                      "first_call_autograd_cache_miss": 0}, first
+    # what the build checks before it ships the artifact: a fresh process with empty caches hits it
+    fresh = check_in_fresh_process(tmp_path / "compile", even_head_ckpt, "cpu")
+    assert fresh["first_call_fxgraph_cache_hit"] == 1 and fresh["first_call_fxgraph_cache_miss"] == 0
     # laya's agent calls the forward under bf16 autocast on CUDA: that must not compile a second graph
     from torch._dynamo.utils import counters
 
@@ -112,3 +116,16 @@ def test_a_cache_compiled_with_other_options_is_refused(demo_ckpt, tmp_path):
         assert "rebuild the bundle" in str(e) and "'dynamic': True" in str(e)
     else:
         raise AssertionError("a cache compiled with other options was loaded")
+
+
+
+def test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check(demo_ckpt, tmp_path):
+    # what AOTInductor packaging did to the build process (aot_inductor.metadata filled in place): the
+    # saved graphs carry a key no fresh process computes, so the runtime would compile from scratch
+    import laya
+
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    with torch._inductor.config.patch({"aot_inductor.metadata": {"AOTI_DEVICE_KEY": "cpu"}}):
+        build_cache(agent, tmp_path / "compile", Ranges(1, 8, 16, 256, 2, 64), "fp32", "fp32", device="cpu")
+    with pytest.raises(RuntimeError, match="did not serve a fresh process"):
+        check_in_fresh_process(tmp_path / "compile", demo_ckpt, "cpu")

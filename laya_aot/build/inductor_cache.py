@@ -18,6 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
@@ -107,6 +111,7 @@ def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dt
     torch._dynamo.reset()
     _, fn = compiled_module(agent.model, dtype, action_head_dtype, device)
     timings = {}
+    graphs_before = cache_counters()["dynamo_graphs"]
     with torch.no_grad(), no_mha_fastpath():
         for rows, tokens in warm_shapes(ranges):
             t0 = time.perf_counter()
@@ -114,10 +119,10 @@ def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dt
             if device == "cuda":
                 torch.cuda.synchronize()
             timings["%dx%d" % (rows, tokens)] = round(time.perf_counter() - t0, 3)
-    counts = cache_counters()
-    if counts["dynamo_graphs"] != 1:
+    graphs = cache_counters()["dynamo_graphs"] - graphs_before
+    if graphs != 1:
         raise RuntimeError("the compile route compiled %d graphs for its warm shapes, expected one dynamic graph"
-                           % counts["dynamo_graphs"])
+                           % graphs)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         raise RuntimeError("torch.compiler.save_cache_artifacts() returned nothing: no compiled code to save")
@@ -128,3 +133,47 @@ def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dt
                                                  "action_head_dtype": action_head_dtype,
                                                  "shapes": list(timings), "compile_seconds": timings}, indent=1))
     return {"shapes": list(timings), "compile_seconds": timings, "bytes": len(data)}
+
+
+FRESH_MARK = "FRESH-PROCESS "
+
+
+def check_in_fresh_process(art_dir: Path, ckpt: Path, device: str, timeout_s: float = 900) -> Dict[str, Any]:
+    """Load the saved cache as the runtime does, in a child with empty Inductor and Triton caches, and
+    return what its first call cost (`CompileRunner.stats`: graphs, cache hits and misses, seconds).
+
+    Why a child: the build process has compiled the graph already and may differ from a fresh one in
+    state that enters the cache key (AOTInductor once changed an Inductor config value in place), so only
+    a fresh process shows whether the runtime will hit the cache or compile from scratch."""
+    with tempfile.TemporaryDirectory(prefix="laya-aot-cache-check-") as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        p = subprocess.run([sys.executable, "-m", __name__, str(art_dir), str(ckpt), device],
+                           capture_output=True, text=True, env=env, timeout=timeout_s)
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith(FRESH_MARK)), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError("a fresh process could not run the saved Inductor cache (exit %d): %s"
+                           % (p.returncode, (p.stderr.strip().splitlines() or ["no output"])[-1]))
+    stats = json.loads(line[len(FRESH_MARK):])
+    misses = stats.get("first_call_fxgraph_cache_miss", 0) + stats.get("first_call_autograd_cache_miss", 0)
+    if misses or stats.get("first_call_dynamo_graphs") != 1:
+        raise RuntimeError("the saved Inductor cache did not serve a fresh process (graphs %s, FX-graph misses %s, "
+                           "AOTAutograd misses %s): the runtime would compile from scratch"
+                           % (stats.get("first_call_dynamo_graphs"), stats.get("first_call_fxgraph_cache_miss"),
+                              stats.get("first_call_autograd_cache_miss")))
+    return stats
+
+
+def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
+    import laya
+
+    from ..runtime.runners import CompileRunner
+
+    agent = laya.load(ckpt, device=device)
+    runner = CompileRunner(Path(art_dir), agent.model, device)
+    runner(*_batch(MIN_ROWS, 32, 2, device))
+    print(FRESH_MARK + json.dumps(runner.stats), flush=True)
+
+
+if __name__ == "__main__":
+    _fresh_process_main(*sys.argv[1:4])
