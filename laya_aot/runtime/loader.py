@@ -314,7 +314,6 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
                                  model=agent.model, agent=agent, entry=entry, cuda_graphs=graphs)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
-            stats.update(getattr(runner, "stats", None) or {})
             backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
             if entry.get("status") == "unverified":
                 why = _verify_here(agent, runner, entry, manifest, machine, stats)
@@ -327,8 +326,10 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         if why is not None:
             rejected.append((name, why))
             continue
-        stats.update(getattr(runner, "stats", None) or {})  # what its first call cost (compile route)
-        backend.load_stats.update(stats)  # the checks after the backend was made (verify here, smoke check)
+        # the runner's own load figures, the checks after the backend was made (verify here, smoke check)
+        # and, for the compile route, what the smoke check's first call cost
+        stats.update(getattr(runner, "stats", None) or {})
+        backend.load_stats.update(stats)
         _install(agent, backend)
         log.info("laya-aot: %s runs %s (%s)", ckpt, name, entry.get("variant"))
         return backend

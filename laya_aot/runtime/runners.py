@@ -196,36 +196,36 @@ class CompileRunner(Runner):
     kind = "compile"
 
     def __init__(self, art_dir: Path, model: torch.nn.Module, device: str = "cuda"):
-        from ..build.inductor_cache import CACHE_FILE, COMPILE_OPTIONS, INFO_FILE, compiled_module
+        from ..build import inductor_cache as route
 
+        self._route = route  # its padding, dynamic marking, MHA switch and counters, for every call
         t0 = time.perf_counter()
-        info = json.loads((Path(art_dir) / INFO_FILE).read_text(encoding="utf-8"))
-        if info.get("options") != COMPILE_OPTIONS:  # its saved graphs would miss: a compile from scratch
+        info = json.loads((Path(art_dir) / route.INFO_FILE).read_text(encoding="utf-8"))
+        if info.get("options") != route.COMPILE_OPTIONS:  # its saved graphs would miss: a compile from scratch
             raise ValueError("it was compiled with options %r, this laya-aot compiles with %r: rebuild the bundle"
-                             % (info.get("options"), COMPILE_OPTIONS))
-        torch.compiler.load_cache_artifacts((Path(art_dir) / CACHE_FILE).read_bytes())
+                             % (info.get("options"), route.COMPILE_OPTIONS))
+        torch.compiler.load_cache_artifacts((Path(art_dir) / route.CACHE_FILE).read_bytes())
         self.device = torch.device(device)
-        self._module, self._fn = compiled_module(model, info["dtype"], info["action_head_dtype"], device)
+        self._module, self._fn = route.compiled_module(model, info["dtype"], info["action_head_dtype"], device)
         self._lock = threading.Lock()
         self._first = True
         self.stats: Dict[str, object] = {"load_cache_artifacts_s": round(time.perf_counter() - t0, 3)}
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
-        from ..build.inductor_cache import cache_counters, mark_dynamic_batch, no_mha_fastpath, pad_rows
-
+        route = self._route
         n = ids.shape[0]
         # one compile at a time (Dynamo's cache is process-wide); autocast off: laya's agent calls its
         # forward under bf16 autocast on CUDA, and Dynamo guards on the autocast state, so a call under
         # it would compile a second graph from scratch that the saved cache does not hold (59 s on the
         # H200, run 6). The module casts to its dtype itself.
-        with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False), no_mha_fastpath():
+        with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False), route.no_mha_fastpath():
             if self._first:  # what the first call cost, and whether it came from the saved cache
-                before, t0 = cache_counters(), time.perf_counter()
-            logits, act = self._fn(*mark_dynamic_batch(pad_rows((ids, att, mpos, mmask, qtype))))
+                before, t0 = route.cache_counters(), time.perf_counter()
+            logits, act = self._fn(*route.mark_dynamic_batch(route.pad_rows((ids, att, mpos, mmask, qtype))))
             if self._first:
                 self._first = False
                 self.stats["first_call_s"] = round(time.perf_counter() - t0, 3)
-                after = cache_counters()
+                after = route.cache_counters()
                 self.stats.update({"first_call_" + k: after[k] - before[k] for k in after})
         return logits[:n].clone(), act[:n].clone()
 
