@@ -109,8 +109,8 @@ def main() -> None:
         child(a.child, a.ckpt, a.bundle, a.latency)
         return
     command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    from laya_aot.checkpoint import built_from
     from laya_aot.demo import make_checkpoint
-    from laya_aot.manifest import built_from
 
     ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
     bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)
@@ -131,7 +131,7 @@ def main() -> None:
         results["bundle_cold_probe"] = {"start_to_first_s": cold["start_to_first_s"], "load_stats": cold["load_stats"]}
     for mode in modes:
         runs = []
-        for i in range(a.runs):
+        for _ in range(a.runs):
             run_env = dict(env)
             if mode == "compile":  # cold Inductor cache every time: what a fresh container sees
                 run_env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
@@ -177,8 +177,9 @@ def markdown(r: dict) -> str:
     for mode, m in r["modes"].items():
         lat = m.get("latency_ms") or {}
         cols = [lat.get(k) for k in sorted(lat)] or [None, None]
+        backend = m["backend"] + (" (%s)" % m["artifact"] if m.get("artifact") else "")
         lines.append("| %s | %s | %.2f s | %s | %s | %s |" % (
-            mode, m["backend"] + (" (%s)" % m["artifact"] if m.get("artifact") else ""), m["median_start_to_first_s"], ", ".join("%.2f" % x for x in m["start_to_first_s"]),
+            mode, backend, m["median_start_to_first_s"], ", ".join("%.2f" % x for x in m["start_to_first_s"]),
             *["%.2f" % c if c is not None else "-" for c in (cols + [None, None])[:2]]))
     for kind, v in (r.get("latency_by_artifact_ms") or {}).items():
         ratio = (r.get("latency_ratio_by_artifact_over_eager") or {}).get(kind, {})

@@ -18,9 +18,9 @@ The build uses its own Inductor cache too, so no mode inherits the build's compi
 
 Modes: eager, fast, compile, compile-warm, bundle:<kind> (aoti, tilelang, compile, exported_program),
 bundle (whatever the loader picks); `/nographs` after a bundle mode turns the runtime's CUDA graphs off;
-`+restart` after any mode starts it again with the caches its first start wrote (probe verdicts). Only gpu_<shape>.json/.md and build_<shape>.txt go to --out;
-outputs and logs stay under --work. The JSON is rewritten after every mode, so a run cut short keeps
-what it measured.
+`+restart` after any mode starts it again with the caches its first start wrote (probe verdicts).
+Only gpu_<shape>.json/.md and build_<shape>.txt go to --out; outputs and logs stay under --work.
+The JSON is rewritten after every mode, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
         g = torch.Generator().manual_seed(rows * 7 + tokens)
         ids = torch.randint(5, 3000, (rows, tokens), generator=g)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                 "marker_pos": torch.tensor([[3, 9, 15, 21]] * rows), "marker_mask": torch.ones((rows, 4), dtype=torch.bool),
+                 "marker_pos": torch.tensor([[3, 9, 15, 21]] * rows),
+                 "marker_mask": torch.ones((rows, 4), dtype=torch.bool),
                  "qtype": torch.zeros(rows, dtype=torch.long)}
         key = "%dx%dx4" % (rows, tokens)
         with torch.no_grad():
@@ -174,7 +175,8 @@ def agreement(work: Path, mode: str) -> dict:
     if not (ref_path.exists() and got_path.exists()):
         return {}
     ref, got = torch.load(ref_path), torch.load(got_path)
-    return {k: {"option": float((ref[k][0] - got[k][0]).abs().max()), "action": float((ref[k][1] - got[k][1]).abs().max())}
+    return {k: {"option": float((ref[k][0] - got[k][0]).abs().max()),
+                "action": float((ref[k][1] - got[k][1]).abs().max())}
             for k in ref if k in got}
 
 
@@ -241,7 +243,7 @@ def main() -> None:
     subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "make-demo", str(ckpt), "--shape", a.shape])
     results = {"command": command, "checkpoint": a.shape, "checkpoint_write_s": round(time.time() - t0, 1),
                "build": {"reused": str(bundle)}, "modes": {}}
-    from laya_aot.manifest import built_from
+    from laya_aot.checkpoint import built_from
 
     if a.no_build:
         results["build"] = {"skipped": "--no-build", "bundle_present": (bundle / "bundle.json").exists()}

@@ -61,8 +61,9 @@ TINY_SHAPES = [(1, 64, 3), (4, 128, 3), (8, 256, 3)]
 
 def child_tiny(a) -> int:
     """Tiny demo (head dim 16, head attention 1x64): bundle forward vs laya's stock eager forward."""
-    import torch
     import laya
+    import torch
+
     from laya_aot.kernels import PrecompiledTileLangBackend, detect_arch
     from laya_aot.kernels.guard import jit_guard
 
@@ -83,7 +84,8 @@ def child_tiny(a) -> int:
                     "max_abs_diff_logits": float((eager[s][0] - fast[0]).abs().max()),
                     "max_abs_diff_probs": float((pe - pf).abs().max()),
                     "max_abs_diff_act_logits": float((eager[s][1] - fast[1]).abs().max()),
-                    "argmax_agree": bool((pe.argmax(-1) == pf.argmax(-1)).all()), "finite": bool(torch.isfinite(fast[0]).all())}
+                    "argmax_agree": bool((pe.argmax(-1) == pf.argmax(-1)).all()),
+                    "finite": bool(torch.isfinite(fast[0]).all())}
     res["compile_attempts"] = dict(attempts)
     Path(a.result).write_text(json.dumps(res, indent=1))
     return 0
@@ -94,6 +96,7 @@ AB_ROUNDS = 7
 
 def _forget_factory_caches():
     from laya import tl_kernels
+
     from laya_aot.kernels.catalogue import FACTORIES
 
     for name in FACTORIES:
@@ -122,8 +125,9 @@ def child_ab(a) -> int:
     CPU-bound shapes; alternating the two agents round by round removes that. laya's agent is
     built first and warmed on every shape (its kernels JIT-compiled), then the factories' caches
     are cleared so the bundle agent loads its own kernels; each FastLaya keeps its own handles."""
-    import torch
     import laya
+    import torch
+
     from laya_aot.kernels import PrecompiledTileLangBackend, detect_arch
     from laya_aot.kernels.guard import jit_guard
 
@@ -179,8 +183,9 @@ def child(a) -> int:
     if a.mode == "ab":
         return child_ab(a)
     t_spawn = float(os.environ["LAYA_AOT_T_SPAWN"])
-    import torch
     import laya
+    import torch
+
     from laya_aot.kernels.guard import jit_guard
 
     res = {"mode": a.mode, "nvcc_on_path": shutil.which("nvcc"), "python_import_s": time.time() - t_spawn}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One-shot AOTInductor load-crash triage (torch 2.11, x86-64, offline).
 
-Usage:  python benchmarks/aoti_load_diag.py [--cpu-only] [--only NAME,NAME] [--out DIR]
+Usage:  python benchmarks/investigations/aoti_load_diag.py [--cpu-only] [--only NAME,NAME] [--out DIR]
 
 The minimal reproducer for the AOTInductor load crash seen on the H200 host (issue 5).
 Every variant runs in its own subprocess (a segfault kills only that case) with a
@@ -14,7 +14,17 @@ Loading is done in 4 stages so the last "STAGE" line says where it died:
   C AOTInductorModelContainerRun (ctypes)          -> kernels / OpenMP / CUDA launch
   D torch._inductor.aoti_load_package + run        -> torch's own C++ loader
 """
-import ctypes, glob, json, os, shutil, signal, subprocess, sys, tempfile, textwrap, zipfile
+import ctypes
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import zipfile
 
 HERE = os.path.abspath(__file__)
 PY = sys.executable
@@ -271,7 +281,6 @@ def main():
                     f"-ex 'x/3i $pc' --args {PY} {HERE} --load {device} {pt2} ABCD 2>&1 | grep -E '^#|=>|rip|signal|STAGE' | head -40")
             summary.append(textwrap.indent(bt, "    "))
 
-    text = "\n".join(summary)
     print("\nsummary in", os.path.join(out, "summary.txt"))
     print("\nlogs in", out)
 

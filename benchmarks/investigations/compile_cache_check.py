@@ -1,6 +1,6 @@
 """Does a fresh process reuse the compile artifact's saved Inductor cache? (CPU or GPU)
 
-    python benchmarks/compile_cache_check.py --shape tiny [--device cpu] [--out FILE.json]
+    python benchmarks/investigations/compile_cache_check.py --shape tiny [--device cpu] [--out FILE.json]
 
 Process A compiles the demo checkpoint's model as the build does (`build_cache`) and saves the cache
 artifacts. Then two fresh processes, each with its own empty Inductor and Triton cache directories,
@@ -30,7 +30,7 @@ def child(role: str, ckpt: str, art: str, device: str) -> None:
     import laya
     import torch
 
-    from laya_aot.build.inductor_cache import _batch, build_cache
+    from laya_aot.kinds.compile import _batch, build_cache
     from laya_aot.padding import Ranges
 
     agent = laya.load(ckpt, device=device)
@@ -41,7 +41,7 @@ def child(role: str, ckpt: str, art: str, device: str) -> None:
         facts = build_cache(agent, Path(art), ranges, dtype, "fp32", device=device)
         out = {"role": role, "facts": facts}
     else:
-        from laya_aot.build.inductor_cache import compiled_module, mark_dynamic_batch, no_mha_fastpath
+        from laya_aot.kinds.compile import compiled_module, mark_dynamic_batch, no_mha_fastpath
 
         if role == "load":
             torch.compiler.load_cache_artifacts((Path(art) / "inductor_cache.bin").read_bytes())
@@ -68,7 +68,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="compile-cache-check-"))
     ckpt = make_checkpoint(work / "ckpt", a.shape)
     art = work / "art"
-    results = {"command": "python benchmarks/compile_cache_check.py " + " ".join(sys.argv[1:]), "runs": []}
+    results = {"command": "python benchmarks/investigations/compile_cache_check.py " + " ".join(sys.argv[1:]), "runs": []}
     for role in ("build", "load", "cold"):
         caches = work / ("caches-" + role)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))

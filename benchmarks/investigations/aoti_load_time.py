@@ -1,6 +1,6 @@
 """Where the time goes when a fresh process loads a CUDA AOTInductor artifact of a laya-aot bundle.
 
-    python3 benchmarks/aoti_load_time.py BUNDLE CHECKPOINT [--name aoti-sm_90]
+    python3 benchmarks/investigations/aoti_load_time.py BUNDLE CHECKPOINT [--name aoti-sm_90]
 
 Prints one JSON line: import, laya.load, AOTIRunner (load_package / constants), first call, the
 package's contents by file type, and what the load wrote into the Inductor cache dir. Python stacks are
@@ -47,10 +47,11 @@ def main() -> None:
     faulthandler.dump_traceback_later(6, repeat=True, file=sys.stderr)
     seen: set = set()
     threading.Thread(target=_watch_children, args=(seen,), daemon=True).start()
-    import torch
     import laya
+    import torch
 
-    from laya_aot.runtime.runners import AOTIRunner, model_tensors
+    from laya_aot.kinds.aoti import AOTIRunner
+    from laya_aot.kinds.base import model_tensors
 
     marks = {"import_s": time.time() - T0}
     art = Path(bundle) / name

@@ -11,7 +11,7 @@ python3 benchmarks/gpu_bench.py --out $OUT --kernel-cache /tmp/kc --modes none -
 # 2. AOTI load timing: twice, an empty Inductor cache dir, then the same dir again
 mkdir -p $W/aoti-cache
 for run in cold warm; do
-  TORCHINDUCTOR_CACHE_DIR=$W/aoti-cache timeout 120 python3 benchmarks/aoti_load_time.py /tmp/bundle-large-1024 /tmp/laya-large-1024 \
+  TORCHINDUCTOR_CACHE_DIR=$W/aoti-cache timeout 120 python3 benchmarks/investigations/aoti_load_time.py /tmp/bundle-large-1024 /tmp/laya-large-1024 \
     > $OUT/aoti_load_$run.txt 2>&1
   grep AOTI_LOAD $OUT/aoti_load_$run.txt | cut -c1-1500
 done

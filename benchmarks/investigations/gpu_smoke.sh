@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # GPU smoke test (issue 5): why AOTInductor loads crash on the H200 image, and a tiny end-to-end CUDA bundle.
-#   bash benchmarks/gpu_smoke.sh OUTDIR          (on the GPU host, after the .device-site unpack line)
+#   bash benchmarks/investigations/gpu_smoke.sh OUTDIR          (on the GPU host, after the .device-site unpack line)
 set -u
 OUT=${1:-/tmp/smoke}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch,sys;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'abi', torch._C._GLIBCXX_USE_CXX11_ABI, 'python', sys.version.split()[0])"
   g++ --version | head -1; ls /usr/local/cuda/bin | tr '\n' ' '; echo; nproc; } > "$OUT/env.txt" 2>&1
 # 1. the minimal reproducer, a few variants, in the background (16 cores)
-timeout 420 python3 benchmarks/aoti_load_diag.py --out /tmp/diag \
+timeout 420 python3 benchmarks/investigations/aoti_load_diag.py --out /tmp/diag \
   --only cpu_linear_default,cpu_linear_march_v2,cpu_linear_sysgomp_preload,cuda_linear_default,cuda_linear_march_v2,cuda_linear_nopch \
   > "$OUT/diag.txt" 2>&1 &
 DIAG=$!

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5, AOTInductor load crash on the H200 image: which C++ toolchain built the crashing wrapper .so,
-# and does a package built with another compiler load?   bash benchmarks/gpu_aoti_fix.sh OUTDIR
+# and does a package built with another compiler load?   bash benchmarks/investigations/gpu_aoti_fix.sh OUTDIR
 set -u
 OUT=${1:-/tmp/fix}; mkdir -p "$OUT"
 R="$OUT/report.txt"
@@ -11,7 +11,7 @@ ALT=""
 for c in /usr/bin/x86_64-linux-gnu-g++-13 /usr/bin/g++-13 /usr/bin/g++; do
   if [ -x "$c" ] && [ "$(readlink -f $c)" != "$(readlink -f /opt/gcc/bin/g++)" ]; then ALT=$c; break; fi; done
 echo "ALT_CXX=$ALT" >> "$R"
-NO_GDB=1 ALT_CXX=$ALT timeout 300 python3 benchmarks/aoti_load_diag.py --out /tmp/d3 \
+NO_GDB=1 ALT_CXX=$ALT timeout 300 python3 benchmarks/investigations/aoti_load_diag.py --out /tmp/d3 \
   --only cpu_linear_default,cpu_linear_altcxx,cuda_linear_altcxx >> "$R.diag" 2>&1
 { echo "== diag"; grep -v '^    #' /tmp/d3/summary.txt | cut -c1-400
   so=$(ls /tmp/d3/cpu_linear_default_load/tmp/aoti_x_*/model/data/aotinductor/model/*.so 2>/dev/null | head -1)
