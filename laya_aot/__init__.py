@@ -5,7 +5,7 @@
 
 Importing this package is cheap: torch, laya and Hydra load only when a function needs them.
 """
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def load(*args, **kwargs):

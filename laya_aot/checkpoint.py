@@ -2,8 +2,7 @@
 
 A bundle is only right for the weights it was built from: the fingerprint (sha256 of the files that
 decide the model's answers) is stored in the manifest and checked again by the runtime. Hashing a
-1.6 GB safetensors file costs about a second, so per-file digests are cached keyed by the file's
-(size, mtime, ctime, inode): any write to the file changes its ctime, which no tool can set back.
+1.6 GB safetensors file costs about a second, so per-file digests are cached (`files.cached_sha256`).
 """
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .manifest import sha256_file, write_json_atomic
+from .files import cached_sha256
+from .manifest import BundleError, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -24,36 +24,6 @@ TOKENIZER_DIR = "tokenizer"
 
 class CheckpointError(RuntimeError):
     """The checkpoint cannot be found or is not a Laya checkpoint."""
-
-
-def cache_dir() -> Path:
-    """Where laya-aot keeps per-machine state (digests, probe verdicts): $LAYA_AOT_CACHE_DIR or ~/.cache."""
-    root = os.environ.get("LAYA_AOT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "laya-aot")
-    return Path(root)
-
-
-def _stat_key(path: Path) -> str:
-    st = path.stat()
-    return "%s:%d:%d:%d:%d" % (path.resolve(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-
-
-def cached_sha256(path: Path) -> str:
-    """sha256 of a file, reusing an earlier digest when the file provably did not change."""
-    key = hashlib.sha256(_stat_key(path).encode()).hexdigest()
-    store = cache_dir() / "digests" / (key + ".json")
-    try:
-        with open(store, encoding="utf-8") as f:
-            return json.load(f)["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    digest = sha256_file(path)
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(store, {"path": str(path.resolve()), "sha256": digest})
-    except OSError as e:  # a read-only home must not stop a load
-        log.debug("could not cache digest of %s: %s", path, e)
-    return digest
 
 
 def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
@@ -114,7 +84,7 @@ def resolve(cfg: Any) -> Path:
         check_layout(ckpt)
         return ckpt
     if cfg.hub_id:
-        return _from_hf_cache(cfg.hub_id, cfg.subfolder)
+        return from_hf_cache(cfg.hub_id, cfg.subfolder)
     if cfg.demo_shape:
         from .demo import make_checkpoint
 
@@ -125,7 +95,17 @@ def resolve(cfg: Any) -> Path:
                           "or use the demo (checkpoint=demo)")
 
 
-def _from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
+def locate(checkpoint: str) -> Path:
+    """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache."""
+    if os.path.isdir(checkpoint):
+        return Path(checkpoint)
+    if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
+        return from_hf_cache(checkpoint, None)
+    raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
+                            "built from" % checkpoint)
+
+
+def from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
     """A shipped checkpoint from the local Hugging Face cache; nothing is downloaded."""
     try:
         from huggingface_hub import snapshot_download
@@ -156,3 +136,12 @@ def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
         "n_actions": len(rl.get("act_costs", {})) + 1,
         "option_layout": rl.get("option_layout", "sequential"),
     }
+
+
+def built_from(bundle: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
+    """Whether `bundle` is a readable bundle built from this very checkpoint (its fingerprint matches)."""
+    try:
+        recorded = read_manifest(bundle).get("checkpoint", {}).get("fingerprint", {}).get("sha256")
+    except (BundleError, AttributeError):
+        return False
+    return recorded == fingerprint(Path(checkpoint))["sha256"]

@@ -37,8 +37,8 @@ def _build(argv: List[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
-    from .build.report import Reporter, summary_table
     from .config import register
+    from .pipeline.report import Reporter, summary_table
 
     register()
     sys.argv = ["laya-aot build"] + argv
@@ -46,7 +46,7 @@ def _build(argv: List[str]) -> int:
 
     @hydra.main(version_base="1.3", config_path="configs", config_name="build")
     def _main(cfg: DictConfig) -> None:
-        from .build import BuildError, build
+        from .pipeline import BuildError, build
 
         _setup_logging(bool(os.environ.get("LAYA_AOT_VERBOSE")))
         # torch's exporters warn about their own internals (pytree, online softmax); the stage table says
@@ -56,13 +56,13 @@ def _build(argv: List[str]) -> int:
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
         with Reporter() as rep:
             try:
-                manifest = build(cfg, report=rep.update)
+                result = build(cfg, report=rep.update)
             except BuildError as e:
                 rep.console.print("[bold red]build failed:[/] %s" % e)
                 status["code"] = 2
                 return
-        rep.console.print(summary_table(manifest))
-        rep.console.print("bundle written to [bold]%s[/] in %.1f s" % (manifest["output_dir"],
+        rep.console.print(summary_table(result.bundle, result.output_dir))
+        rep.console.print("bundle written to [bold]%s[/] in %.1f s" % (result.output_dir,
                                                                      time.perf_counter() - START))
 
     _main()

@@ -8,12 +8,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from rich.console import Console
 from rich.table import Table
 
-from .manifest import BundleError, MANIFEST, check_artifact_hash, read_manifest
+from .manifest import MANIFEST, Artifact, BundleError, check_artifact_hash, read_bundle
 
 DEMO_BUNDLE = "artifacts/demo"
 
@@ -91,10 +91,10 @@ def demo(argv: List[str], start: float) -> int:
     return 0
 
 
-def _usable_here(bundle: Path, entry: Dict[str, Any], device: str, machine) -> str:
+def _usable_here(bundle: Path, art: Artifact, device: str, machine) -> str:
     from .runtime.select import reject_reason
 
-    why = reject_reason(entry, machine, device) or (check_artifact_hash(bundle, entry) if entry.get("path") else None)
+    why = reject_reason(art, machine, device) or (check_artifact_hash(bundle, art) if art.built else None)
     return "usable" if why is None else why
 
 
@@ -107,29 +107,30 @@ def inspect(argv: List[str], start: float) -> int:
     a = p.parse_args(argv)
     import torch
 
+    from . import kinds
     from .variant import current_machine
 
     try:
-        m = read_manifest(a.bundle)
+        m = read_bundle(a.bundle, kinds.NAMES)
     except BundleError as e:
         print("laya-aot inspect: %s" % e, file=sys.stderr)
         return 2
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     machine = current_machine(device)
     rows = []
-    for e in m["artifacts"]:
-        v = e.get("verify") or {}
-        rows.append({"name": e["name"], "kind": e["kind"], "variant": e.get("variant"), "dtype": e.get("dtype"),
-                     "size": e.get("size"), "status": e.get("status"),
-                     "max_abs_option_prob": v.get("max_abs_option_prob"),
-                     "max_abs_action_prob": v.get("max_abs_action_prob"),
-                     "argmax_agreement": v.get("argmax_agreement"),
+    for e in m.artifacts:
+        v = e.verify
+        rows.append({"name": e.name, "kind": e.kind, "variant": e.variant, "dtype": e.dtype,
+                     "size": e.size, "status": e.status,
+                     "max_abs_option_prob": v.max_abs_option_prob if v else None,
+                     "max_abs_action_prob": v.max_abs_action_prob if v else None,
+                     "argmax_agreement": v.argmax_agreement if v else None,
                      "here": _usable_here(Path(a.bundle), e, device, machine)})
     if a.json:
-        print(json.dumps({"bundle": a.bundle, "checkpoint": m["checkpoint"]["name"], "machine": machine.as_dict(),
+        print(json.dumps({"bundle": a.bundle, "checkpoint": m.checkpoint.name, "machine": machine.as_dict(),
                           "device": device, "artifacts": rows}, indent=2))
         return 0
-    t = Table(title="%s (checkpoint %s, built %s)" % (a.bundle, m["checkpoint"]["name"], m.get("created")))
+    t = Table(title="%s (checkpoint %s, built %s)" % (a.bundle, m.checkpoint.name, m.created))
     for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "argmax", "on this machine"):
         t.add_column(col, overflow="fold")
     for r in rows:
@@ -154,64 +155,65 @@ def verify(argv: List[str], start: float) -> int:
     import torch
 
     from . import checkpoint as ckpt_mod
-    from .build.verify import cases, verify_runner
+    from . import kinds
+    from . import laya_internals as laya_api
     from .manifest import artifact_path
-    from .padding import Ranges
-    from .runtime.runners import make_runner, model_tensors
-    from .variant import current_machine
+    from .tolerance import rule_for
+    from .verification import cases, verify_runner
 
     con = _console()
     try:
-        m = read_manifest(a.bundle)
+        m = read_bundle(a.bundle, kinds.NAMES)
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
     here = ckpt_mod.fingerprint(a.checkpoint)["sha256"]
-    if here != m["checkpoint"]["fingerprint"]["sha256"]:
+    built_from = m.checkpoint.fingerprint.sha256
+    if here != built_from:
         print("laya-aot verify: %s was built from another checkpoint (fingerprint %s..., %s is %s...)"
-              % (a.bundle, m["checkpoint"]["fingerprint"]["sha256"][:12], a.checkpoint, here[:12]), file=sys.stderr)
+              % (a.bundle, built_from[:12], a.checkpoint, here[:12]), file=sys.stderr)
         return 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         agent = laya.load(a.checkpoint, device="cpu")
     reference = agent.model.float().eval()
-    tensors = model_tensors(reference)
-    pad_id = int(agent.tok.pad_token_id or 0)
-    vocab = min(int(reference.encoder.config.vocab_size), len(agent.tok))
+    tensors = kinds.model_tensors(reference)
+    pad_id = laya_api.pad_id(agent)
+    vocab = laya_api.vocab(agent)
     seed = a.seed if a.seed is not None else int(time.time())
-    tol = m.get("tolerance", {})
     failed = 0
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
     for col in ("artifact", "hash", "result"):
         t.add_column(col, overflow="fold")
-    for e in m["artifacts"]:
-        if not e.get("path"):
-            t.add_row(e["name"], "-", "not built: %s" % e.get("error"))
+    for e in m.artifacts:
+        kind = kinds.get(e.kind)
+        if not e.built:
+            t.add_row(e.name, "-", "not built: %s" % e.error)
             continue
         why = check_artifact_hash(a.bundle, e)
         if why:
             failed += 1
-            t.add_row(e["name"], "[red]MISMATCH[/]", why)
+            t.add_row(e.name, "[red]MISMATCH[/]", why)
             continue
-        dev = e.get("device", "cpu")
-        if dev == "cuda" and not torch.cuda.is_available():
-            t.add_row(e["name"], "ok", "not run: needs a CUDA GPU")
+        if e.device == "cuda" and not torch.cuda.is_available():
+            t.add_row(e.name, "ok", "not run: needs a CUDA GPU")
             continue
-        if e["kind"] not in ("aoti", "onnx", "exported_program"):
-            t.add_row(e["name"], "ok", "not run: no numerical check for %s here" % e["kind"])
+        if not kind.reverify:
+            t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
             continue
-        r = Ranges.from_dict(e["ranges"])
-        is32 = e.get("dtype") == "fp32"
+        r = e.ranges
         try:
-            runner = make_runner(e["kind"], artifact_path(a.bundle, e), tensors, dev)
+            runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
+                                                                              model=reference))
             res = verify_runner(runner, reference, cases(seed, r, vocab, pad_id), r, pad_id, runner.device,
-                                float(tol.get("fp32" if is32 else e.get("dtype"), 1e-4)),
-                                float(tol.get("argmax_fp32" if is32 else "argmax_16bit", 1.0)))
-        except Exception as exc:  # noqa: BLE001
-            res = {"passed": False, "reason": "%s: %s" % (type(exc).__name__, exc)}
-        failed += not res["passed"]
-        t.add_row(e["name"], "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
-            res["max_abs_option_prob"], res["max_abs_action_prob"], 100 * res["argmax_agreement"])
-            if res["passed"] else "[red]FAILED[/] %s" % res["reason"])
+                                rule_for(e.dtype, m.tolerance))
+        except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
+            failed += 1
+            t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
+            continue
+        failed += not res.passed
+        t.add_row(e.name, "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
+            res.max_abs_option_prob, res.max_abs_action_prob, 100 * res.argmax_agreement)
+            if res.passed else "[red]FAILED[/] %s" % res.reason)
     con.print(t)
     return 1 if failed else 0

@@ -12,6 +12,8 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .tolerance import Tolerance
+
 
 @dataclass
 class CheckpointConfig:
@@ -82,21 +84,10 @@ class StagesConfig:
 
 
 @dataclass
-class ToleranceConfig:
-    """Max abs difference of option/action probabilities against eager fp32, per artifact dtype."""
-
-    fp32: float = 1e-4
-    bf16: float = 2e-2
-    fp16: float = 2e-2
-    # share of rows whose top option must agree with eager; fp32 requires all of them
-    argmax_fp32: float = 1.0
-    argmax_16bit: float = 0.95
-
-
-@dataclass
 class VerifyConfig:
     seed: int = 1234
-    tolerance: ToleranceConfig = field(default_factory=ToleranceConfig)
+    # the rule every artifact is verified by (laya_aot.tolerance); stored in the manifest
+    tolerance: Tolerance = field(default_factory=Tolerance)
     # calls per artifact at the reference shape, for the latency the runtime ranks by
     latency_repeats: int = 5
 

@@ -45,7 +45,7 @@ class DemoShape:
     # a smaller layer gain so that 22-28 random layers stay as well conditioned in bf16 as trained ones,
     # and head gain 1: with 2.0 the large-1024 model's own bf16 forward (any bf16 implementation, laya's
     # included) differed from fp32 by 0.030 in action probability on the CPU, over the 2e-2 tolerance;
-    # with 1.0 it differs by 0.007 and answers still spread (benchmarks/bf16_scale_check.py)
+    # with 1.0 it differs by 0.007 and answers still spread (benchmarks/investigations/bf16_scale_check.py)
     embed_std: float = 0.5
     layer_gain: float = 1.0
     head_gain: float = 3.0
@@ -59,13 +59,17 @@ PRESETS: Dict[str, DemoShape] = {
     "tiny-alt": DemoShape(hidden_size=96, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
                           vocab_size=1536, max_len=384, head_layers=1, n_actions=4, local_attention=32,
                           global_attn_every_n_layers=2, tokenizer_vocab=1000),
-    "base-512": DemoShape(layer_gain=0.25, head_gain=1.0, hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+    "base-512": DemoShape(layer_gain=0.25, head_gain=1.0,
+                          hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
                           vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "base-1024": DemoShape(layer_gain=0.25, head_gain=1.0, hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+    "base-1024": DemoShape(layer_gain=0.25, head_gain=1.0,
+                          hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
                            vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
-    "large-512": DemoShape(layer_gain=0.25, head_gain=1.0, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
+    "large-512": DemoShape(layer_gain=0.25, head_gain=1.0,
+                          hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
                            vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "large-1024": DemoShape(layer_gain=0.25, head_gain=1.0, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
+    "large-1024": DemoShape(layer_gain=0.25, head_gain=1.0,
+                          hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
                             vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
 }
 

@@ -1,58 +1,274 @@
-"""`bundle.json`: the versioned manifest that travels with a bundle, and the hashing both halves share.
+"""`bundle.json`: the versioned, typed manifest that travels with a bundle; one module for writer and reader.
 
 The manifest is written last; the loader trusts nothing in a bundle that the manifest does not name
-and hash. A reader refuses a schema newer than it knows (it could not tell what the new fields
-mean) with an error that says to upgrade.
+and hash. Reading is strict: an unknown schema version, a missing required field, a value of the
+wrong type, an unknown artifact kind or status, or a duplicate artifact name is a `BundleError`
+naming the field (`artifacts[2].needs.device`), never a KeyError deep in the loader and never a
+wildcard ("no `needs`" does not mean "no requirement"). Fields a newer writer adds are ignored.
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import os
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Collection, Dict, List, Optional
+
+from .files import cached_sha256, sha256_tree, write_json_atomic
+from .padding import Ranges
+from .tolerance import Tolerance
 
 SCHEMA = "laya-aot/bundle"
 SCHEMA_VERSION = 1
 MANIFEST = "bundle.json"
-_CHUNK = 1 << 22
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
+# built: compiled, verification pending (never on disk); unverified: the build had no machine to verify it on
+STATUSES = ("built", "verified", "unverified", "failed_verification", "build_failed")
+_REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
 
 
 class BundleError(RuntimeError):
     """A bundle that cannot be used: missing, partial, tampered, foreign or from a newer laya-aot."""
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
+def _choices(*values: str) -> Dict[str, Any]:
+    return {"choices": values}
 
 
-def sha256_tree(root: str | os.PathLike, file_digest: Callable[[Path], str] = sha256_file) -> str:
-    """One digest for a directory: relative paths and file digests, sorted (a renamed file changes it)."""
-    root = Path(root)
-    h = hashlib.sha256()
-    for p in sorted(x for x in root.rglob("*") if x.is_file()):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + file_digest(p).encode() + b"\n")
-    return h.hexdigest()
+@dataclass
+class Needs:
+    """What a machine must have to run an artifact; `mismatch` in `variant` compares it field by field."""
+
+    device: str = field(metadata=_choices(*DEVICES))
+    torch: Optional[str] = None
+    cxx11_abi: Optional[bool] = None
+    cpu_isa: Optional[str] = None
+    gpu_arch: Optional[str] = None
+    cuda: Optional[str] = None
+    machine: Optional[str] = None
+    os: Optional[str] = None
 
 
-def write_json_atomic(path: str | os.PathLike, data: Dict[str, Any]) -> None:
-    """Write JSON through a temporary file and rename, so readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+@dataclass
+class VerifyResult:
+    """One artifact against the eager fp32 forward: the figures, the rule applied and the verdict."""
+
+    passed: bool
+    reason: Optional[str] = None
+    tolerance: Optional[float] = None
+    argmax_required: Optional[float] = None
+    max_abs_option_prob: Optional[float] = None
+    max_abs_action_prob: Optional[float] = None
+    argmax_agreement: Optional[float] = None
+    rows_compared: Optional[int] = None
+    cases: Dict[str, Any] = field(default_factory=dict)
+    seconds: Optional[float] = None
+
+
+@dataclass
+class Artifact:
+    """One artifact of a bundle: where it is, what it needs, what it is, and how it verified."""
+
+    name: str
+    kind: str
+    status: str = field(metadata=_choices(*STATUSES))
+    device: str = field(metadata=_choices(*DEVICES))
+    needs: Needs
+    path: Optional[str] = None
+    variant: Optional[str] = None
+    dtype: Optional[str] = field(default=None, metadata=_choices(*DTYPES))
+    action_head_dtype: Optional[str] = field(default=None, metadata=_choices(*DTYPES))
+    ranges: Optional[Ranges] = None
+    sha256: Optional[str] = None
+    size: Optional[int] = None
+    build_seconds: Optional[float] = None
+    details: Dict[str, Any] = field(default_factory=dict)
+    verify: Optional[VerifyResult] = None
+    latency_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def built(self) -> bool:
+        return self.status != "build_failed"
+
+
+@dataclass
+class Fingerprint:
+    sha256: str
+    files: Dict[str, str]
+
+
+@dataclass
+class CheckpointInfo:
+    """The checkpoint a bundle was built from; its fingerprint decides whether a bundle fits a checkpoint."""
+
+    name: str
+    path: str
+    max_len: int
+    dtype: str
+    n_actions: int
+    option_layout: str
+    fingerprint: Fingerprint
+    head_layers: Optional[int] = None
+
+
+@dataclass
+class SmokeRecord:
+    """A seeded batch and the eager fp32 outputs on it: what the loader checks a loaded artifact against."""
+
+    inputs: List[Any]
+    input_dtypes: List[str]
+    reference: List[Any]
+
+
+@dataclass
+class Bundle:
+    """The whole manifest. `artifacts` holds every artifact the build attempted, failed ones included."""
+
+    schema: str
+    schema_version: int
+    laya_aot_version: str
+    created: str
+    checkpoint: CheckpointInfo
+    artifacts: List[Artifact]
+    target: Dict[str, Any] = field(default_factory=dict)
+    build_machine: Dict[str, Any] = field(default_factory=dict)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    ranges: Optional[Ranges] = None
+    eager_latency_ms: Dict[str, Any] = field(default_factory=dict)
+    smoke: Optional[SmokeRecord] = None
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+    config: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def artifact(self, name: str) -> Artifact:
+        for a in self.artifacts:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def of_kind(self, kind: str) -> List[Artifact]:
+        return [a for a in self.artifacts if a.kind == kind]
+
+    @classmethod
+    def from_dict(cls, data: Any, kinds: Collection[str], source: str = MANIFEST) -> "Bundle":
+        """Check the envelope, then every field; `kinds` are the artifact kinds this laya-aot knows."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
+                              "`laya-aot build`" % (source, data.get("schema") if isinstance(data, dict) else None))
+        version = data.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            _fail(source, "schema_version", "a schema version number (this laya-aot reads %d)" % SCHEMA_VERSION,
+                  version)
+        if version > SCHEMA_VERSION:
+            raise BundleError("%s uses manifest schema version %r, newer than this laya-aot understands (%d); "
+                              "upgrade laya-aot or rebuild the bundle with this version"
+                              % (source, version, SCHEMA_VERSION))
+        try:
+            bundle = _read(cls, data, "", source)
+        except RecursionError:
+            raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (source, _REBUILD)) from None
+        seen = set()
+        for i, a in enumerate(bundle.artifacts):
+            _check_artifact(a, kinds, "artifacts[%d]" % i, source)
+            if a.name in seen:
+                raise BundleError("%s lists artifact %r twice (artifacts[%d].name); %s" % (source, a.name, i, _REBUILD))
+            seen.add(a.name)
+        return bundle
+
+
+def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
+    """One artifact entry on its own (as a probe child receives it), checked like a manifest's."""
+    try:
+        art = _read(Artifact, data, "", source)
+    except RecursionError:
+        raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, _REBUILD)) from None
+    _check_artifact(art, kinds, "", source)
+    return art
+
+
+def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str) -> None:
+    """What the field types cannot say: a known kind, and a built artifact's path, hash, ranges and dtype."""
+    at = (where + ".") if where else ""
+    if a.kind not in kinds:
+        _fail(source, at + "kind", "one of %s" % ", ".join(sorted(kinds)), a.kind)
+    if a.built:
+        for name in ("path", "sha256", "ranges", "dtype"):
+            if getattr(a, name) is None:
+                _fail(source, at + name, "a value for a built artifact", None)
+
+
+def _fail(source: str, where: str, expected: str, got: Any) -> None:
+    shown = repr(got)
+    raise BundleError("%s is invalid at %s: expected %s, got %s; %s"
+                      % (source, where or "the top level", expected, shown[:80], _REBUILD))
+
+
+def _read(tp: Any, value: Any, where: str, source: str) -> Any:
+    """`value` as type `tp`, or a BundleError naming `where`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _read(args[0], value, where, source)
+    if origin in (list, List):
+        if not isinstance(value, list):
+            _fail(source, where, "a list", value)
+        (item,) = typing.get_args(tp)
+        return [_read(item, v, "%s[%d]" % (where, i), source) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            _fail(source, where, "an object", value)
+        _, item = typing.get_args(tp)
+        return {str(k): _read(item, v, "%s.%s" % (where, k), source) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            _fail(source, where, "an object", value)
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            at = "%s.%s" % (where, f.name) if where else f.name
+            if f.name not in value:
+                required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                if required or f.metadata.get("required"):
+                    _fail(source, at, "a value (the field is required)", None)
+                continue
+            got = _read(hints[f.name], value[f.name], at, source)
+            choices = f.metadata.get("choices")
+            if choices and got is not None and got not in choices:
+                _fail(source, at, "one of %s" % ", ".join(choices), got)
+            kwargs[f.name] = got
+        return tp(**kwargs)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(source, where, "true or false", value)
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(source, where, "an integer", value)
+        return value
+    if tp is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            _fail(source, where, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(source, where, "a string", value)
+        return value
+    raise TypeError("no reader for %r" % (tp,))  # a field type this module does not handle: a bug here
 
 
 def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
-    """Read and check a bundle's manifest; raise BundleError naming the cause and the fix."""
+    """The manifest as plain JSON, after the checks that need no schema (exists, parses, is ours)."""
     bundle = Path(bundle)
     path = bundle / MANIFEST
     if not bundle.is_dir():
@@ -65,66 +281,48 @@ def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+    except RecursionError:
+        raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (path, _REBUILD)) from None
     except (OSError, ValueError) as e:
         raise BundleError("%s is unreadable (%s); rebuild the bundle with `laya-aot build`" % (path, e)) from e
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
                           "`laya-aot build`" % (path, data.get("schema") if isinstance(data, dict) else None))
-    version = data.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise BundleError("%s uses manifest schema version %r, newer than this laya-aot understands (%d); "
-                          "upgrade laya-aot or rebuild the bundle with this version"
-                          % (path, version, SCHEMA_VERSION))
-    if not isinstance(data.get("artifacts"), list):
-        raise BundleError("%s lists no artifacts; rebuild the bundle with `laya-aot build`" % path)
     return data
 
 
-def checkpoint_sha256(manifest: Dict[str, Any]) -> Optional[str]:
-    """The fingerprint of the checkpoint a bundle was built from, as its manifest records it."""
-    return (manifest.get("checkpoint") or {}).get("fingerprint", {}).get("sha256")
+def read_bundle(bundle: str | os.PathLike, kinds: Collection[str]) -> Bundle:
+    """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix."""
+    return Bundle.from_dict(read_manifest(bundle), kinds, str(Path(bundle) / MANIFEST))
 
 
-def built_from(bundle: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
-    """Whether `bundle` is a readable bundle built from this very checkpoint (its fingerprint matches)."""
-    from .checkpoint import fingerprint
-
-    try:
-        m = read_manifest(bundle)
-    except BundleError:
-        return False
-    return checkpoint_sha256(m) == fingerprint(Path(checkpoint))["sha256"]
+def write_manifest(directory: str | os.PathLike, bundle: Bundle) -> None:
+    write_json_atomic(Path(directory) / MANIFEST, bundle.to_dict())
 
 
-def artifact_path(bundle: str | os.PathLike, entry: Dict[str, Any]) -> Path:
-    """The file an artifact entry names, refusing paths that escape the bundle."""
+def artifact_path(bundle: str | os.PathLike, art: Artifact) -> Path:
+    """The file an artifact names, refusing paths that escape the bundle."""
     bundle = Path(bundle).resolve()
-    rel = str(entry.get("path", ""))
+    rel = str(art.path or "")
     p = (bundle / rel).resolve()
     if not rel or bundle not in p.parents:
         raise BundleError("artifact %r names a path outside the bundle (%r); the manifest was tampered with "
-                          "or hand-edited: rebuild the bundle" % (entry.get("name"), rel))
+                          "or hand-edited: rebuild the bundle" % (art.name, rel))
     return p
 
 
-def check_artifact_hash(bundle: str | os.PathLike, entry: Dict[str, Any]) -> Optional[str]:
+def check_artifact_hash(bundle: str | os.PathLike, art: Artifact) -> Optional[str]:
     """None when the artifact's bytes match the manifest, else the reason (missing file, changed bytes)."""
     try:
-        p = artifact_path(bundle, entry)
+        p = artifact_path(bundle, art)
     except BundleError as e:
         return str(e)
     if not p.exists():
-        return "file %s is missing; the bundle is incomplete: rebuild it" % entry.get("path")
+        return "file %s is missing; the bundle is incomplete: rebuild it" % art.path
     # digests are reused while a file's size, mtime, ctime and inode are unchanged (as for the checkpoint
     # fingerprint): re-hashing a 440 MB frozen package cost 0.75 s of every start on the CPU
-    from .checkpoint import cached_sha256
-
     actual = sha256_tree(p, cached_sha256) if p.is_dir() else cached_sha256(p)
-    if actual != entry.get("sha256"):
+    if actual != art.sha256:
         return ("sha256 of %s is %s..., the manifest says %s...: the file was changed after the build; "
-                "rebuild the bundle" % (entry.get("path"), actual[:12], str(entry.get("sha256"))[:12]))
+                "rebuild the bundle" % (art.path, actual[:12], str(art.sha256)[:12]))
     return None
-
-
-def artifacts_by_kind(manifest: Dict[str, Any], kind: str) -> List[Dict[str, Any]]:
-    return [a for a in manifest["artifacts"] if a.get("kind") == kind]

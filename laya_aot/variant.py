@@ -9,7 +9,10 @@ from __future__ import annotations
 import platform
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
+
+if TYPE_CHECKING:
+    from .manifest import Needs
 
 # CPU instruction sets in the order torch reports them; a package built for one needs at least it.
 ISA_ORDER = ("DEFAULT", "ZVECTOR", "VSX", "SVE256", "AVX2", "AVX512")
@@ -73,20 +76,14 @@ def current_machine(device: Optional[str] = None) -> Machine:
     )
 
 
-def variant_string(kind: str, m: Machine, device: str) -> str:
-    """The variant an artifact of `kind` built on `m` for `device` needs.
+def native_variant(m: Machine, device: str) -> str:
+    """The variant of compiled native code built on `m` for `device` (kinds with other needs spell their own).
 
-    aoti (cpu):  torch213-cxx11-cpu-avx512-x86_64-linux
-    aoti (cuda): torch211-cxx11-cu130-sm_90-x86_64-linux
-    onnx:        onnx-any (ONNX Runtime on any CPU)
-    tilelang:    cu130-sm_90a-x86_64-linux (a cubin per kernel)
+    cpu:  torch213-cxx11-cpu-avx512-x86_64-linux
+    cuda: torch211-cxx11-cu130-sm_90-x86_64-linux
     """
     abi = "cxx11" if m.cxx11_abi else "cxx98"
     plat = "%s-%s" % (m.machine, m.os)
-    if kind == "onnx":
-        return "onnx-any"
-    if kind == "exported_program":
-        return "%s-any" % torch_tag(m.torch)
     if device == "cpu":
         return "%s-%s-cpu-%s-%s" % (torch_tag(m.torch), abi, m.cpu_isa.lower(), plat)
     return "%s-%s-%s-%s-%s" % (torch_tag(m.torch), abi, cuda_tag(m.cuda), m.gpu_arch, plat)
@@ -103,8 +100,9 @@ def isa_satisfies(have: str, need: str) -> bool:
     return False
 
 
-def mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]:
+def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
     """Why a machine `m` cannot run an artifact that needs `needs`, or None when it can."""
+    needs = {k: v for k, v in asdict(needs).items() if v is not None}
     why = []
     if needs.get("torch") and torch_tag(str(needs["torch"])) != torch_tag(m.torch):
         why.append("built for torch %s, this process has torch %s" % (needs["torch"], m.torch))

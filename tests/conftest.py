@@ -33,13 +33,13 @@ def alt_ckpt(tmp_path_factory) -> Path:
 
 
 def build_bundle(ckpt: Path, out: Path, *overrides: str) -> dict:
-    from laya_aot.build import build
     from laya_aot.config import compose
+    from laya_aot.pipeline import build
 
     cfg = compose(["checkpoint.path=%s" % ckpt, "output_dir=%s" % out, *overrides])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build(cfg)
+        return build(cfg).bundle.to_dict()
 
 
 @pytest.fixture(scope="session")

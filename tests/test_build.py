@@ -12,17 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import build_bundle
-from laya_aot.build import BuildError
-from laya_aot.manifest import (MANIFEST, SCHEMA, SCHEMA_VERSION, check_artifact_hash, read_manifest,
-                               sha256_file)
+
+from laya_aot import kinds
+from laya_aot.files import sha256_file
+from laya_aot.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, check_artifact_hash, read_bundle, read_manifest
 from laya_aot.padding import Ranges
+from laya_aot.pipeline import BuildError
 
 
 def _by_name(manifest, name):
     (entry,) = [a for a in manifest["artifacts"] if a["name"] == name]
     return entry
+
+
+def _hash_problem(bundle, name):
+    return check_artifact_hash(bundle, read_bundle(bundle, kinds.NAMES).artifact(name))
 
 
 def _by_kind(manifest, kind):
@@ -44,7 +49,7 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert names == {"exported_program-fp32", "aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}
     for a in m["artifacts"]:
         assert a["status"] == "verified", a
-        assert check_artifact_hash(demo_bundle, a) is None
+        assert _hash_problem(demo_bundle, a["name"]) is None
         assert a["size"] > 0 and a["build_seconds"] > 0 and a["dtype"] == "fp32"
     aoti = _by_name(m, "aoti-cpu")
     assert aoti["variant"].startswith("torch%s%s-cxx11-cpu-" % tuple(torch.__version__.split(".")[:2]))
@@ -132,7 +137,7 @@ def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
 
 
 def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
-    import laya_aot.build.aoti as aoti
+    import laya_aot.kinds.aoti as aoti
 
     def boom(*a, **k):
         raise RuntimeError("simulated inductor crash")
@@ -146,7 +151,7 @@ def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, mon
 
 
 def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
-    import laya_aot.build.onnx_export as onnx_export
+    import laya_aot.kinds.onnx as onnx_export
 
     monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **k: (_ for _ in ()).throw(ValueError("no opset")))
     m = build_bundle(demo_ckpt, tmp_path / "b")
@@ -156,7 +161,7 @@ def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, mon
 
 
 def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, tmp_path, monkeypatch):
-    from laya_aot.runtime import runners
+    from laya_aot.kinds import onnx as runners
 
     real = runners.ONNXRunner.__call__
 
@@ -170,7 +175,7 @@ def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, t
 
 
 def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypatch):
-    import laya_aot.build.export as export
+    import laya_aot.kinds.exported_program as export
 
     def boom(*a, **k):
         raise RuntimeError("Constraints violated (tokens_16)")
@@ -213,10 +218,10 @@ def test_killed_build_leaves_the_previous_bundle_intact(bundle_copy, demo_ckpt):
     _kill_after_export(proc, bundle_copy)
     after = read_manifest(bundle_copy)                      # still the old, complete bundle
     assert after["created"] == before["created"]
-    assert all(check_artifact_hash(bundle_copy, a) is None for a in after["artifacts"])
+    assert all(_hash_problem(bundle_copy, a["name"]) is None for a in after["artifacts"])
     partials = list(bundle_copy.parent.glob(".bundle.partial-*"))
     assert partials and not any((p / MANIFEST).exists() for p in partials)
-    from laya_aot.build.staging import clean_stale
+    from laya_aot.pipeline.staging import clean_stale
     clean_stale(bundle_copy)                                # the next build removes what the killed one left
     assert not list(bundle_copy.parent.glob(".bundle.partial-*"))
 
@@ -246,7 +251,7 @@ def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(demo_ckpt, tmp_pat
     assert tl["status"] == "unverified" and tl["needs"]["gpu_arch"] == "sm_90a"
     kernels = tl["details"]["kernels"]
     assert kernels and all(k["status"] == "ok" and len(k["sha256"]) == 64 for k in kernels)
-    assert check_artifact_hash(tmp_path / "b", tl) is None
+    assert _hash_problem(tmp_path / "b", tl["name"]) is None
 
 
 def test_an_output_dir_that_is_not_a_bundle_is_never_replaced(demo_ckpt, tmp_path):

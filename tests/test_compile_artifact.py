@@ -12,10 +12,18 @@ import json
 import pytest
 import torch
 
-from laya_aot.build.inductor_cache import (CACHE_FILE, INFO_FILE, MIN_ROWS, build_cache, check_in_fresh_process,
-                                           pad_rows, warm_shapes)
-from laya_aot.build.verify import cases, verify_runner
+from laya_aot.kinds.compile import (
+    CACHE_FILE,
+    INFO_FILE,
+    MIN_ROWS,
+    build_cache,
+    check_in_fresh_process,
+    pad_rows,
+    warm_shapes,
+)
 from laya_aot.padding import Ranges
+from laya_aot.tolerance import Rule
+from laya_aot.verification import cases, verify_runner
 
 
 def test_pad_rows_repeats_the_last_row_only_when_needed():
@@ -57,7 +65,7 @@ def _untraceable(*args, **kwargs):
 def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, monkeypatch):
     import laya
 
-    from laya_aot.runtime.runners import CompileRunner
+    from laya_aot.kinds.compile import CompileRunner
 
     agent = laya.load(str(even_head_ckpt), device="cpu")
     assert agent.model.head.layers[0].self_attn.num_heads % 2 == 0
@@ -78,9 +86,9 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, 
     pad = int(agent.tok.pad_token_id or 0)
     vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
     res = verify_runner(runner, agent.model.float().eval(), cases(3, ranges, vocab, pad), ranges, pad,
-                        torch.device("cpu"), 1e-4, 1.0)
-    assert res["passed"], res["reason"]
-    assert res["cases"]["one_row"]["rows"] == 1
+                        torch.device("cpu"), Rule(1e-4, 1.0))
+    assert res.passed, res.reason
+    assert res.cases["one_row"]["rows"] == 1
     # every case (one row, one option, odd lengths, padded rows) ran on the one graph the first call
     # traced, and that call took Inductor's output from the cache instead of compiling it
     first = {k: v for k, v in runner.stats.items() if k.startswith("first_call_") and k != "first_call_s"}
@@ -103,11 +111,12 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, 
 def test_a_cache_compiled_with_other_options_is_refused(demo_ckpt, tmp_path):
     import laya
 
-    from laya_aot.runtime.runners import CompileRunner
+    from laya_aot.kinds.compile import CompileRunner
 
     art = tmp_path / "compile"
     art.mkdir()
-    (art / INFO_FILE).write_text(json.dumps({"options": {"dynamic": True}, "dtype": "fp32", "action_head_dtype": "fp32"}))
+    info = {"options": {"dynamic": True}, "dtype": "fp32", "action_head_dtype": "fp32"}
+    (art / INFO_FILE).write_text(json.dumps(info))
     (art / CACHE_FILE).write_bytes(b"")
     agent = laya.load(str(demo_ckpt), device="cpu")
     try:

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from laya_aot.build import aoti
+from laya_aot.kinds import aoti, aoti_compiler
 
 
 def _fake_cxx(tmp_path, name: str, prints: str) -> str:
@@ -22,10 +22,10 @@ def test_a_compiler_without_libstdcxx_so_is_passed_over(tmp_path, monkeypatch):
     real_lib = tmp_path / "libstdc++.so"
     real_lib.write_text("")
     dynamic = _fake_cxx(tmp_path, "g++-dynamic", str(real_lib))
-    assert not aoti.links_libstdcxx_dynamically(static)
-    assert aoti.links_libstdcxx_dynamically(dynamic)
-    monkeypatch.setattr(aoti, "candidate_compilers", lambda configured=None: [static, dynamic])
-    chosen = aoti.choose_compiler()
+    assert not aoti_compiler.links_libstdcxx_dynamically(static)
+    assert aoti_compiler.links_libstdcxx_dynamically(dynamic)
+    monkeypatch.setattr(aoti_compiler, "candidate_compilers", lambda configured=None: [static, dynamic])
+    chosen = aoti_compiler.choose_compiler()
     assert chosen["cxx"] == dynamic
     assert "cannot link libstdc++ dynamically" in chosen["passed_over"][0]
 
@@ -36,13 +36,13 @@ def test_a_wrapper_that_adds_static_libstdcxx_is_passed_over(tmp_path):
     wrapper = tmp_path / "g++-wrapper"
     wrapper.write_text('#!/bin/sh\nexec %s -static-libstdc++ "$@"\n' % shutil.which("g++"))
     wrapper.chmod(0o755)
-    assert not aoti.links_libstdcxx_dynamically(str(wrapper))
-    assert aoti.links_libstdcxx_dynamically(shutil.which("g++"))
+    assert not aoti_compiler.links_libstdcxx_dynamically(str(wrapper))
+    assert aoti_compiler.links_libstdcxx_dynamically(shutil.which("g++"))
 
 
 def test_missing_configured_compiler_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="aoti.cxx"):
-        aoti.choose_compiler(str(tmp_path / "nope"))
+        aoti_compiler.choose_compiler(str(tmp_path / "nope"))
 
 
 def test_this_machine_has_a_usable_compiler(demo_bundle):
@@ -50,7 +50,7 @@ def test_this_machine_has_a_usable_compiler(demo_bundle):
 
     (entry,) = [a for a in read_manifest(demo_bundle)["artifacts"] if a["name"] == "aoti-cpu"]
     assert os.path.exists(entry["details"]["cxx"])
-    assert aoti.links_libstdcxx_dynamically(entry["details"]["cxx"])
+    assert aoti_compiler.links_libstdcxx_dynamically(entry["details"]["cxx"])
 
 
 def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from laya_aot.demo import PRESETS, make_checkpoint
-from laya_aot.manifest import sha256_file
+from laya_aot.files import sha256_file
 
 QUESTIONS = {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from laya_aot.runtime.graphs import GraphedCalls
+from laya_aot.kinds.graphs import GraphedCalls
 
 
 class FakeGraph:

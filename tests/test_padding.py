@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from laya_aot.manifest import Artifact, Needs
 from laya_aot.padding import Ranges, chunks, pad_batch
 from laya_aot.runtime.backend import AOTBackend
 
@@ -10,8 +11,8 @@ R = Ranges(min_rows=1, max_rows=4, min_tokens=32, max_tokens=64, min_markers=2, 
 
 
 def _batch(n=3, t=37, k=1):
-    return (torch.randint(5, 50, (n, t)), torch.ones((n, t), dtype=torch.long),
-            torch.ones((n, k), dtype=torch.long), torch.ones((n, k), dtype=torch.bool), torch.zeros(n, dtype=torch.long))
+    return (torch.randint(5, 50, (n, t)), torch.ones((n, t), dtype=torch.long), torch.ones((n, k), dtype=torch.long),
+            torch.ones((n, k), dtype=torch.bool), torch.zeros(n, dtype=torch.long))
 
 
 def test_tokens_pad_to_the_multiple_with_pad_id_and_no_attention():
@@ -50,7 +51,8 @@ class _Runner:
 
 def _backend():
     runner = _Runner()
-    entry = {"kind": "aoti", "name": "x", "ranges": R.as_dict(), "variant": "v"}
+    entry = Artifact(name="x", kind="aoti", status="verified", device="cpu", needs=Needs(device="cpu"), ranges=R,
+                     variant="v")
     return AOTBackend(_Agent(), runner, entry, pad_id=0), runner
 
 

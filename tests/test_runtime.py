@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import threading
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -14,7 +13,8 @@ import pytest
 import torch
 
 import laya_aot
-from laya_aot.manifest import MANIFEST, read_manifest, sha256_tree, write_json_atomic
+from laya_aot.files import sha256_tree, write_json_atomic
+from laya_aot.manifest import MANIFEST, read_manifest
 from laya_aot.runtime.loader import NoArtifactError
 
 WORDS = ("invoice refund payment charged twice password login server down error crash deploy timeout "
@@ -81,14 +81,14 @@ def aot(demo_ckpt, demo_bundle):
 def test_default_picks_a_bundle_artifact(demo_ckpt, demo_bundle):
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
     assert agent.backend in ("aot:aoti", "aot:onnx")      # ranked by the latency the build measured
-    assert agent.backend_object.artifact["status"] == "verified"
+    assert agent.backend_object.artifact.status == "verified"
 
 
 def test_aoti_is_chosen_and_described(aot):
     assert aot.backend == "aot:aoti"
     bo = aot.backend_object
-    assert bo.artifact["kind"] == "aoti" and bo.variant.startswith("torch")
-    assert bo.verify["passed"] and bo.verify["max_abs_option_prob"] <= 1e-4
+    assert bo.artifact.kind == "aoti" and bo.variant.startswith("torch")
+    assert bo.verify.passed and bo.verify.max_abs_option_prob <= 1e-4
     assert "artifact_calls" not in bo.stats  # the load-time smoke check is not counted as traffic
 
 
@@ -128,7 +128,8 @@ def test_prefer_onnx(demo_ckpt, demo_bundle, eager):
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="onnx")
     assert agent.backend == "aot:onnx"
     qs = dict(list(question_suite().items())[::5])
-    for got, ref in zip(agent.predict_batch(["the invoice is wrong"], qs), eager.predict_batch(["the invoice is wrong"], qs)):
+    state = ["the invoice is wrong"]
+    for got, ref in zip(agent.predict_batch(state, qs), eager.predict_batch(state, qs)):
         assert_same_answers(got["answers"], ref["answers"])
 
 
@@ -167,7 +168,7 @@ def no_native_load(monkeypatch):
     """Fail the test if anything tries to load native code from the bundle or probe it."""
     import torch._inductor.package as pkg
 
-    from laya_aot.runtime import runners
+    from laya_aot.kinds import aoti as runners
 
     calls = []
 
@@ -294,7 +295,7 @@ def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ck
     _crashing_bundle(bundle_copy, tmp_path)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
     # this process survived; the next artifact serves
-    assert agent.backend.startswith("aot:") and agent.backend_object.artifact["name"] != "aoti-cpu"
+    assert agent.backend.startswith("aot:") and agent.backend_object.artifact.name != "aoti-cpu"
     reasons = dict(agent.backend_object.rejected)
     assert agent.backend_object.load_stats["agent_load_s"] > 0
     assert reasons["aoti-cpu"] == "loading it crashed a probe process: SIGABRT"
@@ -307,7 +308,7 @@ def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ck
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     again = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
     assert dict(again.backend_object.rejected)["aoti-cpu"] == "loading it crashed a probe process: SIGABRT"
-    assert again.backend_object.artifact["name"] == agent.backend_object.artifact["name"]
+    assert again.backend_object.artifact.name == agent.backend_object.artifact.name
 
 
 def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, monkeypatch):
@@ -319,11 +320,11 @@ def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, m
     # the verdict it wrote is the one the next start reads
     again = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
     assert again.backend_object.load_stats["probe"] == "cached"
-    assert again.backend_object.artifact["name"] == agent.backend_object.artifact["name"]
+    assert again.backend_object.artifact.name == agent.backend_object.artifact.name
 
 
 def test_built_from_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt, tmp_path):
-    from laya_aot.manifest import built_from
+    from laya_aot.checkpoint import built_from
 
     assert built_from(demo_bundle, demo_ckpt)
     assert not built_from(demo_bundle, alt_ckpt)
@@ -365,7 +366,8 @@ def test_a_bundle_without_a_smoke_reference_is_checked_against_eager(bundle_copy
 def test_probe_stand_in_weights_have_the_checkpoints_shapes(demo_ckpt, demo_bundle):
     from safetensors.torch import load_file
 
-    from laya_aot.runtime.runners import AOTI_CONSTANTS, synthetic_constants
+    from laya_aot.kinds.aoti import CONSTANTS as AOTI_CONSTANTS
+    from laya_aot.kinds.aoti import synthetic_constants
 
     art = demo_bundle / "aoti-cpu"
     fake = synthetic_constants(art, demo_ckpt, "cpu")
@@ -382,7 +384,7 @@ def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_record
     """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune): the probe
     child may start before the weights' digest is known; the mismatch refuses the bundle, and no
     verdict is cached for it."""
-    from laya_aot.runtime import probe as probe_mod
+    from laya_aot import probe as probe_mod
 
     other = tmp_path / "finetuned"
     shutil.copytree(demo_ckpt, other)

@@ -5,8 +5,10 @@ from dataclasses import replace
 
 import pytest
 
+from laya_aot import kinds
+from laya_aot.manifest import Artifact, Needs, VerifyResult
 from laya_aot.runtime.select import rank, reject_reason
-from laya_aot.variant import Machine, isa_satisfies, mismatch, torch_tag, variant_string
+from laya_aot.variant import Machine, isa_satisfies, mismatch, torch_tag
 
 CPU = Machine(torch="2.13.0", cxx11_abi=True, cpu_isa="AVX512", cuda=None, gpu_arch=None, machine="x86_64",
               os="linux", python="3.11")
@@ -14,9 +16,10 @@ H200 = replace(CPU, torch="2.11.0", cuda="13.0", gpu_arch="sm_90")
 
 
 def test_variant_strings_name_what_an_artifact_needs():
-    assert variant_string("aoti", CPU, "cpu") == "torch213-cxx11-cpu-avx512-x86_64-linux"
-    assert variant_string("aoti", H200, "cuda") == "torch211-cxx11-cu130-sm_90-x86_64-linux"
-    assert variant_string("onnx", CPU, "cpu") == "onnx-any"
+    assert kinds.get("aoti").variant(CPU, "cpu") == "torch213-cxx11-cpu-avx512-x86_64-linux"
+    assert kinds.get("aoti").variant(H200, "cuda") == "torch211-cxx11-cu130-sm_90-x86_64-linux"
+    assert kinds.get("onnx").variant(CPU, "cpu") == "onnx-any"
+    assert kinds.get("tilelang").variant(replace(H200, gpu_arch="sm_90a"), "cuda") == "cu130-sm_90a-x86_64-linux"
     assert torch_tag("2.14.1+cu130") == "torch214"
 
 
@@ -35,25 +38,23 @@ def test_isa_ladder():
     ({"device": "cpu", "machine": "aarch64"}, CPU, "built for aarch64"),
 ])
 def test_mismatch_says_why(needs, machine, expect):
-    assert expect in mismatch(needs, machine)
+    assert expect in mismatch(Needs(**needs), machine)
 
 
 def test_matching_machine_has_no_mismatch():
-    assert mismatch({"device": "cuda", "gpu_arch": "sm_90a", "cuda": "13.0", "torch": "2.11.0"}, H200) is None
-    assert mismatch({"device": "cpu", "torch": "2.13.1", "cpu_isa": "AVX2", "cxx11_abi": True}, CPU) is None
+    assert mismatch(Needs(device="cuda", gpu_arch="sm_90a", cuda="13.0", torch="2.11.0"), H200) is None
+    assert mismatch(Needs(device="cpu", torch="2.13.1", cpu_isa="AVX2", cxx11_abi=True), CPU) is None
 
 
-def _entry(name, kind, status="verified", lat=None, device="cpu"):
-    e = {"name": name, "kind": kind, "status": status, "needs": {"device": device}, "device": device}
-    if lat is not None:
-        e["latency_ms"] = {device: {"1x128x4": lat}}
-    return e
+def _entry(name, kind, status="verified", lat=None, device="cpu", **kw):
+    return Artifact(name=name, kind=kind, status=status, needs=Needs(device=device), device=device,
+                    latency_ms={device: {"1x128x4": lat}} if lat is not None else {}, **kw)
 
 
 def test_reject_reasons_from_the_manifest():
-    assert "failed verification" in reject_reason(dict(_entry("a", "aoti", "failed_verification"),
-                                                       verify={"reason": "over tolerance"}), CPU, "cpu")
-    assert "build failed" in reject_reason(dict(_entry("a", "aoti", "build_failed"), error="boom"), CPU, "cpu")
+    assert "failed verification" in reject_reason(_entry("a", "aoti", "failed_verification",
+                                                         verify=VerifyResult(False, "over tolerance")), CPU, "cpu")
+    assert "build failed" in reject_reason(_entry("a", "aoti", "build_failed", error="boom"), CPU, "cpu")
     assert "not a runtime artifact" in reject_reason(_entry("p", "exported_program"), CPU, "cpu")
     assert "ONNX Runtime runs on the CPU" in reject_reason(_entry("o", "onnx"), H200, "cuda")
     assert reject_reason(_entry("a", "aoti"), CPU, "cpu") is None
@@ -61,15 +62,15 @@ def test_reject_reasons_from_the_manifest():
 
 def test_rank_by_measured_latency_then_fixed_order():
     es = [_entry("onnx", "onnx", lat=2.0), _entry("aoti", "aoti", lat=1.0), _entry("tl", "tilelang")]
-    assert [e["name"] for e in rank(es, "cpu")[0]] == ["aoti", "onnx", "tl"]
+    assert [e.name for e in rank(es, "cpu")[0]] == ["aoti", "onnx", "tl"]
     es = [_entry("onnx", "onnx"), _entry("compile", "compile"), _entry("aoti", "aoti"), _entry("tl", "tilelang")]
-    assert [e["name"] for e in rank(es, "cpu")[0]] == ["tl", "aoti", "compile", "onnx"]
+    assert [e.name for e in rank(es, "cpu")[0]] == ["tl", "aoti", "compile", "onnx"]
 
 
 def test_prefer_keeps_one_kind_and_says_why_for_the_rest():
     es = [_entry("onnx", "onnx", lat=0.5), _entry("aoti", "aoti", lat=1.0)]
     order, skipped = rank(es, "cpu", prefer="aoti")
-    assert [e["name"] for e in order] == ["aoti"]
+    assert [e.name for e in order] == ["aoti"]
     assert skipped == [("onnx", "not the preferred kind (prefer='aoti')")]
     with pytest.raises(ValueError, match="not an artifact kind"):
         rank(es, "cpu", prefer="tensorrt")

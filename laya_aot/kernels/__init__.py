@@ -10,8 +10,17 @@ Only `catalogue` works without TileLang installed; the rest need the `tilelang` 
 """
 from .catalogue import KernelSpec, catalogue, encoder_dims, row_buckets, shape_specs, static_lengths
 from .compile import DEFAULT_ARCHS, build_for_checkpoint, checkpoint_catalogue, compile_catalogue, find_nvcc
-from .driver import (BundleError, KernelBundle, KernelMissing, PrecompiledFast, PrecompiledTileLangBackend,
-                     arch_of, detect_arch, make_fast_forward, select_arch)
+from .driver import (
+                     BundleError,
+                     KernelBundle,
+                     KernelMissing,
+                     PrecompiledFast,
+                     PrecompiledTileLangBackend,
+                     arch_of,
+                     detect_arch,
+                     make_fast_forward,
+                     select_arch,
+)
 
 __all__ = ["DEFAULT_ARCHS", "BundleError", "KernelBundle", "KernelMissing", "KernelSpec", "PrecompiledFast",
            "PrecompiledTileLangBackend", "arch_of", "build_for_checkpoint", "catalogue", "checkpoint_catalogue",

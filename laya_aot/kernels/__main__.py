@@ -56,7 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          | {"kernels": len(r["kernels"]),
                             "bytes": sum(e["size"] or 0 for e in r["kernels"]),
                             "kernel_seconds_sum": round(sum(e["seconds"] for e in r["kernels"]), 1),
-                            "failures": {e["key"]: (e["error"] or "")[:2000] for e in r["kernels"] if e["status"] != "ok"}}
+                            "failures": {e["key"]: (e["error"] or "")[:2000]
+                                         for e in r["kernels"] if e["status"] != "ok"}}
                          for arch, r in reports.items()}}
     print(json.dumps(summary, indent=1))
     if a.report:

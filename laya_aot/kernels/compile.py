@@ -176,7 +176,7 @@ def kernel_cache_dir(arch: str, nvcc: str) -> Optional[Path]:
     if root is not None and root.strip() in ("", "0"):
         return None
     if root is None:
-        from ..checkpoint import cache_dir
+        from ..files import cache_dir
 
         root = str(cache_dir() / "tilelang-kernels")
     v = _versions()
@@ -321,5 +321,5 @@ def build_for_checkpoint(checkpoint_dir: Path, archs: Sequence[str], dtype: str,
     return reports
 
 
-__all__ = ["DEFAULT_ARCHS", "build_for_checkpoint", "kernel_cache_dir", "checkpoint_catalogue", "compile_catalogue", "cuda_target",
-           "find_nvcc", "nvcc_version", "read_checkpoint_config", "sha256_file"]
+__all__ = ["DEFAULT_ARCHS", "build_for_checkpoint", "kernel_cache_dir", "checkpoint_catalogue", "compile_catalogue",
+           "cuda_target", "find_nvcc", "nvcc_version", "read_checkpoint_config", "sha256_file"]

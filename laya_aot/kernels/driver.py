@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from laya.backends.base import Backend, BackendUnavailable
-
+from ..laya_internals import Backend, BackendUnavailable
 from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
 from .catalogue import FACTORIES, KernelSpec, encoder_dims, shape_specs
 from .compile import INDEX_NAME, META_FORMAT, cuda_target, sha256_file
@@ -133,11 +132,11 @@ class KernelBundle:
 
     def _load_entry(self, entry: Mapping[str, Any]):
         """dlopen one kernel library and wrap it the way TileLang wraps a disk-cache hit."""
+        from laya import tl_kernels
         from tilelang import tvm
         from tilelang.engine.param import load_kernel_params
         from tilelang.jit.adapter.base import CachedTextSource
         from tilelang.jit.kernel import JITKernel
-        from laya import tl_kernels
 
         meta = self._read_meta(entry)
         lib = self._file(entry, "path", "sha256")

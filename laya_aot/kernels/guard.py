@@ -27,7 +27,7 @@ def _targets() -> List[Tuple[object, str, str]]:
     import importlib
 
     import tilelang  # noqa: F401  (puts TileLang's bundled tvm on the path)
-    from tilelang.jit import JITImpl        # `tilelang.jit` the attribute is the decorator, not the module
+    from tilelang.jit import JITImpl  # `tilelang.jit` the attribute is the decorator, not the module
     from tilelang.jit.kernel import JITKernel
 
     tl_nvcc = importlib.import_module("tilelang.contrib.nvcc")

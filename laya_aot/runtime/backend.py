@@ -13,24 +13,25 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from laya.backends.base import Backend
 
+from ..kinds import Runner
+from ..laya_internals import Backend
+from ..manifest import Artifact, VerifyResult
 from ..padding import Ranges, chunks, pad_batch
-from .runners import Runner
 
 
 class AOTBackend(Backend):
     """An artifact from a laya-aot bundle installed as the agent's forward."""
 
-    def __init__(self, agent, runner: Runner, entry: Dict[str, Any], pad_id: int,
+    def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
                  rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None):
         super().__init__(agent)
-        self.name = "aot:%s" % entry["kind"]
+        self.name = "aot:%s" % art.kind
         self.runner = runner
-        self.artifact = entry
-        self.variant = entry.get("variant")
-        self.verify = entry.get("verify")
-        self.ranges = Ranges.from_dict(entry["ranges"])
+        self.artifact = art
+        self.variant: Optional[str] = art.variant
+        self.verify: Optional[VerifyResult] = art.verify
+        self.ranges: Ranges = art.ranges
         self.pad_id = pad_id
         self.rejected = list(rejected or [])
         self.load_stats = dict(load_stats or {})
@@ -46,6 +47,11 @@ class AOTBackend(Backend):
         if graphs is not None:
             out["cuda_graphs"] = graphs.stats
         return out
+
+    def reset_stats(self) -> None:
+        """Forget the calls so far (the loader's smoke check is not traffic)."""
+        with self._lock:
+            self._counts.clear()
 
     def _count(self, **kw: int) -> None:
         with self._lock:
@@ -78,7 +84,7 @@ class AOTBackend(Backend):
         return logits_t.to(out_dev), acts_t.to(out_dev)
 
     def __repr__(self) -> str:
-        return "AOTBackend(%s, variant=%s, installed=%s)" % (self.artifact["name"], self.variant, self.installed)
+        return "AOTBackend(%s, variant=%s, installed=%s)" % (self.artifact.name, self.variant, self.installed)
 
 
 class EagerFallback(Backend):

@@ -29,20 +29,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import checkpoint as ckpt_mod
-from ..manifest import BundleError, artifact_path, check_artifact_hash, checkpoint_sha256, read_manifest
-from ..padding import Ranges
+from .. import kinds
+from .. import laya_internals as laya_api
+from ..manifest import Artifact, Bundle, BundleError, artifact_path, check_artifact_hash, read_bundle
+from ..tolerance import rule_for
 from ..variant import current_machine
 from .backend import AOTBackend, EagerFallback
-from .runners import make_runner, model_tensors
 from .select import rank, reject_reason
 
 log = logging.getLogger(__name__)
-
-# Artifacts that load native libraries (a crash there is a signal, not an exception): probed in a child
-# first. The compile artifact is Python plus Triton kernels; a child probe would run its whole
-# torch.compile a second time (tens of seconds on a large model), so it is loaded in-process, where a
-# failure is an exception the loader catches like any other.
-NATIVE_KINDS = ("aoti", "tilelang")
 
 
 class _Early:
@@ -67,26 +62,25 @@ class _Early:
         self._thread.start()
 
     def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]) -> None:
-        from .probe import start
+        from ..probe import start
 
         try:
-            manifest = read_manifest(bundle)
-            recorded = ((manifest.get("checkpoint") or {}).get("fingerprint") or {}).get("files") or {}
-            if not ckpt_mod.small_files_match(ckpt, recorded):  # another architecture or tokenizer
-                return
+            manifest = read_bundle(bundle, kinds.NAMES)
+            if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
+                return                                                                       # or tokenizer
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dev_type = torch.device(dev).type
             machine = current_machine(dev)
-            candidates, _ = rank(manifest["artifacts"], dev_type, prefer)
-            for entry in candidates:
-                if reject_reason(entry, machine, dev_type) is None:
-                    if entry.get("kind") in NATIVE_KINDS and check_artifact_hash(bundle, entry) is None:
+            candidates, _ = rank(manifest.artifacts, dev_type, prefer)
+            for art in candidates:
+                if reject_reason(art, machine, dev_type) is None:
+                    if kinds.get(art.kind).native and check_artifact_hash(bundle, art) is None:
                         self.device = dev
                         self.started_after_s = round(time.perf_counter() - self._t0, 3)
-                        self.pending = start(bundle, entry, ckpt, dev, machine)
+                        self.pending = start(bundle, art, ckpt, dev, machine)
                     break
             # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
-            if checkpoint_sha256(manifest) != ckpt_mod.fingerprint(ckpt)["sha256"] and self.pending is not None:
+            if manifest.checkpoint.fingerprint.sha256 != ckpt_mod.fingerprint(ckpt)["sha256"] and self.pending:
                 self.pending.cancel()
                 self.pending = None
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
@@ -96,7 +90,7 @@ class _Early:
         """The probe started for artifact `name` on `device`, or None."""
         self._thread.join()
         p = self.pending
-        if p is not None and p.entry.get("name") == name and self.device == device:
+        if p is not None and p.entry.name == name and self.device == device:
             self.pending = None
             return p
         return None
@@ -112,107 +106,84 @@ class NoArtifactError(RuntimeError):
     """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
 
-def _checkpoint_dir(checkpoint: str) -> Path:
-    if os.path.isdir(checkpoint):
-        return Path(checkpoint)
-    if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
-        return ckpt_mod._from_hf_cache(checkpoint, None)
-    raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
-                            "built from" % checkpoint)
-
-
 def _format(rejected: List[Tuple[str, str]]) -> str:
     return "; ".join("%s: %s" % (name, why) for name, why in rejected) or "the bundle lists no artifacts"
 
 
-def _smoke_check(agent, backend: AOTBackend, entry: Dict[str, Any], manifest: Dict[str, Any]) -> Optional[str]:
+def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) -> Optional[str]:
     """Run the installed artifact on one seeded batch and compare it with a reference (catches a bad load).
 
     The reference is the build's eager fp32 forward on that batch, stored in the manifest
-    (verify.smoke_record), so a start does not also warm up and run the eager model; a bundle
+    (verification.smoke_record), so a start does not also warm up and run the eager model; a bundle
     written before that record existed is compared with the eager forward here instead.
     """
-    from ..build.verify import compare, smoke_batch, smoke_from_record
+    from ..verification import compare, smoke_batch, smoke_from_record
 
     dev = agent.device
-    tol = float((entry.get("verify") or {}).get("tolerance", 1e-4))
-    record = manifest.get("smoke")
+    rule = rule_for(art.dtype, manifest.tolerance)
+    record = manifest.smoke
     with torch.no_grad():
         if record:
             batch, ref = smoke_from_record(record)
         else:
-            vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
-            batch = smoke_batch(Ranges.from_dict(entry["ranges"]), vocab, backend.pad_id)
+            batch = smoke_batch(art.ranges, laya_api.vocab(agent), backend.pad_id)
             ref = backend.stock_forward(*(x.to(dev) for x in batch))
-            # this reference runs in the agent's own precision (bf16 autocast on CUDA): allow for it
-            if agent.amp_enabled and agent.dtype != torch.float32:
-                tol = max(tol, 5e-2)
+            # this reference runs in the agent's own precision (16-bit autocast on CUDA): allow for it
+            rule = max(rule, rule_for(laya_api.serving_dtype(agent), manifest.tolerance), key=lambda r: r.max_abs)
         got = backend.forward(*(x.to(dev) for x in batch))
     c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
                 batch, 0)
-    backend._counts.clear()  # the smoke batch is not traffic
+    backend.reset_stats()  # the smoke batch is not traffic
     worst = max(c["max_abs_option_prob"], c["max_abs_action_prob"])
-    if not worst <= tol:
+    if not worst <= rule.max_abs:
         return "it loaded but disagrees with the %s by %.3g (tolerance %.3g)" % (
-            "build's eager fp32 reference" if record else "eager forward here", worst, tol)
+            "build's eager fp32 reference" if record else "eager forward here", worst, rule.max_abs)
     return None
 
 
-def _verify_here(agent, runner, entry: Dict[str, Any], manifest: Dict[str, Any], machine,
-                 stats: Dict[str, Any]) -> Optional[str]:
+def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats: Dict[str, Any]) -> Optional[str]:
     """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
     TileLang kernels). The verdict is cached per artifact and machine like the probe's."""
     import json as _json
 
-    from ..build.verify import cases, verify_runner
-    from ..manifest import write_json_atomic
-    from .probe import verdict_path
+    from ..files import write_json_atomic
+    from ..probe import verdict_path
+    from ..verification import cases, verify_runner
 
-    path = verdict_path(entry, machine, "verify:" + str(agent.device))
+    path = verdict_path(art, machine, "verify:" + str(agent.device))
     try:
         return _json.loads(path.read_text(encoding="utf-8")).get("reason")
     except (OSError, ValueError):
         pass
-    r = Ranges.from_dict(entry["ranges"])
-    tol = manifest.get("tolerance", {})
-    dtype = str(entry.get("dtype", "bf16"))
-    vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
+    r = art.ranges
+    pad_id = laya_api.pad_id(agent)
     t0 = time.perf_counter()
     with torch.no_grad():
-        res = verify_runner(runner, agent.model, cases(int(time.time()), r, vocab, int(agent.tok.pad_token_id or 0)),
-                            r, int(agent.tok.pad_token_id or 0), runner.device, float(tol.get(dtype, 2e-2)),
-                            float(tol.get("argmax_16bit", 0.95)))
+        res = verify_runner(runner, agent.model, cases(int(time.time()), r, laya_api.vocab(agent), pad_id),
+                            r, pad_id, runner.device, rule_for(art.dtype, manifest.tolerance))
     stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
-    reason = None if res["passed"] else "verified on this machine and failed: %s" % res["reason"]
+    reason = None if res.passed else "verified on this machine and failed: %s" % res.reason
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"artifact": entry.get("name"), "reason": reason, "figures": {
-            k: res.get(k) for k in ("max_abs_option_prob", "max_abs_action_prob", "argmax_agreement")}})
+        write_json_atomic(path, {"artifact": art.name, "reason": reason, "figures": {
+            "max_abs_option_prob": res.max_abs_option_prob, "max_abs_action_prob": res.max_abs_action_prob,
+            "argmax_agreement": res.argmax_agreement}})
     except OSError:
         pass
     return reason
 
 
-def _graphs_wanted(asked: bool, entry: Dict[str, Any], device: torch.device, probed: bool,
+def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: bool,
                    stats: Dict[str, Any]) -> bool:
-    """CUDA graphs for a CUDA AOTInductor artifact, unless not asked for or the probe child's capture failed."""
-    if entry.get("kind") != "aoti" or device.type != "cuda":
+    """CUDA graphs for a kind that replays them on CUDA, unless not asked for or the probe child's capture failed."""
+    if not kinds.get(art.kind).cuda_graphs or device.type != "cuda":
         return False
     why = stats.get("probe_graphs") if probed else None
     stats["cuda_graphs"] = bool(asked and why is None)
     if asked and why is not None:
         stats["cuda_graphs_off"] = why
-        log.warning("laya-aot: CUDA graphs off for %s: %s", entry.get("name"), why)
+        log.warning("laya-aot: CUDA graphs off for %s: %s", art.name, why)
     return stats["cuda_graphs"]
-
-
-def _install(agent, backend) -> None:
-    """Swap the agent's forward the way laya's own set_backend does: under its write lock."""
-    with agent._gate.write_lock():
-        agent.deaccelerate()
-        backend.install()
-        agent._backend = backend
-        agent._fast = None
 
 
 def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = None, prefer: Optional[str] = None,
@@ -222,15 +193,16 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
     process probe of native artifacts (only for machines where they are known to load).
-    `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (runtime.graphs),
-    where the probe child captured one without trouble. Other keyword arguments go to `laya.load`. `agent.backend` names what runs (`aot:aoti`, ...);
-    `agent.backend_object` holds the artifact entry, its variant, verify figures, `stats` and, for
-    every artifact not used, the reason in `rejected`.
+    `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (kinds.graphs),
+    where the probe child captured one without trouble. Other keyword arguments go to `laya.load`.
+    `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
+    (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
+    reason in `rejected`.
     """
     import laya
 
     t0 = time.perf_counter()
-    ckpt = _checkpoint_dir(str(checkpoint))
+    ckpt = ckpt_mod.locate(str(checkpoint))
     early = _Early(ckpt, Path(bundle), device, prefer) if probe else None
     try:
         agent = laya.load(str(ckpt), device=device, **agent_kwargs)
@@ -255,46 +227,46 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
                   RuntimeWarning, stacklevel=2)
     fallback = EagerFallback(agent, rejected)
     fallback.stats = load_stats
-    _install(agent, fallback)
+    laya_api.install_backend(agent, fallback)
     return agent
 
 
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
             early: Optional[_Early] = None, cuda_graphs: bool = True) -> Optional[AOTBackend]:
-    from .probe import finish
-    from .probe import probe as run_probe
+    from ..probe import finish
+    from ..probe import probe as run_probe
 
-    manifest = read_manifest(bundle)
+    manifest = read_bundle(bundle, kinds.NAMES)
     device = agent.device.type
     machine = current_machine(str(agent.device))
-    if getattr(agent, "parallel_options", False):
+    if laya_api.parallel_options(agent):
         rejected.append(("bundle", "this checkpoint uses option_layout='parallel', which only laya's eager "
                                    "forward runs"))
         return None
-    built_from = checkpoint_sha256(manifest)
+    built_from = manifest.checkpoint.fingerprint.sha256
     t_fp = time.perf_counter()
     here = ckpt_mod.fingerprint(ckpt)["sha256"]
     load_stats["fingerprint_s"] = round(time.perf_counter() - t_fp, 3)
     if built_from != here:
         rejected.append(("bundle", "it was built from another checkpoint (fingerprint %s..., this checkpoint is "
                                    "%s...); its artifacts would give wrong answers: rebuild it with "
-                                   "`laya-aot build checkpoint.path=%s`" % (str(built_from)[:12], here[:12], ckpt)))
+                                   "`laya-aot build checkpoint.path=%s`" % (built_from[:12], here[:12], ckpt)))
         return None
-    candidates, skipped = rank(manifest["artifacts"], device, prefer)
+    candidates, skipped = rank(manifest.artifacts, device, prefer)
     rejected.extend(skipped)
-    pad_id = int(agent.tok.pad_token_id or 0)
+    pad_id = laya_api.pad_id(agent)
     tensors = None
-    for entry in candidates:
-        name = entry.get("name", "?")
-        why = reject_reason(entry, machine, device)
+    for art in candidates:
+        kind = kinds.get(art.kind)
+        why = reject_reason(art, machine, device)
         stats: Dict[str, Any] = {}
         if why is None:
             t_hash = time.perf_counter()
-            why = check_artifact_hash(bundle, entry)
+            why = check_artifact_hash(bundle, art)
             stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
-        if why is None and probe and entry["kind"] in NATIVE_KINDS:
-            pending = early.take(name, str(agent.device)) if early is not None else None
+        if why is None and probe and kind.native:
+            pending = early.take(art.name, str(agent.device)) if early is not None else None
             if pending is not None:
                 stats["probe_overlapped_laya_load"] = True
                 stats["probe_started_after_s"] = early.started_after_s
@@ -302,35 +274,35 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
                 why = finish(pending, stats)
                 stats["probe_wait_after_laya_load_s"] = round(time.perf_counter() - t_wait, 3)
             else:
-                why = run_probe(bundle, entry, ckpt, str(agent.device), machine, stats)
+                why = run_probe(bundle, art, ckpt, str(agent.device), machine, stats)
         if why is not None:
-            rejected.append((name, why))
+            rejected.append((art.name, why))
             continue
         try:
             if tensors is None:
-                tensors = model_tensors(agent.model)
-            graphs = _graphs_wanted(cuda_graphs, entry, agent.device, probe, stats)
+                tensors = kinds.model_tensors(agent.model)
+            env = kinds.LoadEnv(device=str(agent.device), tensors=tensors, model=agent.model, agent=agent,
+                                cuda_graphs=_graphs_wanted(cuda_graphs, art, agent.device, probe, stats))
             t1 = time.perf_counter()
-            runner = make_runner(entry["kind"], artifact_path(bundle, entry), tensors, str(agent.device),
-                                 model=agent.model, agent=agent, entry=entry, cuda_graphs=graphs)
+            runner = kind.load(artifact_path(bundle, art), art, env)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
-            backend = AOTBackend(agent, runner, entry, pad_id, rejected, dict(load_stats, **stats))
-            if entry.get("status") == "unverified":
-                why = _verify_here(agent, runner, entry, manifest, machine, stats)
+            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats))
+            if art.status == "unverified":
+                why = _verify_here(agent, runner, art, manifest, machine, stats)
             if why is None and smoke_check:
                 t_smoke = time.perf_counter()
-                why = _smoke_check(agent, backend, entry, manifest)
+                why = _smoke_check(agent, backend, art, manifest)
                 stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
             why = "loading it failed: %s: %s" % (type(e).__name__, e)
         if why is not None:
-            rejected.append((name, why))
+            rejected.append((art.name, why))
             continue
         # the runner's own load figures, the checks after the backend was made (verify here, smoke check)
         # and, for the compile route, what the smoke check's first call cost
         stats.update(getattr(runner, "stats", None) or {})
         backend.load_stats.update(stats)
-        _install(agent, backend)
-        log.info("laya-aot: %s runs %s (%s)", ckpt, name, entry.get("variant"))
+        laya_api.install_backend(agent, backend)
+        log.info("laya-aot: %s runs %s (%s)", ckpt, art.name, art.variant)
         return backend
     return None

@@ -6,63 +6,60 @@ artifact's bytes) come after, in `loader`.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
+from .. import kinds
+from ..manifest import Artifact
 from ..variant import Machine, mismatch
 
-# The fixed order when the bundle has no latency measured on this kind of device.
-KIND_ORDER = ("tilelang", "aoti", "compile", "onnx")
-RUNTIME_KINDS = set(KIND_ORDER)
 
-
-def reject_reason(entry: Dict[str, Any], machine: Machine, agent_device: str) -> Optional[str]:
-    """Why `entry` cannot serve an agent on `agent_device` here, from the manifest alone (None: it may)."""
-    kind = entry.get("kind")
-    if kind not in RUNTIME_KINDS:
-        return "the portable %s is what the other artifacts are compiled from, not a runtime artifact" % kind
-    status = entry.get("status")
-    if status == "build_failed":
-        return "its build failed: %s" % entry.get("error")
-    if status == "failed_verification":
-        return "it failed verification at build time: %s" % (entry.get("verify") or {}).get("reason")
-    if status == "unverified" and kind == "tilelang":
+def reject_reason(art: Artifact, machine: Machine, agent_device: str) -> Optional[str]:
+    """Why `art` cannot serve an agent on `agent_device` here, from the manifest alone (None: it may)."""
+    kind = kinds.get(art.kind)
+    if not kind.serves:
+        return "the portable %s is what the other artifacts are compiled from, not a runtime artifact" % kind.name
+    if art.status == "build_failed":
+        return "its build failed: %s" % art.error
+    if art.status == "failed_verification":
+        return "it failed verification at build time: %s" % (art.verify.reason if art.verify else None)
+    if art.status == "unverified" and not kind.verified_at_build:
         pass  # cross-compiled without a GPU: the loader verifies it on this machine before using it
-    elif status != "verified":
-        why = (entry.get("verify") or {}).get("reason") or "status %r" % status
+    elif art.status != "verified":
+        why = (art.verify.reason if art.verify else None) or "status %r" % art.status
         return "it is not verified (%s)" % why
-    needs = entry.get("needs") or {}
-    dev = needs.get("device")
-    if kind == "onnx" and agent_device != "cpu":
-        return "ONNX Runtime runs on the CPU and this agent runs on %s, where the GPU forward is faster" % agent_device
-    if dev and dev != agent_device:
-        return "built for %s, the agent runs on %s" % (dev, agent_device)
-    return mismatch(needs, machine)
+    refused = kind.refuse_device(agent_device)
+    if refused:
+        return refused
+    if art.needs.device != agent_device:
+        return "built for %s, the agent runs on %s" % (art.needs.device, agent_device)
+    return mismatch(art.needs, machine)
 
 
-def _latency(entry: Dict[str, Any], device: str) -> Optional[float]:
-    per_device = (entry.get("latency_ms") or {}).get(device) or {}
+def _latency(art: Artifact, device: str) -> Optional[float]:
+    per_device = art.latency_ms.get(device) or {}
     return sum(per_device.values()) if per_device else None
 
 
-def rank(entries: List[Dict[str, Any]], device: str, prefer: Optional[str] = None
-         ) -> Tuple[List[Dict[str, Any]], List[Tuple[str, str]]]:
+def rank(arts: List[Artifact], device: str, prefer: Optional[str] = None
+         ) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
     """Candidates in the order to try them, and (name, reason) for those `prefer` rules out.
 
     Measured latency on this kind of device ranks first (fastest first); artifacts without a figure
-    follow in the fixed order tilelang, aoti, compile, onnx.
+    follow in the kinds' fixed order (`kinds.RUNTIME_ORDER`).
     """
+    order = kinds.RUNTIME_ORDER
     skipped: List[Tuple[str, str]] = []
-    pool = list(entries)
+    pool = list(arts)
     if prefer:
-        if prefer not in RUNTIME_KINDS:
-            raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(KIND_ORDER)))
-        skipped = [(e["name"], "not the preferred kind (prefer=%r)" % prefer)
-                   for e in pool if e.get("kind") != prefer and e.get("kind") in RUNTIME_KINDS]
-        pool = [e for e in pool if e.get("kind") == prefer]
+        if prefer not in order:
+            raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(order)))
+        skipped = [(a.name, "not the preferred kind (prefer=%r)" % prefer)
+                   for a in pool if a.kind != prefer and a.kind in order]
+        pool = [a for a in pool if a.kind == prefer]
 
-    def key(e: Dict[str, Any]):
-        lat = _latency(e, device)
-        order = KIND_ORDER.index(e["kind"]) if e.get("kind") in KIND_ORDER else len(KIND_ORDER)
-        return (0, lat, order) if lat is not None else (1, order, 0.0)
+    def key(a: Artifact):
+        lat = _latency(a, device)
+        rank_of_kind = order.index(a.kind) if a.kind in order else len(order)
+        return (0, lat, rank_of_kind) if lat is not None else (1, rank_of_kind, 0.0)
 
     return sorted(pool, key=key), skipped

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Dict
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from ..manifest import Bundle
 
 _STYLE = {"ok": "green", "skipped": "yellow", "failed": "red", "running": "cyan"}
 
@@ -44,20 +47,20 @@ def _fmt_size(n: Any) -> str:
     return "-" if not n else ("%.1f MB" % (n / 1e6) if n >= 1e5 else "%.1f kB" % (n / 1e3))
 
 
-def summary_table(manifest: Dict[str, Any]) -> Table:
-    t = Table(title="bundle %s (checkpoint %s)" % (manifest.get("output_dir", ""), manifest["checkpoint"]["name"]))
+def summary_table(bundle: Bundle, output_dir: Path) -> Table:
+    t = Table(title="bundle %s (checkpoint %s)" % (output_dir, bundle.checkpoint.name))
     for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| option/action", "argmax", "ms @1x128x4"):
         t.add_column(col)
-    for a in manifest["artifacts"]:
-        v = a.get("verify") or {}
-        lat = (next(iter((a.get("latency_ms") or {}).values()), {}) or {}).get("1x128x4")
-        diff = ("%.2g / %.2g" % (v["max_abs_option_prob"], v["max_abs_action_prob"])
-                if "max_abs_option_prob" in v else (v.get("reason") or a.get("error") or "-"))
-        t.add_row(a["name"], str(a.get("variant")), str(a.get("dtype", "-")), _fmt_size(a.get("size")),
-                  "[%s]%s[/]" % ("green" if a["status"] == "verified" else "red", a["status"]), diff[:90],
-                  "%.1f%%" % (100 * v["argmax_agreement"]) if "argmax_agreement" in v else "-",
+    for a in bundle.artifacts:
+        v = a.verify
+        lat = (next(iter(a.latency_ms.values()), {}) or {}).get("1x128x4")
+        diff = ("%.2g / %.2g" % (v.max_abs_option_prob, v.max_abs_action_prob)
+                if v and v.max_abs_option_prob is not None else ((v.reason if v else None) or a.error or "-"))
+        t.add_row(a.name, str(a.variant), str(a.dtype or "-"), _fmt_size(a.size),
+                  "[%s]%s[/]" % ("green" if a.status == "verified" else "red", a.status), diff[:90],
+                  "%.1f%%" % (100 * v.argmax_agreement) if v and v.argmax_agreement is not None else "-",
                   "%.2f" % lat if lat is not None else "-")
-    eager = (next(iter(manifest.get("eager_latency_ms", {}).values()), {}) or {}).get("1x128x4")
+    eager = (next(iter(bundle.eager_latency_ms.values()), {}) or {}).get("1x128x4")
     if eager is not None:
         t.caption = "eager fp32 reference: %.2f ms @1x128x4 on the build machine" % eager
     return t

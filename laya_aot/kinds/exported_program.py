@@ -1,49 +1,28 @@
-"""Stage b: `torch.export` of laya's DecisionModel with explicit dtypes.
+"""The portable `torch.export` program: what every other artifact is compiled from.
 
-AOTInductor cannot compile a program exported under autocast (it carries dtype asserts), and a bf16
-copy trips on the fp32 confidence features meeting a bf16 action head. So the exported module fixes
-every dtype up front: encoder and decision head in the target dtype, the confidence features and the
-action head in `action_head_dtype` (fp32 by default). laya's own forward already casts the action
-head's input to the head's weight dtype when autocast is off, so the model itself is reused unchanged.
-
-Tokens are declared as `16 * Dim`: a plain range trips the exporter's own `L % 8` alignment guard
-on ModernBERT's attention mask.
+Tokens are declared as `16 * Dim`: a plain range trips the exporter's own `L % 8` alignment guard on
+ModernBERT's attention mask. Built always (no switch): a build that cannot export stops. It is
+verified like the others but never serves an agent (it runs at eager speed).
 """
 from __future__ import annotations
 
-import copy
 import logging
+import time
+from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
 from torch.export import Dim, ExportedProgram
 
+from ..manifest import Artifact, Needs
+from ..model import ExplicitDtypeModel, torch_dtype
 from ..padding import TOKEN_MULTIPLE, Ranges
+from ..variant import Machine, torch_tag
+from .base import BuildContext, Kind, LoadEnv, Runner
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
-OUTPUT_NAMES = ("logits", "act_logits")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError("unknown dtype %r; use one of %s" % (name, ", ".join(DTYPES)))
-    return DTYPES[name]
-
-
-class ExplicitDtypeModel(torch.nn.Module):
-    """laya's DecisionModel with fixed dtypes and fp32 outputs; the module every artifact is made from."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype):
-        super().__init__()
-        self.model = copy.deepcopy(model).eval().to(dtype)
-        self.model.act_head.to(action_head_dtype)
-
-    def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype):
-        logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
-        return logits.float(), act_logits.float()
+NAME = "exported_program"
 
 
 def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu") -> Tuple[torch.Tensor, ...]:
@@ -106,3 +85,49 @@ def ranges_of(ep: ExportedProgram) -> Ranges:
     t0, t1 = bounds(ids_shape[1])
     m0, m1 = bounds(mpos_shape[1])
     return Ranges(min_rows=r0, max_rows=r1, min_tokens=t0, max_tokens=t1, min_markers=m0, max_markers=m1)
+
+
+class ExportedProgramRunner(Runner):
+    """The portable ExportedProgram run as a module (verification only: it is eager speed)."""
+
+    def __init__(self, path: Path, device: str = "cpu"):
+        self.device = torch.device(device)  # the device the program was exported on
+        self._module = torch.export.load(str(path)).module()
+        self.stats = {}
+
+    def __call__(self, ids, att, mpos, mmask, qtype):
+        with torch.no_grad():
+            return self._module(ids, att, mpos, mmask, qtype)
+
+
+def build(ctx: BuildContext) -> str:
+    """torch.export with explicit dtypes; the ExportedProgram is saved as the portable artifact."""
+    e = ctx.cfg.export
+    max_tokens = int(e.max_tokens or ctx.info["max_len"])
+    if max_tokens > ctx.info["max_len"]:
+        raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
+                         % (max_tokens, ctx.info["max_len"]))
+    dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
+    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype))
+    t0 = time.perf_counter()
+    ctx.ep = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
+    seconds = time.perf_counter() - t0
+    ctx.ranges = ranges_of(ctx.ep)
+    rel = "exported_program/%s.pt2" % ctx.dtype
+    path = ctx.staging / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(ctx.ep, str(path))
+    ctx.add_artifact(KIND, "%s-%s" % (NAME, ctx.dtype), rel, dev, ctx.dtype, seconds)
+    return "ranges %s" % ctx.ranges.as_dict()
+
+
+def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
+    return ExportedProgramRunner(path, env.device)
+
+
+def needs(m: Machine, device: str) -> Needs:
+    return Needs(device=device, torch=m.torch)
+
+
+KIND = Kind(name=NAME, stage="export", build=build, load=load, order=99, optional=False, serves=False, needs=needs,
+            variant=lambda m, device: "%s-any" % torch_tag(m.torch))

@@ -5,10 +5,12 @@ tried segfaulted inside the loader), and a segfault cannot be caught. So the fir
 meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
 disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
 
-Run as a module it is the child: `python -m laya_aot.runtime.probe BUNDLE ARTIFACT CHECKPOINT DEVICE`.
+Run as a module it is the child: `python -m laya_aot.probe BUNDLE CHECKPOINT DEVICE`, with the artifact's
+manifest entry (exactly the one the parent checked) in $LAYA_AOT_PROBE_ENTRY. Build and runtime both use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..checkpoint import cache_dir
-from ..manifest import write_json_atomic
-from ..variant import Machine
+from .files import cache_dir, write_json_atomic
+from .manifest import Artifact
+from .variant import Machine
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,8 @@ _MARK = "LAYA_AOT_PROBE_RESULT "
 PROBE_VERSION = 2
 
 
-def verdict_path(entry: Dict[str, Any], machine: Machine, device: str) -> Path:
-    facts = json.dumps({"sha256": entry.get("sha256"), "machine": machine.as_dict(), "device": device,
+def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
+    facts = json.dumps({"sha256": art.sha256, "machine": machine.as_dict(), "device": device,
                         "probe": PROBE_VERSION}, sort_keys=True)
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
@@ -50,7 +52,7 @@ def _describe_exit(rc: int) -> str:
 class Pending:
     """A probe child started early (for example while laya loads the checkpoint); `finish` collects it."""
 
-    def __init__(self, entry: Dict[str, Any], path: Path, machine: Machine, device: str,
+    def __init__(self, entry: Artifact, path: Path, machine: Machine, device: str,
                  proc: Optional[subprocess.Popen] = None, cached: Optional[Dict[str, Any]] = None):
         self.entry, self.path, self.machine, self.device = entry, path, machine, device
         self.proc, self.cached = proc, cached
@@ -62,18 +64,15 @@ class Pending:
             self.proc.wait()
 
 
-def start(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
-          manifest_entry: Optional[Dict[str, Any]] = None) -> Pending:
+def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine) -> Pending:
     """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
     path = verdict_path(entry, machine, device)
     try:
         return Pending(entry, path, machine, device, cached=json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError):
         pass
-    cmd = [sys.executable, "-m", "laya_aot.runtime.probe", str(bundle), entry["name"], str(checkpoint), device]
-    env = dict(os.environ, PYTHONFAULTHANDLER="0")
-    if manifest_entry is not None:
-        env["LAYA_AOT_PROBE_ENTRY"] = json.dumps(manifest_entry)
+    cmd = [sys.executable, "-m", __name__, str(bundle), str(checkpoint), device]
+    env = dict(os.environ, PYTHONFAULTHANDLER="0", LAYA_AOT_PROBE_ENTRY=json.dumps(dataclasses.asdict(entry)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return Pending(entry, path, machine, device, proc=proc)
 
@@ -107,7 +106,7 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     entry = pending.entry
     try:
         pending.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(pending.path, {"artifact": entry["name"], "sha256": entry.get("sha256"), "reason": reason,
+        write_json_atomic(pending.path, {"artifact": entry.name, "sha256": entry.sha256, "reason": reason,
                                          "graphs": graphs,
                                          "seconds": round(seconds, 3), "machine": pending.machine.as_dict(),
                                          "device": pending.device,
@@ -117,63 +116,60 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     return reason
 
 
-def probe(bundle: Path, entry: Dict[str, Any], checkpoint: Path, device: str, machine: Machine,
-          stats: Optional[Dict[str, Any]] = None, manifest_entry: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """None when the artifact loads and runs in a child process on this machine, else the reason.
-
-    `manifest_entry` hands the child the artifact's entry directly (the build probes before any
-    manifest exists); otherwise the child reads it from the bundle's manifest.
-    """
-    return finish(start(bundle, entry, checkpoint, device, machine, manifest_entry), stats)
+def probe(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
+          stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """None when the artifact loads and runs in a child process on this machine, else the reason."""
+    return finish(start(bundle, entry, checkpoint, device, machine), stats)
 
 
-def _child(bundle: str, name: str, checkpoint: str, device: str) -> int:
-    """Load the artifact, run one small batch (and, for a CUDA AOTInductor package, capture and replay
-    it as a CUDA graph), report on stdout.
+def _child(bundle: str, checkpoint: str, device: str) -> int:
+    """Load the artifact, run one small batch (and, where its kind replays CUDA graphs, capture and replay
+    it), report on stdout.
 
-    An AOTInductor package runs on stand-in weights of the checkpoint's shapes (runners.synthetic_constants):
-    a crash does not depend on the values, and reading the real ones would double the first start's
-    disk and GPU traffic while laya loads them in the parent. Its outputs are not judged here; the
-    parent's smoke check compares the real-weight outputs with the build's reference.
+    The kind decides what the child loads it with (`Kind.probe_env`): an AOTInductor package runs on
+    stand-in weights of the checkpoint's shapes, since a crash does not depend on the values and reading
+    the real ones would double the first start's disk and GPU traffic while laya loads them in the
+    parent. Outputs on stand-in weights are not judged here; the parent's smoke check compares the
+    real-weight outputs with the build's reference.
     """
     import torch
 
-    from ..manifest import artifact_path, read_manifest
-    from ..padding import Ranges
-    from .runners import make_runner, synthetic_constants
+    from . import kinds
+    from .manifest import artifact_path
 
-    given = os.environ.get("LAYA_AOT_PROBE_ENTRY")
-    entry = json.loads(given) if given else next(a for a in read_manifest(bundle)["artifacts"] if a["name"] == name)
+    entry = _entry_from_env()
+    kind = kinds.get(entry.kind)
     path = artifact_path(bundle, entry)
-    tensors = agent = None
-    if entry["kind"] == "aoti":
-        tensors = synthetic_constants(path, Path(checkpoint), device)
-    elif entry["kind"] in ("tilelang", "compile"):  # these drive laya's model itself (compile: only if asked)
-        import laya
-
-        agent = laya.load(checkpoint, device=device)
-    graphs = entry["kind"] == "aoti" and torch.device(device).type == "cuda"
-    runner = make_runner(entry["kind"], path, tensors, device, model=agent.model if agent else None, agent=agent,
-                         entry=entry, cuda_graphs=graphs)
-    r = Ranges.from_dict(entry["ranges"])
+    env = kind.probe_env(path, entry, Path(checkpoint), device)
+    runner = kind.load(path, entry, env)
+    r = entry.ranges
     t = r.min_tokens
+    k = r.min_markers - 2
     batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
-             torch.tensor([[1, 2] + [0] * (r.min_markers - 2)]), torch.tensor([[True, True] + [False] * (r.min_markers - 2)]),
+             torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
              torch.zeros((1,), dtype=torch.long))
     inputs = [x.to(runner.device) for x in batch]
     logits, act = runner(*inputs)
     result: Dict[str, Any] = {"ok": True, "error": None}
-    if entry["kind"] != "aoti":  # real weights: the outputs must at least be finite
+    if env.tensors is None:  # real weights: the outputs must at least be finite
         ok = bool(torch.isfinite(logits[:, :2]).all() and torch.isfinite(act).all())
         result = {"ok": ok, "error": None if ok else "non-finite outputs"}
-    if graphs:
+    graphs = getattr(runner, "graphs", None)
+    if graphs is not None:
         runner(*inputs)  # the second call of a shape captures it, then checks one replay
-        gstats = runner.graphs.stats
+        gstats = graphs.stats
         result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
             "no graph was captured"
     print(_MARK + json.dumps(result), flush=True)
     return 0
 
 
+def _entry_from_env() -> Artifact:
+    from . import kinds
+    from .manifest import read_artifact
+
+    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.NAMES, "the probe's entry")
+
+
 if __name__ == "__main__":
-    sys.exit(_child(*sys.argv[1:5]))
+    sys.exit(_child(*sys.argv[1:4]))

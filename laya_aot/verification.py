@@ -1,11 +1,12 @@
-"""Stage e: every artifact against laya's eager fp32 forward, on fresh seeded inputs.
+"""Every artifact against laya's eager fp32 forward, on fresh seeded inputs: what build and runtime share.
 
 The reference runs the batch exactly as laya's Agent collates it (tokens padded only to the batch's
 longest row, one marker column for a one-option question); the artifact runs the same batch padded
 the way the runtime pads it (`laya_aot.padding`). Compared per row: the option probabilities, the
 action probabilities, and whether the top option agrees. The cases cover one row, many rows, a
 one-option question, the widest marker count, token counts that are not multiples of 16, laya's
-padding rows (`laya.backends.base.pad_batch`) and the longest context.
+padding rows (`laya.backends.base.pad_batch`) and the longest context. What passes is decided by
+`tolerance.rule_for`; the smoke record is the one seeded batch the loader re-checks at start-up.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..padding import Ranges, action_probs, chunks, option_probs, pad_batch
+from .manifest import SmokeRecord, VerifyResult
+from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
+from .tolerance import Rule
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class Case:
     pad_rows: int = 0
 
 
-def _rows(g: torch.Generator, lengths: List[int], markers: List[int], vocab: int, pad_id: int) -> Batch:
+def random_rows(g: torch.Generator, lengths: List[int], markers: List[int], vocab: int, pad_id: int) -> Batch:
     n, t, k = len(lengths), max(lengths), max(markers)
     ids = torch.full((n, t), pad_id, dtype=torch.long)
     att = torch.zeros((n, t), dtype=torch.long)
@@ -50,7 +53,7 @@ def _rows(g: torch.Generator, lengths: List[int], markers: List[int], vocab: int
 
 def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int) -> List[Case]:
     """Fresh seeded inputs of several shapes inside the artifact's ranges."""
-    from laya.backends.base import pad_batch as laya_pad_batch
+    from .laya_internals import pad_batch as laya_pad_batch
 
     g = torch.Generator().manual_seed(seed)
     tmax, kmax = ranges.max_tokens, ranges.max_markers
@@ -60,17 +63,17 @@ def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int) -> List[Case]:
 
     odd = lambda hi: (r(20, hi) | 1)  # noqa: E731 - an odd count is never a multiple of 16
     out = [
-        Case("one_row", _rows(g, [odd(min(tmax, 120))], [4], vocab, pad_id)),
-        Case("many_rows", _rows(g, [odd(min(tmax, 200)) for _ in range(8)], [r(2, 6) for _ in range(8)],
+        Case("one_row", random_rows(g, [odd(min(tmax, 120))], [4], vocab, pad_id)),
+        Case("many_rows", random_rows(g, [odd(min(tmax, 200)) for _ in range(8)], [r(2, 6) for _ in range(8)],
                                 vocab, pad_id)),
-        Case("one_option", _rows(g, [odd(min(tmax, 90)) for _ in range(3)], [1, 1, 1], vocab, pad_id)),
-        Case("max_markers", _rows(g, [tmax - 3, tmax // 2 + 1], [min(kmax, tmax - 8), 3], vocab, pad_id)),
-        Case("odd_tokens", _rows(g, [17, 33, 45], [2, 3, 2], vocab, pad_id)),
-        Case("longest", _rows(g, [tmax, tmax - 16], [3, 5], vocab, pad_id)),
-        Case("max_rows", _rows(g, [r(24, 40) for _ in range(ranges.max_rows)], [3] * ranges.max_rows,
+        Case("one_option", random_rows(g, [odd(min(tmax, 90)) for _ in range(3)], [1, 1, 1], vocab, pad_id)),
+        Case("max_markers", random_rows(g, [tmax - 3, tmax // 2 + 1], [min(kmax, tmax - 8), 3], vocab, pad_id)),
+        Case("odd_tokens", random_rows(g, [17, 33, 45], [2, 3, 2], vocab, pad_id)),
+        Case("longest", random_rows(g, [tmax, tmax - 16], [3, 5], vocab, pad_id)),
+        Case("max_rows", random_rows(g, [r(24, 40) for _ in range(ranges.max_rows)], [3] * ranges.max_rows,
                                vocab, pad_id)),
     ]
-    real = _rows(g, [odd(min(tmax, 100)) for _ in range(3)], [3, 2, 4], vocab, pad_id)
+    real = random_rows(g, [odd(min(tmax, 100)) for _ in range(3)], [3, 2, 4], vocab, pad_id)
     ids, att, mpos, mmask, qtype, n, _ = laya_pad_batch(*real, max_len=tmax, pad_id=pad_id, keep_one_token=True)
     out.append(Case("padding_rows", (ids, att, mpos, mmask, qtype), pad_rows=ids.shape[0] - n))
     return out
@@ -83,22 +86,22 @@ def smoke_batch(ranges: Ranges, vocab: int, pad_id: int) -> Batch:
     """The seeded batch the runtime runs before it trusts an artifact: two rows of odd lengths, 3 and 2 options."""
     g = torch.Generator().manual_seed(SMOKE_SEED)
     tokens = min(ranges.max_tokens, 45)
-    return _rows(g, [tokens, tokens - 7], [3, 2], vocab, pad_id)
+    return random_rows(g, [tokens, tokens - 7], [3, 2], vocab, pad_id)
 
 
-def smoke_record(reference_model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int) -> Dict[str, Any]:
+def smoke_record(reference_model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int) -> SmokeRecord:
     """The smoke batch and the eager fp32 forward's outputs on it, for the manifest: the runtime then
     checks a loaded artifact against the build's reference without running the eager model itself."""
     batch = smoke_batch(ranges, vocab, pad_id)
     ref = reference_outputs(reference_model, [Case("smoke", batch)])["smoke"]
-    return {"inputs": [t.tolist() for t in batch], "input_dtypes": [str(t.dtype).split(".")[-1] for t in batch],
-            "reference": [t.float().tolist() for t in ref]}
+    return SmokeRecord(inputs=[t.tolist() for t in batch], input_dtypes=[str(t.dtype).split(".")[-1] for t in batch],
+                       reference=[t.float().tolist() for t in ref])
 
 
-def smoke_from_record(record: Dict[str, Any]) -> Tuple[Batch, Tuple[torch.Tensor, torch.Tensor]]:
+def smoke_from_record(record: SmokeRecord) -> Tuple[Batch, Tuple[torch.Tensor, torch.Tensor]]:
     """The batch and reference outputs stored by `smoke_record`."""
-    batch = tuple(torch.tensor(x, dtype=getattr(torch, d)) for x, d in zip(record["inputs"], record["input_dtypes"]))
-    logits, act = (torch.tensor(x, dtype=torch.float32) for x in record["reference"])
+    batch = tuple(torch.tensor(x, dtype=getattr(torch, d)) for x, d in zip(record.inputs, record.input_dtypes))
+    logits, act = (torch.tensor(x, dtype=torch.float32) for x in record.reference)
     return batch, (logits, act)
 
 
@@ -110,7 +113,9 @@ def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: 
     return torch.cat([o[0].float().cpu() for o in outs]), torch.cat([o[1].float().cpu() for o in outs])
 
 
-def compare(reference, candidate, batch: Batch, pad_rows: int) -> Dict[str, float]:
+def compare(reference: Tuple[torch.Tensor, torch.Tensor], candidate: Tuple[torch.Tensor, torch.Tensor], batch: Batch,
+            pad_rows: int) -> Dict[str, float]:
+    """Per-row agreement of two forwards' outputs on `batch`, ignoring laya's `pad_rows` at the end."""
     n_rows = batch[0].shape[0] - pad_rows
     k = batch[2].shape[1]
     p_ref, p_got = option_probs(reference[0][:n_rows], k), option_probs(candidate[0][:n_rows], k)
@@ -133,9 +138,8 @@ def reference_outputs(reference_model: torch.nn.Module, case_list: List[Case]) -
 
 
 def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
-                  device: torch.device, tolerance: float, argmax_share: float,
-                  references: Optional[Dict[str, Batch]] = None) -> Dict[str, Any]:
-    """Figures for one artifact over all cases, and whether it passes its tolerance."""
+                  device: torch.device, rule: Rule, references: Optional[Dict[str, Batch]] = None) -> VerifyResult:
+    """Figures for one artifact over all cases, and whether it meets `rule`."""
     per_case = {}
     worst_p = worst_a = 0.0
     agree = total = 0
@@ -150,15 +154,15 @@ def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case
         worst_p, worst_a = max(worst_p, c["max_abs_option_prob"]), max(worst_a, c["max_abs_action_prob"])
         agree, total = agree + c["argmax_agree"], total + c["rows"]
     share = agree / max(1, total)
-    ok = worst_p <= tolerance and worst_a <= tolerance and share >= argmax_share
+    ok = worst_p <= rule.max_abs and worst_a <= rule.max_abs and share >= rule.argmax_share
     why = None
     if not ok:
         why = ("over tolerance: option probabilities differ by up to %.3g, action probabilities by %.3g "
                "(tolerance %.3g); top option agrees on %.1f%% of rows (need %.1f%%)"
-               % (worst_p, worst_a, tolerance, 100 * share, 100 * argmax_share))
-    return {"passed": ok, "reason": why, "tolerance": tolerance, "argmax_required": argmax_share,
-            "max_abs_option_prob": worst_p, "max_abs_action_prob": worst_a, "argmax_agreement": share,
-            "rows_compared": total, "cases": per_case}
+               % (worst_p, worst_a, rule.max_abs, 100 * share, 100 * rule.argmax_share))
+    return VerifyResult(passed=ok, reason=why, tolerance=rule.max_abs, argmax_required=rule.argmax_share,
+                        max_abs_option_prob=worst_p, max_abs_action_prob=worst_a, argmax_agreement=share,
+                        rows_compared=total, cases=per_case)
 
 
 def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:

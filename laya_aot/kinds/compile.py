@@ -19,19 +19,25 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..manifest import Artifact
+from ..model import ExplicitDtypeModel, torch_dtype
 from ..padding import Ranges
-from .export import ExplicitDtypeModel, torch_dtype
+from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
+
+NAME = "compile"
 
 CACHE_FILE = "inductor_cache.bin"
 INFO_FILE = "compile.json"
@@ -135,6 +141,40 @@ def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dt
     return {"shapes": list(timings), "compile_seconds": timings, "bytes": len(data)}
 
 
+class CompileRunner(Runner):
+    """torch.compile of the explicit-dtype model, with the bundle's Inductor cache loaded first."""
+
+    def __init__(self, art_dir: Path, model: torch.nn.Module, device: str = "cuda"):
+        t0 = time.perf_counter()
+        info = json.loads((Path(art_dir) / INFO_FILE).read_text(encoding="utf-8"))
+        if info.get("options") != COMPILE_OPTIONS:  # its saved graphs would miss: a compile from scratch
+            raise ValueError("it was compiled with options %r, this laya-aot compiles with %r: rebuild the bundle"
+                             % (info.get("options"), COMPILE_OPTIONS))
+        torch.compiler.load_cache_artifacts((Path(art_dir) / CACHE_FILE).read_bytes())
+        self.device = torch.device(device)
+        self._module, self._fn = compiled_module(model, info["dtype"], info["action_head_dtype"], device)
+        self._lock = threading.Lock()
+        self._first = True
+        self.stats: Dict[str, object] = {"load_cache_artifacts_s": round(time.perf_counter() - t0, 3)}
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        n = ids.shape[0]
+        # one compile at a time (Dynamo's cache is process-wide); autocast off: laya's agent calls its
+        # forward under bf16 autocast on CUDA, and Dynamo guards on the autocast state, so a call under
+        # it would compile a second graph from scratch that the saved cache does not hold (59 s on the
+        # H200, run 6). The module casts to its dtype itself.
+        with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False), no_mha_fastpath():
+            if self._first:  # what the first call cost, and whether it came from the saved cache
+                before, t0 = cache_counters(), time.perf_counter()
+            logits, act = self._fn(*mark_dynamic_batch(pad_rows((ids, att, mpos, mmask, qtype))))
+            if self._first:
+                self._first = False
+                self.stats["first_call_s"] = round(time.perf_counter() - t0, 3)
+                after = cache_counters()
+                self.stats.update({"first_call_" + k: after[k] - before[k] for k in after})
+        return logits[:n].clone(), act[:n].clone()
+
+
 FRESH_MARK = "FRESH-PROCESS "
 
 
@@ -167,12 +207,41 @@ def check_in_fresh_process(art_dir: Path, ckpt: Path, device: str, timeout_s: fl
 def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
     import laya
 
-    from ..runtime.runners import CompileRunner
-
     agent = laya.load(ckpt, device=device)
     runner = CompileRunner(Path(art_dir), agent.model, device)
     runner(*_batch(MIN_ROWS, 32, 2, device))
     print(FRESH_MARK + json.dumps(runner.stats), flush=True)
+
+
+def build(ctx: BuildContext) -> str:
+    """Compile on the build machine's GPU, save the cache, and keep it only if a fresh process hits it."""
+    if ctx.device != "cuda":
+        raise Skip("the compile route with a warm Inductor cache is built for CUDA targets; on the CPU the "
+                   "AOTInductor package is the compiled artifact")
+    if not torch.cuda.is_available():
+        raise Skip("target %s needs its GPU on the build machine to compile and save Inductor caches"
+                   % ctx.cfg.target.name)
+    name = "%s-%s" % (NAME, ctx.cfg.target.name)
+    t0 = time.perf_counter()
+    facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
+    seconds = time.perf_counter() - t0
+    try:
+        facts["fresh_process"] = check_in_fresh_process(ctx.staging / name, ctx.ckpt, ctx.device)
+    except BaseException:
+        shutil.rmtree(ctx.staging / name, ignore_errors=True)  # nothing of a cache that would not be used
+        raise
+    ctx.add_artifact(KIND, name, name, "cuda", ctx.dtype, seconds, details=facts)
+    return "%d shapes, %.1f MB; a fresh process hit it (first call %.1f s)" % (
+        len(facts["shapes"]), facts["bytes"] / 1e6, facts["fresh_process"].get("first_call_s", 0.0))
+
+
+def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
+    return CompileRunner(path, env.model, env.device)
+
+
+# not native: Python plus Triton kernels; a child probe would run its whole torch.compile a second time,
+# so it is loaded in-process, where a failure is an exception the loader catches like any other
+KIND = Kind(name=NAME, stage="inductor_cache", build=build, load=load, order=2, reverify=False)
 
 
 if __name__ == "__main__":

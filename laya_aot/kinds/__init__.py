@@ -1,0 +1,43 @@
+"""The artifact kinds, registered in one table: the pipeline builds them, the loader asks them.
+
+Adding a kind: write `kinds/<name>.py` with its build step, its runner and its `KIND` facts, and add
+it to `REGISTRY` below (docs/architecture.md walks through it). Nothing else names a kind.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from ..manifest import Artifact
+from . import aoti, compile, exported_program, onnx, tilelang
+from .base import BuildContext, Kind, LoadEnv, Runner, Skip, model_tensors
+
+# in build order: the exported program first, everything else is compiled from it
+REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, compile.KIND)
+_BY_NAME: Dict[str, Kind] = {k.name: k for k in REGISTRY}
+NAMES: Tuple[str, ...] = tuple(_BY_NAME)
+# the kinds an agent can be served by, in their fixed order (used when no latency was measured)
+RUNTIME_ORDER: Tuple[str, ...] = tuple(k.name for k in sorted(REGISTRY, key=lambda k: k.order) if k.serves)
+# the kind every other one is compiled from (built first; a failure stops the build)
+PORTABLE = exported_program.KIND
+
+
+def get(name: str) -> Kind:
+    """The kind called `name`; a KeyError names the known ones."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError("unknown artifact kind %r; this laya-aot knows %s" % (name, ", ".join(NAMES))) from None
+
+
+def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
+    """The runner of an artifact, from its kind's load step."""
+    return get(art.kind).load(path, art, env)
+
+
+def runtime_kinds() -> List[Kind]:
+    return [_BY_NAME[n] for n in RUNTIME_ORDER]
+
+
+__all__ = ["BuildContext", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "Runner", "Skip",
+           "get", "load", "model_tensors", "runtime_kinds"]

@@ -1,0 +1,265 @@
+"""AOTInductor packages: compiled ahead of time per target, weights supplied at load from the checkpoint.
+
+`aot_inductor.package_constants_in_so=False` makes the package a few MB instead of the model's size,
+so a bundle for N architectures does not carry N copies of the weights. `constants.json` beside the
+package says where each constant comes from at load time: a tensor of the checkpoint's
+model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
+hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
+makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional
+
+import torch
+from torch.export import ExportedProgram
+
+from ..manifest import Artifact
+from .aoti_compiler import _default_cxx, choose_compiler
+from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+
+log = logging.getLogger(__name__)
+
+NAME = "aoti"
+PACKAGE = "model.pt2"
+CONSTANTS = "constants.json"
+EXTRA = "extra_constants.safetensors"
+WRAPPER_PREFIX = "model."
+
+
+def constants_spec(ep: ExportedProgram, checkpoint_keys: Iterable[str]) -> Dict[str, Any]:
+    """For every constant of the program: its dtype and where the runtime finds its value."""
+    keys = set(checkpoint_keys)
+    spec: Dict[str, Dict[str, str]] = {}
+    extra: Dict[str, torch.Tensor] = {}
+    tensors = dict(ep.state_dict)
+    tensors.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
+    for fqn, t in sorted(tensors.items()):
+        key = fqn[len(WRAPPER_PREFIX):] if fqn.startswith(WRAPPER_PREFIX) else fqn
+        dtype = str(t.dtype).replace("torch.", "")
+        if key in keys:
+            spec[fqn] = {"source": "model", "key": key, "dtype": dtype}
+        else:
+            spec[fqn] = {"source": "extra", "key": fqn, "dtype": dtype}
+            extra[fqn] = t.detach().cpu().contiguous()
+    return {"constants": spec, "extra": extra}
+
+
+@contextlib.contextmanager
+def inductor_config_kept() -> Iterator[None]:
+    """Put back every Inductor config value a compile changed, in place or not.
+
+    `aoti_compile_and_package` fills `aot_inductor.metadata` in place (device key, CPU ISA) and leaves it
+    so; that dict is part of the FX-graph cache key, so the compile route's cache, saved later in the
+    same build, held graphs that no fresh process looks up: on the H200 (run 10) the runtime missed and
+    compiled from scratch for 42 s. `config.patch` does not help: it restores the same dict object."""
+    config = torch._inductor.config
+    before = {}
+    for key, value in config.get_config_copy().items():
+        try:
+            before[key] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - a value that cannot be copied is compared by identity below
+            before[key] = value
+    try:
+        yield
+    finally:
+        for key, value in config.get_config_copy().items():
+            if key in before and value != before[key]:
+                setattr(config, key, before[key])
+
+
+def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
+            cxx: Optional[str] = None, frozen: bool = False) -> Dict[str, Any]:
+    """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
+
+    `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
+    Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
+    larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = constants_spec(ep, checkpoint_keys)
+    compiler = choose_compiler(cxx)
+    configs = ({"freezing": True, "aot_inductor.package_constants_in_so": True} if frozen
+               else {"aot_inductor.package_constants_in_so": False})
+    # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
+    # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
+    patch = {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
+    with inductor_config_kept(), torch._inductor.config.patch(patch), torch.no_grad():
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / PACKAGE),
+                                                 inductor_configs=configs)
+    constants = {} if frozen else spec["constants"]
+    (out_dir / CONSTANTS).write_text(json.dumps({"frozen": frozen, "constants": constants}, indent=1),
+                                          encoding="utf-8")
+    if spec["extra"] and not frozen:
+        save_file(spec["extra"], str(out_dir / EXTRA))
+    n_model = sum(1 for s in constants.values() if s["source"] == "model")
+    return {"package_bytes": (out_dir / PACKAGE).stat().st_size, "cxx": compiler["cxx"],
+            "weights_inside": frozen,
+            "cxx_passed_over": compiler["passed_over"],
+            "constants_from_checkpoint": n_model, "constants_in_bundle": 0 if frozen else len(spec["extra"])}
+
+
+class AOTIRunner(Runner):
+    """An AOTInductor package whose weights come from the checkpoint at load time."""
+
+    def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu",
+                 cuda_graphs: bool = False):
+        from safetensors.torch import load_file
+
+        art_dir = Path(art_dir)
+        self.device = torch.device(device)
+        spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
+        extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
+        t0 = time.perf_counter()
+        self._compiled = load_aoti_package(art_dir / PACKAGE, self._index())
+        self.stats: Dict[str, object] = {"load_package_s": round(time.perf_counter() - t0, 3)}
+        self._lock = threading.Lock()
+        self._consts: Dict[str, torch.Tensor] = {}
+        self._run = self._plain_run()
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from .graphs import GraphedCalls
+
+            self.graphs = GraphedCalls(self._run)
+        if spec.get("frozen"):  # weights folded into the package at build time
+            return
+        t0 = time.perf_counter()
+        wanted = set(self._compiled.get_constant_fqns())
+        missing = wanted - set(spec["constants"])
+        if missing:
+            raise KeyError("the package needs constants its constants.json does not describe: %s"
+                           % sorted(missing)[:3])
+        consts: Dict[str, torch.Tensor] = {}
+        for fqn, src in spec["constants"].items():
+            if fqn not in wanted:  # folded or unused by the compiled graph
+                continue
+            dtype = getattr(torch, src["dtype"])
+            if src["source"] == "model":
+                if src["key"] not in tensors:
+                    raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; "
+                                   "the bundle was built from another model architecture" % src["key"])
+                t = tensors[src["key"]]
+            else:
+                t = extra[fqn]
+            # .to() returns the tensor itself when dtype and device already match: no second copy of
+            # the weights for an fp32 CPU artifact
+            consts[fqn] = t.detach().to(device=self.device, dtype=dtype).contiguous()
+        self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
+        self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
+        self.stats["constants_s"] = round(time.perf_counter() - t0, 3)
+
+    def _index(self) -> int:
+        if self.device.type != "cuda":
+            return -1
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _plain_run(self) -> Callable[..., Outputs]:
+        """The package's C++ `run` on a list of tensors: no pytree specs parsed on every call."""
+        loader = getattr(self._compiled, "loader", None)
+        if loader is None or not hasattr(loader, "run"):
+            return lambda *xs: tuple(self._compiled(*xs))
+        return lambda *xs: tuple(loader.run(list(xs)))
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        with self._lock:
+            fn = self.graphs if self.graphs is not None else self._run
+            logits, act = fn(ids, att, mpos, mmask, qtype)
+        return logits, act
+
+
+def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[str, torch.Tensor]:
+    """Stand-in weights for an AOTInductor package: the checkpoint's shapes, read from the safetensors
+    header only, filled with a small constant. The probe child only has to show that the package loads
+    and runs on this machine without crashing; whether its answers are right is checked in-process
+    (smoke check) with the real weights, so the child need not read gigabytes of them."""
+    from safetensors import safe_open
+
+    spec = json.loads((Path(art_dir) / CONSTANTS).read_text(encoding="utf-8"))
+    out: Dict[str, torch.Tensor] = {}
+    with safe_open(str(Path(checkpoint) / "model.safetensors"), framework="pt") as f:
+        for src in spec.get("constants", {}).values():
+            if src["source"] != "model":
+                continue
+            key = src["key"]
+            shape = f.get_slice(key).get_shape()
+            dtype = getattr(torch, src["dtype"])
+            fill = 0.01 if dtype.is_floating_point else 0
+            out[key] = torch.full(shape, fill, dtype=dtype, device=device)
+    return out
+
+
+def load_aoti_package(path: Path, device_index: int):
+    """An AOTInductor package straight from torch's C++ package loader.
+
+    `torch._inductor.package.load_package` first calls `codecache.get_device_information()`, only to log
+    a warning when the build machine differs; that call dry-compiles a test library per CPU vector ISA
+    and dlopens each in a child Python. On the H200 image it cost 35-48 s of every load
+    (benchmarks/investigations/results/aoti_load_time/). laya-aot checks that an artifact fits this machine itself
+    (laya_aot.variant) before loading it, so it goes to the C++ loader directly, as that function
+    does after its check; torch's own route remains the fallback for a torch without that binding.
+    """
+    try:
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        make = torch._C._aoti.AOTIModelPackageLoader
+    except (ImportError, AttributeError):
+        make = None
+    if make is not None:
+        try:
+            # run_single_threaded=True: no per-call CUDA event bookkeeping in the container (AOTIRunner
+            # serialises calls itself), which is also what lets a call be captured in a CUDA graph
+            loader = make(str(path), "model", True, 1, device_index)
+        except TypeError:  # another signature in this torch: use its public route
+            loader = None
+        if loader is not None:
+            return AOTICompiledModel(loader)
+    from torch._inductor.package import load_package
+
+    return load_package(str(path), device_index=device_index)
+
+
+def build(ctx: BuildContext) -> str:
+    """The package for the target, weights not inside; on the CPU also the frozen package."""
+    from safetensors import safe_open
+
+    if ctx.device == "cuda" and not torch.cuda.is_available():
+        raise Skip("target %s needs a %s GPU on the build machine to compile AOTInductor; none is visible "
+                   "(run the build on a machine with that GPU)" % (ctx.cfg.target.name, ctx.cfg.target.arch))
+    with safe_open(str(ctx.ckpt / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    name = "%s-%s" % (NAME, ctx.cfg.target.name)
+    t0 = time.perf_counter()
+    facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
+    ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
+    done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
+    if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
+        t0 = time.perf_counter()
+        frozen = package(ctx.ep, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx, frozen=True)
+        ctx.add_artifact(KIND, name + "-frozen", name + "-frozen", ctx.device, ctx.dtype, time.perf_counter() - t0,
+                         details=frozen)
+        done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)
+    return done
+
+
+def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
+    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs)
+
+
+def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:
+    """Stand-in weights of the checkpoint's shapes (a crash does not depend on the values); CUDA graphs on,
+    so the child also shows whether a capture works here."""
+    return LoadEnv(device=device, tensors=synthetic_constants(path, checkpoint, device),
+                   cuda_graphs=torch.device(device).type == "cuda")
+
+
+KIND = Kind(name=NAME, stage="aoti", build=build, load=load, order=1, native=True, cuda_graphs=True,
+            probe_env=probe_env)

@@ -1,0 +1,130 @@
+"""What an artifact kind is: its facts, its build step, its load step, and what each is handed.
+
+One module per kind (`kinds/aoti.py`, ...) fills in a `Kind`; `kinds/__init__.py` registers them.
+The build pipeline runs `Kind.build` with a `BuildContext`; the loader, the probe child and
+`laya-aot verify` run `Kind.load` with a `LoadEnv`. Neither half knows a kind by its name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..manifest import Artifact, Needs
+from ..padding import Ranges
+from ..variant import Machine, native_variant
+
+Outputs = Tuple[torch.Tensor, torch.Tensor]
+
+
+class Runner:
+    """Runs one artifact: padded tensors in, `(logits, act_logits)` out; `device` is where inputs must live."""
+
+    device = torch.device("cpu")
+    stats: Dict[str, Any]
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Skip(Exception):
+    """A build step that does not apply to this target or machine (recorded as skipped with the reason)."""
+
+
+@dataclass
+class LoadEnv:
+    """What a kind's load step may use. Kinds take what they need: AOTInductor the weights by name,
+    the compile route the model, TileLang laya's agent."""
+
+    device: str
+    tensors: Optional[Mapping[str, torch.Tensor]] = None
+    model: Optional[torch.nn.Module] = None
+    agent: Any = None
+    cuda_graphs: bool = False
+
+
+@dataclass
+class BuildContext:
+    """What the build's steps share, filled in as the build goes (`pipeline.stages` drives it)."""
+
+    cfg: Any
+    ckpt: Path
+    info: Dict[str, Any]
+    staging: Path
+    machine: Machine
+    device: str
+    dtype: str
+    agent: Any = None
+    fingerprint: Dict[str, Any] = field(default_factory=dict)
+    pad_id: int = 0
+    vocab: int = 0
+    ep: Any = None
+    ranges: Optional[Ranges] = None
+    artifacts: List[Artifact] = field(default_factory=list)
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+    eager_latency_ms: Optional[Dict[str, float]] = None
+    smoke: Optional[Dict[str, Any]] = None
+
+    def add_artifact(self, kind: "Kind", name: str, rel: str, device: str, dtype: str, seconds: float,
+                     details: Optional[Dict[str, Any]] = None, gpu_arch: Optional[str] = None) -> Artifact:
+        """Record an artifact the kind wrote under `staging/rel`; its needs and variant come from the kind."""
+        arch = (gpu_arch or self.cfg.target.arch or self.machine.gpu_arch) if device == "cuda" else None
+        machine = self.machine if device == "cpu" else replace(self.machine, gpu_arch=arch,
+                                                               cuda=torch.version.cuda or self.machine.cuda)
+        art = Artifact(name=name, kind=kind.name, path=rel, status="built", variant=kind.variant(machine, device),
+                       needs=kind.needs(machine, device), device=device, dtype=dtype,
+                       action_head_dtype=self.cfg.export.action_head_dtype if kind.serves_dtype_head else "fp32",
+                       ranges=self.ranges, build_seconds=round(seconds, 3), details=details or {})
+        self.artifacts.append(art)
+        return art
+
+
+def native_needs(m: Machine, device: str) -> Needs:
+    """What compiled native code needs: this torch build and ABI, and the CPU ISA or GPU architecture."""
+    if device == "cpu":
+        return Needs(device="cpu", torch=m.torch, cxx11_abi=m.cxx11_abi, cpu_isa=m.cpu_isa, machine=m.machine,
+                     os=m.os)
+    return Needs(device="cuda", torch=m.torch, cxx11_abi=m.cxx11_abi, gpu_arch=m.gpu_arch, cuda=m.cuda,
+                 machine=m.machine, os=m.os)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One artifact kind: its facts, and the two halves (build, load) that must agree on its layout."""
+
+    name: str
+    # the build stage that makes it, recorded in the manifest; also its `stages.<stage>` switch when optional
+    stage: str
+    build: Callable[[BuildContext], str]
+    load: Callable[[Path, Artifact, LoadEnv], Runner]
+    # rank among runtime kinds when the bundle measured no latency on this kind of device (lower first)
+    order: int
+    # False: always built, and a failure stops the build (the program the others are compiled from)
+    optional: bool = True
+    # False: never installed into an agent (the portable program runs at eager speed)
+    serves: bool = True
+    # loads native code that can crash its process: a child process runs it first
+    native: bool = False
+    # False: the build cannot run it (cross-compiled); the first GPU that loads it verifies it
+    verified_at_build: bool = True
+    # `laya-aot verify` re-runs its numerical check (False: only its hash is checked there)
+    reverify: bool = True
+    # small calls may be replayed as CUDA graphs (the runner exposes `graphs`)
+    cuda_graphs: bool = False
+    # whether the action head runs in `export.action_head_dtype` (False: fp32, as ONNX is exported)
+    serves_dtype_head: bool = True
+    needs: Callable[[Machine, str], Needs] = native_needs
+    variant: Callable[[Machine, str], str] = native_variant
+    # why an agent on this device should not use it even when the machine fits (None: it may)
+    refuse_device: Callable[[str], Optional[str]] = lambda device: None
+    # what a probe child loads it with (stand-in weights, or laya's agent); only for native kinds
+    probe_env: Optional[Callable[[Path, Artifact, Path, str], LoadEnv]] = None
+
+
+def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer of a DecisionModel by name, non-persistent buffers included."""
+    out = dict(model.named_parameters())
+    out.update(dict(model.named_buffers()))
+    return out

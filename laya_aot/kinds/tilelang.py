@@ -1,0 +1,77 @@
+"""Precompiled TileLang kernels per GPU architecture, driving laya's own fast path (`laya_aot.kernels`).
+
+They cross-compile without a GPU, so a CPU build cannot run them: the build records them unverified
+and the first GPU that loads them verifies them against eager (cached per artifact and machine).
+They need no particular torch build, only the GPU architecture and the CUDA major version.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..manifest import Artifact, Needs
+from ..variant import Machine, cuda_tag
+from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+
+NAME = "tilelang"
+
+
+class TileLangRunner(Runner):
+    """laya's own fast path fed only the bundle's precompiled TileLang kernels."""
+
+    def __init__(self, art_dir: Path, agent, art: Artifact):
+        from ..kernels import make_fast_forward
+
+        self.device = agent.device
+        self.stats = {}
+        self._fast = make_fast_forward(agent, Path(art_dir), str(art.needs.gpu_arch), art.details.get("kernels"))
+
+    def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        return self._fast.forward(ids, att, mpos, mmask, qtype)
+
+
+def build(ctx: BuildContext) -> str:
+    """Cross-compile the checkpoint's kernel catalogue for every architecture the target names."""
+    archs = list(ctx.cfg.target.tilelang_archs or [])
+    if ctx.device != "cuda" or not archs:
+        raise Skip("target %s has no TileLang architectures (CUDA targets only)" % ctx.cfg.target.name)
+    try:
+        from .. import kernels
+    except ImportError as e:  # pragma: no cover - depends on the optional extra
+        raise Skip("TileLang is not installed (pip install 'laya-aot[tilelang]'): %s" % e) from e
+    t0 = time.perf_counter()
+    out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
+                                       ctx.staging / NAME, jobs=ctx.cfg.jobs)
+    lines = []
+    for arch, res in out.items():
+        ok = [k for k in res["kernels"] if k["status"] == "ok"]
+        ctx.add_artifact(KIND, "%s-%s" % (NAME, arch), "%s/%s" % (NAME, arch), "cuda", ctx.dtype, res["seconds"],
+                         details=res, gpu_arch=arch)
+        lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
+                                                                     res.get("from_cache", 0)))
+    ctx.stages[-1]["seconds_compile"] = time.perf_counter() - t0
+    return ", ".join(lines)
+
+
+def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
+    return TileLangRunner(path, env.agent, art)
+
+
+def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:
+    import laya
+
+    return LoadEnv(device=device, agent=laya.load(str(checkpoint), device=device))
+
+
+def needs(m: Machine, device: str) -> Needs:
+    return Needs(device="cuda", gpu_arch=m.gpu_arch, cuda=m.cuda, machine=m.machine, os=m.os)
+
+
+def variant(m: Machine, device: str) -> str:
+    return "%s-%s-%s-%s" % (cuda_tag(m.cuda or torch.version.cuda or "13.0"), m.gpu_arch, m.machine, m.os)
+
+
+KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
+            reverify=False, needs=needs, variant=variant, probe_env=probe_env)

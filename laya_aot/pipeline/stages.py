@@ -1,0 +1,282 @@
+"""`laya-aot build`: checkpoint -> verified bundle, one stage at a time.
+
+Stages, each recorded in the manifest with status, duration and error text: `load`, then one stage per
+artifact kind in the registry's order (`export`, `aoti`, `onnx`, `tilelang`, `inductor_cache`), then
+`verify`. `load` and the portable program's `export` are fatal (every artifact derives from it); any
+other kind may fail without stopping the build. The build fails only when the checkpoint or config is
+unusable or when no artifact at all could be built and verified.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .. import checkpoint as ckpt_mod
+from .. import kinds
+from .._version import __version__
+from ..files import sha256_file, sha256_tree
+from ..kinds import BuildContext, Kind, Skip, model_tensors
+from ..manifest import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    Artifact,
+    Bundle,
+    BundleError,
+    CheckpointInfo,
+    Fingerprint,
+    Needs,
+    read_manifest,
+    write_manifest,
+)
+from ..padding import Ranges
+from ..tolerance import Tolerance, rule_for
+from ..variant import current_machine
+from ..verification import cases, latency_ms, random_rows, reference_outputs, run_padded, smoke_record, verify_runner
+from . import staging
+
+log = logging.getLogger(__name__)
+
+# rows x tokens x markers at which latency is recorded for ranking (tokens capped at the context)
+REFERENCE_SHAPES = ((1, 128, 4), (8, 256, 4))
+
+Report = Callable[[Dict[str, Any]], None]
+
+
+class BuildError(RuntimeError):
+    """The build cannot produce a bundle: unusable checkpoint or config, export failure, nothing verified."""
+
+
+class BuildResult(NamedTuple):
+    bundle: Bundle
+    output_dir: Path
+
+
+def stage_load(ctx: BuildContext) -> str:
+    """Load through laya (its DecisionModel and checkpoint format) and fingerprint the checkpoint."""
+    import laya
+
+    # laya.load may normalise tokenizer_config.json in place (laya's _fix_tokenizer_config): fingerprint
+    # after it, so the runtime (which loads first too) sees the same bytes
+    ctx.agent = laya.load(str(ctx.ckpt), device="cpu")
+    ctx.fingerprint = ckpt_mod.fingerprint(ctx.ckpt)
+    if ctx.info["option_layout"] == "parallel":
+        raise BuildError("checkpoint %s uses option_layout='parallel', whose masks only laya's eager forward "
+                         "reads; it cannot be exported" % ctx.ckpt)
+    ctx.pad_id = int(ctx.agent.tok.pad_token_id or 0)
+    ctx.vocab = min(int(ctx.agent.model.encoder.config.vocab_size), len(ctx.agent.tok))
+    return "fingerprint %s..." % ctx.fingerprint["sha256"][:12]
+
+
+def stage_verify(ctx: BuildContext) -> str:
+    """Each artifact against the eager fp32 forward; over its rule -> marked unusable with the figure."""
+    tol = _tolerance(ctx.cfg)
+    case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
+    reference = ctx.agent.model.float().eval()
+    ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
+    ref_batches = {shape: _reference_batch(ctx, shape) for shape in REFERENCE_SHAPES}
+    repeats = ctx.cfg.verify.latency_repeats
+    ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
+        lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
+    tensors = model_tensors(reference)
+    references = None
+    summary = []
+    for art in ctx.artifacts:
+        if art.status != "built":
+            continue
+        kind = kinds.get(art.kind)
+        if not kind.verified_at_build or (art.device == "cuda" and not torch.cuda.is_available()):
+            art.status = "unverified"
+            art.verify = _not_verified("needs a %s GPU to verify; verify it there with `laya-aot verify`"
+                                       % (art.needs.gpu_arch or "CUDA"))
+            summary.append("%s unverified" % art.name)
+            continue
+        t0 = time.perf_counter()
+        crash = _probe_native(ctx, kind, art)
+        if crash:
+            art.verify = _not_verified(crash, time.perf_counter() - t0)
+            art.status = "failed_verification"
+            summary.append("%s FAILED (%s)" % (art.name, crash))
+            continue
+        try:
+            runner = kind.load(ctx.staging / art.path, art,
+                               kinds.LoadEnv(device=art.device, tensors=tensors, model=reference))
+            references = references or reference_outputs(reference, case_list)
+            result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
+                                   rule_for(art.dtype, tol), references)
+            if kind.serves:
+                sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+                art.latency_ms = {art.device: {
+                    "x".join(map(str, shape)): round(latency_ms(
+                        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
+                    for shape, batch in ref_batches.items()}}
+        except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
+            result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
+        result.seconds = round(time.perf_counter() - t0, 3)
+        art.verify = result
+        art.status = "verified" if result.passed else "failed_verification"
+        summary.append("%s %s" % (art.name, "ok" if result.passed else "FAILED"))
+    return ", ".join(summary)
+
+
+def _not_verified(reason: str, seconds: Optional[float] = None):
+    from ..manifest import VerifyResult
+
+    return VerifyResult(passed=False, reason=reason, seconds=None if seconds is None else round(seconds, 3))
+
+
+def _probe_native(ctx: BuildContext, kind: Kind, art: Artifact) -> Optional[str]:
+    """Load a native artifact in a child process first: a crash there must not kill the build."""
+    if not kind.native:
+        return None
+    from ..probe import probe
+
+    p = ctx.staging / art.path
+    art.sha256 = sha256_tree(p) if p.is_dir() else sha256_file(p)
+    return probe(ctx.staging, art, ctx.ckpt, art.device, ctx.machine)
+
+
+def _no_grad(model, batch):
+    with torch.no_grad():
+        return model(*batch)
+
+
+def _reference_batch(ctx: BuildContext, shape: Tuple[int, int, int]):
+    rows, tokens, markers = shape
+    tokens = min(tokens, ctx.ranges.max_tokens)
+    rows = min(rows, ctx.ranges.max_rows)
+    g = torch.Generator().manual_seed(7)
+    return random_rows(g, [tokens] * rows, [markers] * rows, ctx.vocab, ctx.pad_id)
+
+
+def _tolerance(cfg: DictConfig) -> Tolerance:
+    return Tolerance(**OmegaConf.to_container(cfg.verify.tolerance, resolve=True))
+
+
+def _hash_artifacts(ctx: BuildContext) -> None:
+    for art in ctx.artifacts:
+        if not art.path:
+            continue
+        p = ctx.staging / art.path
+        art.sha256 = sha256_tree(p) if p.is_dir() else sha256_file(p)
+        art.size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+def bundle_of(ctx: BuildContext) -> Bundle:
+    info = ctx.info
+    checkpoint = CheckpointInfo(name=info["name"], path=info["path"], max_len=info["max_len"], dtype=info["dtype"],
+                                n_actions=info["n_actions"], option_layout=info["option_layout"],
+                                head_layers=info["head_layers"],
+                                fingerprint=Fingerprint(ctx.fingerprint["sha256"], ctx.fingerprint["files"]))
+    return Bundle(
+        schema=SCHEMA, schema_version=SCHEMA_VERSION, laya_aot_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        checkpoint=checkpoint, artifacts=ctx.artifacts,
+        target=OmegaConf.to_container(ctx.cfg.target, resolve=True),
+        build_machine=ctx.machine.as_dict(), tolerance=_tolerance(ctx.cfg), ranges=ctx.ranges,
+        eager_latency_ms={"cpu": ctx.eager_latency_ms} if ctx.eager_latency_ms else {},
+        smoke=ctx.smoke, stages=ctx.stages, config=OmegaConf.to_container(ctx.cfg, resolve=True))
+
+
+Stage = Tuple[str, Callable[[BuildContext], str], bool, Optional[Kind]]
+
+
+def stages() -> List[Stage]:
+    """(name, step, fatal, kind): load, one stage per kind in the registry's order, verify."""
+    return ([("load", stage_load, True, None)]
+            + [(k.stage, k.build, not k.optional, k) for k in kinds.REGISTRY]
+            + [("verify", stage_verify, True, None)])
+
+
+def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], fatal: bool, enabled: bool,
+               report: Report, kind: Optional[Kind]) -> None:
+    rec: Dict[str, Any] = {"name": name, "status": "running"}
+    ctx.stages.append(rec)
+    t0 = time.perf_counter()
+    if not enabled:
+        rec.update(status="skipped", error="disabled by stages.%s=false" % name, seconds=0.0)
+        report(rec)
+        return
+    report(rec)
+    try:
+        rec["summary"] = fn(ctx)
+        rec["status"] = "ok"
+    except Skip as e:
+        rec.update(status="skipped", error=str(e))
+    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised when fatal
+        rec.update(status="failed", error="%s: %s" % (type(e).__name__, e))
+        log.debug("stage %s failed:\n%s", name, traceback.format_exc())
+        if fatal or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            rec["seconds"] = round(time.perf_counter() - t0, 3)
+            report(rec)
+            if isinstance(e, (BuildError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise BuildError("stage %s failed: %s: %s" % (name, type(e).__name__, e)) from e
+        if kind is not None:
+            ctx.artifacts.append(Artifact(name="%s-%s" % (kind.name, ctx.cfg.target.name), kind=kind.name,
+                                          status="build_failed", device=ctx.device, needs=Needs(device=ctx.device),
+                                          error=rec["error"]))
+    rec["seconds"] = round(time.perf_counter() - t0, 3)
+    report(rec)
+
+
+def _refuse_foreign_output(out: Path) -> None:
+    """A rebuild replaces a previous bundle; anything else at the output path is never touched."""
+    if not out.exists():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    try:
+        read_manifest(out)
+    except BundleError:
+        raise BuildError("output_dir %s exists and is not a laya-aot bundle; a build replaces the whole "
+                         "directory, so choose another output_dir or remove it first" % out) from None
+
+
+def default_dtype(target: Any) -> str:
+    return str(target.dtype or ("fp32" if target.device == "cpu" else "bf16"))
+
+
+def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
+    """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
+    try:
+        ckpt = ckpt_mod.resolve(cfg.checkpoint)
+        info = ckpt_mod.describe(ckpt, cfg.checkpoint)
+    except ckpt_mod.CheckpointError as e:
+        raise BuildError(str(e)) from e
+    out = Path(cfg.output_dir or os.path.join("artifacts", info["name"]))
+    _refuse_foreign_output(out)
+    device = str(cfg.target.device)
+    if device not in ("cpu", "cuda"):
+        raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)
+    stage_dir = staging.new_staging(out)
+    ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
+                       device=device, dtype=default_dtype(cfg.target))
+    try:
+        for name, fn, fatal, kind in stages():
+            enabled = fatal or bool(getattr(cfg.stages, name))
+            _run_stage(ctx, name, fn, fatal, enabled, report, kind)
+        usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
+        if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
+            why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
+            why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
+                    for a in ctx.artifacts if a.status != "verified"]
+            raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
+        _hash_artifacts(ctx)
+        bundle = bundle_of(ctx)
+        write_manifest(stage_dir, bundle)
+        staging.publish(stage_dir, out)
+    except BaseException:
+        staging.discard(stage_dir)
+        raise
+    return BuildResult(bundle, out)
+
+
+__all__ = ["BuildError", "BuildResult", "Ranges", "build"]
