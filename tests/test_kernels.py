@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from laya_aot.kernels.catalogue import _REQUIRED, FACTORIES, KernelSpec, catalogue, factory_signatures, row_buckets, static_lengths
+from laya_aot.kernels.catalogue import (
+    _REQUIRED,
+    FACTORIES,
+    KernelSpec,
+    catalogue,
+    factory_signatures,
+    row_buckets,
+    static_lengths,
+)
 
 try:
     import tilelang  # noqa: F401
@@ -124,6 +132,7 @@ def test_catalogue_matches_a_real_demo_checkpoint_on_cpu(monkeypatch, tmp_path):
     """Same proof on real weights loaded by laya.load (tiny-alt: context 384, so static buckets exist)."""
     import laya
     from laya.fast import FastLaya
+
     from laya_aot.demo import make_checkpoint
     from laya_aot.kernels.compile import checkpoint_catalogue
 
@@ -232,7 +241,8 @@ def test_kernel_cache_reuses_a_compiled_kernel_and_ignores_a_bad_entry(tmp_path,
     again = compile_catalogue([spec], "sm_86", tmp_path / "b", jobs=1, progress=False)
     assert (first["from_cache"], again["from_cache"]) == (0, 1)
     assert again["kernels"][0]["sha256"] == first["kernels"][0]["sha256"]
-    assert (tmp_path / "b" / again["kernels"][0]["path"]).read_bytes() == (tmp_path / "a" / first["kernels"][0]["path"]).read_bytes()
+    path_a, path_b = tmp_path / "a" / first["kernels"][0]["path"], tmp_path / "b" / again["kernels"][0]["path"]
+    assert path_b.read_bytes() == path_a.read_bytes()
     # an entry whose metadata names another kernel is not trusted: the kernel is compiled again
     meta = Path(again["cache"]) / (spec.key + ".json")
     meta.write_text(json.dumps(dict(json.loads(meta.read_text()), key="other")))
@@ -268,6 +278,7 @@ def _forget_jit_caches():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeypatch, arch):
     import laya
+
     from laya_aot.kernels import KernelMissing, make_fast_forward
     from laya_aot.kernels.guard import jit_guard
 
@@ -296,6 +307,7 @@ def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeyp
 @needs_nvcc
 def test_runtime_refuses_missing_or_altered_kernels(tiny_build, monkeypatch, tmp_path):
     import laya
+
     from laya_aot.kernels import BundleError, KernelMissing, make_fast_forward
     from laya_aot.kernels.guard import JITForbidden, jit_guard
 

@@ -1,6 +1,6 @@
 """The README's commands are what CI runs."""
-from pathlib import Path
 import re
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
