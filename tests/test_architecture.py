@@ -1,0 +1,143 @@
+"""The package's shape, read from its source: layers, no import cycles, one place per artifact kind."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Set
+
+import pytest
+
+from laya_aot import kinds
+from laya_aot.config import StagesConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "laya_aot"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES: Dict[str, Path] = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _resolve(module: str, level: int, name: str, importer: str) -> str:
+    if level:
+        base = importer.split(".")
+        is_pkg = MODULES[importer].name == "__init__.py"
+        base = base[: len(base) - level + (1 if is_pkg else 0)]
+        return ".".join(base + ([name] if name else []))
+    return name
+
+
+def imports_of(module: str) -> Set[str]:
+    """Every package module `module` imports, at the top or inside a function: `from .x import y` counts
+    as importing `x.y` when that is a module, else `x`."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node.level, node.module or "", module)
+            targets = ["%s.%s" % (base, a.name) if "%s.%s" % (base, a.name) in MODULES else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:  # `import laya_aot.kinds.aoti` names a module; trim attributes
+                t = t.rpartition(".")[0]
+            if t.startswith("laya_aot") and t != module:
+                out.add(t)
+    return out
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def reachable(start: str) -> Set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_runtime_and_pipeline_never_reach_each_other():
+    for m in MODULES:
+        if m.startswith("laya_aot.runtime"):
+            bad = sorted(x for x in reachable(m) if x.startswith("laya_aot.pipeline"))
+            assert not bad, "%s reaches the build pipeline through %s" % (m, bad)
+        if m.startswith("laya_aot.pipeline"):
+            bad = sorted(x for x in reachable(m) if x.startswith("laya_aot.runtime"))
+            assert not bad, "%s reaches the runtime through %s" % (m, bad)
+
+
+def test_no_import_cycles():
+    cycles = sorted(m for m in MODULES if m in reachable(m))
+    assert not cycles, "modules that import themselves through others: %s" % cycles
+
+
+def test_the_graph_sees_lazy_imports():
+    # a check that cannot fail proves nothing: the loader imports the probe inside a function only
+    assert "laya_aot.probe" in GRAPH["laya_aot.runtime.loader"]
+    assert "laya_aot.kinds.aoti" in GRAPH["laya_aot.kinds"]
+
+
+def _string_literals(path: Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.value
+
+
+# the same word meaning something else: TileLang's `JITImpl.compile` method, patched by the JIT guard
+OTHER_MEANING = {("compile", "laya_aot.kernels.guard")}
+
+
+@pytest.mark.parametrize("name", kinds.NAMES)
+def test_each_kind_is_spelled_in_one_module(name):
+    where = sorted(_module_name(p) for p in PKG.rglob("*.py") if name in set(_string_literals(p))
+                   and (name, _module_name(p)) not in OTHER_MEANING)
+    assert where == ["laya_aot.kinds.%s" % name], "the kind %r is spelled out in %s" % (name, where)
+
+
+def test_registry_gives_every_kind_build_load_and_facts():
+    switches = {f.name for f in dataclasses.fields(StagesConfig)}
+    assert len(set(kinds.NAMES)) == len(kinds.REGISTRY)
+    assert kinds.REGISTRY[0] is kinds.PORTABLE and not kinds.PORTABLE.optional
+    for k in kinds.REGISTRY:
+        assert callable(k.build) and callable(k.load) and callable(k.needs) and callable(k.variant), k.name
+        assert isinstance(k.order, int) and isinstance(k.native, bool) and isinstance(k.verified_at_build, bool)
+        assert (k.probe_env is not None) == k.native, "%s: native kinds say what a probe child loads" % k.name
+        if k.optional:
+            assert k.stage in switches, "%s: stages.%s is not a config switch" % (k.name, k.stage)
+    assert set(kinds.RUNTIME_ORDER) == {k.name for k in kinds.REGISTRY if k.serves}
+    with pytest.raises(KeyError, match="unknown artifact kind 'tensorrt'"):
+        kinds.get("tensorrt")
+
+
+def test_no_folder_named_build_runtime_kernels_at_the_top():
+    for name in ("build", "runtime", "kernels"):
+        assert not (ROOT / ("%s.py" % name)).exists() and not (ROOT / name / "__init__.py").exists()
+    assert not (PKG / "build").exists(), "ruff and pytest skip folders named build by default"
+
+
+def test_ruff_check_passes():
+    ruff = Path(sys.executable).with_name("ruff")
+    cmd = [str(ruff)] if ruff.exists() else [sys.executable, "-m", "ruff"]
+    p = subprocess.run(cmd + ["check", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
