@@ -131,7 +131,8 @@ def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
         "name": name,
         "path": str(ckpt.resolve()),
         "max_len": int(cfg.max_len or rl.get("max_len", 512)),
-        "dtype": str(cfg.dtype or rl.get("amp_dtype", "bf16")),
+        # as the checkpoint states it (absent: None); precision.py turns it into laya's serving dtype
+        "amp_dtype": rl.get("amp_dtype"),
         "head_layers": rl.get("head_layers"),
         "n_actions": len(rl.get("act_costs", {})) + 1,
         "option_layout": rl.get("option_layout", "sequential"),

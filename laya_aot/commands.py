@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -91,10 +92,10 @@ def demo(argv: List[str], start: float) -> int:
     return 0
 
 
-def _usable_here(bundle: Path, art: Artifact, device: str, machine) -> str:
+def _usable_here(bundle: Path, art: Artifact, device: str, machine, serving: str) -> str:
     from .runtime.select import reject_reason
 
-    why = reject_reason(art, machine, device) or (check_artifact_hash(bundle, art) if art.built else None)
+    why = reject_reason(art, machine, device, serving) or (check_artifact_hash(bundle, art) if art.built else None)
     return "usable" if why is None else why
 
 
@@ -108,6 +109,7 @@ def inspect(argv: List[str], start: float) -> int:
     import torch
 
     from . import kinds
+    from .precision import expected_serving_dtype
     from .variant import current_machine
 
     try:
@@ -117,27 +119,38 @@ def inspect(argv: List[str], start: float) -> int:
         return 2
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     machine = current_machine(device)
+    dev_type = torch.device(device).type
+    serving = expected_serving_dtype({"amp_dtype": m.checkpoint.amp_dtype}, dev_type, machine.gpu_arch)
     rows = []
     for e in m.artifacts:
         v = e.verify
+        eager = v.eager_in_dtype if v else None
         rows.append({"name": e.name, "kind": e.kind, "variant": e.variant, "dtype": e.dtype,
                      "size": e.size, "status": e.status,
                      "max_abs_option_prob": v.max_abs_option_prob if v else None,
                      "max_abs_action_prob": v.max_abs_action_prob if v else None,
                      "argmax_agreement": v.argmax_agreement if v else None,
-                     "here": _usable_here(Path(a.bundle), e, device, machine)})
+                     "tolerance": v.tolerance if v else None, "rule": v.rule if v else None,
+                     "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
+                     "here": _usable_here(Path(a.bundle), e, dev_type, machine, serving)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "checkpoint": m.checkpoint.name, "machine": machine.as_dict(),
-                          "device": device, "artifacts": rows}, indent=2))
+                          "device": device, "serving_dtype": serving, "artifacts": rows}, indent=2))
         return 0
-    t = Table(title="%s (checkpoint %s, built %s)" % (a.bundle, m.checkpoint.name, m.created))
-    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "argmax", "on this machine"):
+    t = Table(title="%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
+              % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
+    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
+                "allowed", "argmax", "on this machine"):
         t.add_column(col, overflow="fold")
     for r in rows:
         diff = ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
                 if r["max_abs_option_prob"] is not None else "-")
+        eager = r["eager_in_dtype"]
         t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
                   str(r["status"]), diff,
+                  "%.2g / %.2g, argmax %.1f%%" % (eager["max_abs_option_prob"], eager["max_abs_action_prob"],
+                                                  100 * eager["argmax_agreement"]) if eager else "-",
+                  "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
                   "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
                   "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
     _console().print(t)
@@ -159,7 +172,7 @@ def verify(argv: List[str], start: float) -> int:
     from . import laya_internals as laya_api
     from .manifest import artifact_path
     from .tolerance import rule_for
-    from .verification import cases, verify_runner
+    from .verification import EagerFigures, cases, reference_outputs, verify_runner
 
     con = _console()
     try:
@@ -181,6 +194,7 @@ def verify(argv: List[str], start: float) -> int:
     pad_id = laya_api.pad_id(agent)
     vocab = laya_api.vocab(agent)
     seed = a.seed if a.seed is not None else int(time.time())
+    checked: Dict[Any, Any] = {}  # per export range: the cases, their fp32 outputs, laya eager's figures
     failed = 0
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
     for col in ("artifact", "hash", "result"):
@@ -205,8 +219,14 @@ def verify(argv: List[str], start: float) -> int:
         try:
             runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
                                                                               model=reference))
-            res = verify_runner(runner, reference, cases(seed, r, vocab, pad_id), r, pad_id, runner.device,
-                                rule_for(e.dtype, m.tolerance))
+            if r not in checked:
+                case_list = cases(seed, r, vocab, pad_id)
+                references = reference_outputs(reference, case_list)
+                checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
+            case_list, references, figures = checked[r]
+            eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
+            res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
+                                rule_for(e.dtype, m.tolerance, eager), references, eager)
         except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
             failed += 1
             t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))

@@ -22,7 +22,8 @@ class CheckpointConfig:
     `path` (a local checkpoint directory) wins; otherwise `hub_id`/`subfolder` name a shipped
     checkpoint that must already be in the local Hugging Face cache (nothing is downloaded);
     otherwise `demo_shape` makes the built-in demo checkpoint under `demo_dir`.
-    `name`, `max_len` and `dtype` are read from the checkpoint when left null.
+    `name` and `max_len` are read from the checkpoint when left null; the dtype artifacts are built in
+    follows laya's policy for the checkpoint (`target.dtypes` to choose).
     """
 
     name: Optional[str] = None
@@ -30,7 +31,6 @@ class CheckpointConfig:
     hub_id: Optional[str] = None
     subfolder: Optional[str] = None
     max_len: Optional[int] = None
-    dtype: Optional[str] = None
     demo_shape: Optional[str] = None
     demo_seed: int = 0
     demo_dir: str = "artifacts/checkpoints"
@@ -46,8 +46,10 @@ class TargetConfig:
     arch: Optional[str] = None
     # TileLang architectures to cross-compile kernels for (no GPU needed)
     tilelang_archs: List[str] = field(default_factory=list)
-    # dtype of the encoder and decision head in the artifacts; null = fp32 on CPU, bf16 on CUDA
-    dtype: Optional[str] = None
+    # dtypes the encoder and decision head compute in, one set of artifacts each; empty = the dtype laya
+    # serves this checkpoint in on this target (laya_aot.precision: CPU fp32; CUDA the checkpoint's
+    # amp_dtype, fp16 when absent, fp16 below sm_80)
+    dtypes: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 from .files import cached_sha256, sha256_tree, write_json_atomic
 from .padding import Ranges
-from .tolerance import Tolerance
+from .tolerance import Agreement, Tolerance
 
 SCHEMA = "laya-aot/bundle"
 SCHEMA_VERSION = 1
@@ -67,6 +67,9 @@ class VerifyResult:
     rows_compared: Optional[int] = None
     cases: Dict[str, Any] = field(default_factory=dict)
     seconds: Optional[float] = None
+    # the rule applied, in words, and (16-bit artifacts) laya's eager forward in the same dtype on the same cases
+    rule: Optional[str] = None
+    eager_in_dtype: Optional[Agreement] = None
 
 
 @dataclass
@@ -109,11 +112,12 @@ class CheckpointInfo:
     name: str
     path: str
     max_len: int
-    dtype: str
     n_actions: int
     option_layout: str
     fingerprint: Fingerprint
     head_layers: Optional[int] = None
+    # `amp_dtype` as rl_agent_config.json states it (None: absent, which laya serves as fp16 on CUDA)
+    amp_dtype: Optional[str] = None
 
 
 @dataclass

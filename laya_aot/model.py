@@ -1,10 +1,14 @@
-"""laya's DecisionModel with every dtype fixed up front: the module every artifact is made from.
+"""laya's DecisionModel computing the way laya serves it: the module every artifact is made from.
 
-AOTInductor cannot compile a program exported under autocast (it carries dtype asserts), and a bf16
-copy trips on the fp32 confidence features meeting a bf16 action head. So the exported module fixes
-every dtype up front: encoder and decision head in the target dtype, the confidence features and the
-action head in `action_head_dtype` (fp32 by default). laya's own forward already casts the action
-head's input to the head's weight dtype when autocast is off, so the model itself is reused unchanged.
+laya serves a 16-bit checkpoint under autocast (`laya_aot.precision`): matrix products in bf16/fp16,
+layer norms, softmax, the residual stream and the embeddings in fp32. An artifact must compute that
+way, not in a model cast wholly to 16 bits: a wholly-bf16 copy of a checkpoint with decisive answers
+was 0.34 from fp32 where laya's own bf16 forward was 0.03 (issue 12), which no fair rule can accept.
+So the module keeps laya's fp32 weights, casts once what autocast would cast on every call (the weights
+of `nn.Linear` layers), and runs the forward under `torch.autocast` in the target dtype. torch.export
+records the autocast region (`wrap_with_autocast`), and AOTInductor and torch.compile compile it.
+The action head runs in `action_head_dtype` (fp32 by default: outside autocast, as precise as eager
+fp32; set it to the target dtype to match laya's own forward there too).
 """
 from __future__ import annotations
 
@@ -26,14 +30,54 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-class ExplicitDtypeModel(torch.nn.Module):
-    """laya's DecisionModel with fixed dtypes and fp32 outputs; the module every artifact is made from."""
+def _cast_linears(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast every nn.Linear's weight and bias to `dtype`: what autocast casts on each call, done once."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.to(dtype)
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype):
+
+class _HeadInDtype(torch.nn.Module):
+    """The action head in its own dtype, outside the model's autocast region."""
+
+    def __init__(self, head: torch.nn.Sequential, dtype: torch.dtype, device_type: str):
         super().__init__()
-        self.model = copy.deepcopy(model).eval().to(dtype)
-        self.model.act_head.to(action_head_dtype)
+        self.head, self.dtype, self.device_type = head, dtype, device_type
+        if dtype != torch.float32:
+            _cast_linears(head, dtype)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:  # laya reads act_head[0].weight.dtype without autocast
+        return self.head[i]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return self.head(x.float())
+
+
+class ExplicitDtypeModel(torch.nn.Module):
+    """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
+                 device_type: str = "cpu"):
+        super().__init__()
+        self.model = copy.deepcopy(model).eval().float()
+        self.dtype, self.device_type = dtype, device_type
+        if dtype != torch.float32:
+            head = self.model.act_head
+            self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype
+            _cast_linears(self.model, dtype)
+            if action_head_dtype == dtype:
+                _cast_linears(head, dtype)
+                self.model.act_head = head
+            else:
+                self.model.act_head = _HeadInDtype(head, action_head_dtype, device_type)
+        elif action_head_dtype != torch.float32:
+            self.model.act_head.to(action_head_dtype)  # laya casts the head's input to its weight dtype
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype):
-        logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
+        if self.dtype == torch.float32:  # no autocast region at all: fp32 graphs stay as plain as eager's
+            logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
+        else:
+            with torch.autocast(self.device_type, dtype=self.dtype):
+                logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
         return logits.float(), act_logits.float()

@@ -1,13 +1,22 @@
 """The verification rule: how far an artifact may be from the eager fp32 forward. Written once, here.
 
-The build configures it (`verify.tolerance.*`), stores it in the manifest, and every check (build,
-`laya-aot verify`, the loader's verification on a GPU and its smoke check) asks `rule_for` what
-applies to an artifact of a given dtype. No other module holds a tolerance or a fallback for one.
+An fp32 artifact computes what eager fp32 computes: it must agree to 1e-4 with every top option equal.
+A 16-bit artifact is judged against what laya itself serves in that dtype: laya's own eager forward in
+the same dtype (autocast), on the same cases, is also some distance from fp32, and that distance depends
+on the checkpoint (a checkpoint with decisive answers moves further in 16 bits than a near-uniform one).
+So a 16-bit artifact passes when its distance from fp32 is within
+max(the absolute tolerance, `relative` x laya-eager-in-dtype's distance), and its top option agrees with
+fp32 on at least laya-eager-in-dtype's share of rows minus `argmax_margin`. A fixed absolute bound alone
+rejected artifacts for being as precise as laya itself (issue 12: 0.049 against fp32 where laya's own
+fp16 forward was 0.010 and laya's fast path 0.012, tolerance 0.02).
+
+The build configures the numbers (`verify.tolerance.*`), stores them in the manifest, and every check
+(build, `laya-aot verify`, the loader's verification on a GPU, its smoke check) asks `rule_for`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def _required() -> Dict[str, Any]:
@@ -16,14 +25,31 @@ def _required() -> Dict[str, Any]:
 
 @dataclass
 class Tolerance:
-    """Max abs difference of option/action probabilities against eager fp32, per artifact dtype, and the
-    share of rows whose top option must agree (fp32 requires all of them)."""
+    """The numbers of the rule; the manifest stores them with the bundle."""
 
+    # max abs difference of option/action probabilities against eager fp32, per artifact dtype
     fp32: float = field(default=1e-4, metadata=_required())
     bf16: float = field(default=2e-2, metadata=_required())
     fp16: float = field(default=2e-2, metadata=_required())
+    # share of rows whose top option must agree with fp32's, for an fp32 artifact
     argmax_fp32: float = field(default=1.0, metadata=_required())
-    argmax_16bit: float = field(default=0.95, metadata=_required())
+    # a 16-bit artifact may be this many times as far from fp32 as laya's eager forward in its dtype
+    relative: float = 2.0
+    # and agree with fp32's top option on this much smaller a share of rows than laya's eager in its dtype
+    argmax_margin: float = 0.02
+
+
+@dataclass
+class Agreement:
+    """How far one forward is from the eager fp32 forward over the verification cases."""
+
+    max_abs_option_prob: float
+    max_abs_action_prob: float
+    argmax_agreement: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.max_abs_option_prob, self.max_abs_action_prob)
 
 
 @dataclass(frozen=True)
@@ -32,15 +58,26 @@ class Rule:
 
     max_abs: float
     argmax_share: float
+    basis: str
 
     def describe(self) -> str:
-        return "max |dp| <= %.3g, top option agreeing on >= %.1f%% of rows" % (self.max_abs, 100 * self.argmax_share)
+        return "max |dp| <= %.3g and top option agreeing on >= %.1f%% of rows (%s)" % (
+            self.max_abs, 100 * self.argmax_share, self.basis)
 
 
-def rule_for(dtype: str, tolerance: Tolerance) -> Rule:
-    """The rule for an artifact computing in `dtype` (fp32, bf16 or fp16)."""
+def rule_for(dtype: str, tolerance: Tolerance, eager_in_dtype: Optional[Agreement] = None) -> Rule:
+    """The rule for an artifact computing in `dtype`; a 16-bit one needs laya's eager figures in that dtype."""
     if dtype == "fp32":
-        return Rule(tolerance.fp32, tolerance.argmax_fp32)
-    if dtype in ("bf16", "fp16"):
-        return Rule(getattr(tolerance, dtype), tolerance.argmax_16bit)
-    raise ValueError("no verification rule for dtype %r; artifacts compute in fp32, bf16 or fp16" % dtype)
+        return Rule(tolerance.fp32, tolerance.argmax_fp32, "fp32: the eager fp32 forward's own precision")
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError("no verification rule for dtype %r; artifacts compute in fp32, bf16 or fp16" % dtype)
+    if eager_in_dtype is None:
+        raise ValueError("a %s artifact is judged against laya's eager forward in %s on the same cases; "
+                         "its figures are missing" % (dtype, dtype))
+    floor = getattr(tolerance, dtype)
+    max_abs = max(floor, tolerance.relative * eager_in_dtype.worst)
+    share = max(0.0, eager_in_dtype.argmax_agreement - tolerance.argmax_margin)
+    basis = ("%s: max(%.3g, %.3g x laya eager %s's %.3g from fp32); laya eager %s's top option agrees on "
+             "%.1f%%, margin %.1f%%" % (dtype, floor, tolerance.relative, dtype, eager_in_dtype.worst, dtype,
+                                        100 * eager_in_dtype.argmax_agreement, 100 * tolerance.argmax_margin))
+    return Rule(max_abs, share, basis)

@@ -10,6 +10,7 @@ padding rows (`laya.backends.base.pad_batch`) and the longest context. What pass
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 import time
@@ -19,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .manifest import SmokeRecord, VerifyResult
+from .model import torch_dtype
 from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
-from .tolerance import Rule
+from .tolerance import Agreement, Rule
 
 log = logging.getLogger(__name__)
 
@@ -137,32 +139,71 @@ def reference_outputs(reference_model: torch.nn.Module, case_list: List[Case]) -
                 for case in case_list}
 
 
-def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
-                  device: torch.device, rule: Rule, references: Optional[Dict[str, Batch]] = None) -> VerifyResult:
-    """Figures for one artifact over all cases, and whether it meets `rule`."""
+def _agreement(per_case: Dict[str, Dict[str, float]]) -> Agreement:
+    rows = sum(c["rows"] for c in per_case.values())
+    return Agreement(max_abs_option_prob=max(c["max_abs_option_prob"] for c in per_case.values()),
+                     max_abs_action_prob=max(c["max_abs_action_prob"] for c in per_case.values()),
+                     argmax_agreement=sum(c["argmax_agree"] for c in per_case.values()) / max(1, rows))
+
+
+def eager_in_dtype(model: torch.nn.Module, dtype: str, case_list: List[Case],
+                   references: Dict[str, Batch]) -> Agreement:
+    """How far laya's own eager forward in `dtype` is from fp32 on the cases: the fp32 model run under
+    autocast, as laya's Agent runs it (on `model`'s device, so a CUDA artifact is measured against CUDA)."""
+    device = next(model.parameters()).device
     per_case = {}
-    worst_p = worst_a = 0.0
-    agree = total = 0
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch_dtype(dtype)):
+        for case in case_list:
+            logits, act = model(*(x.to(device) for x in case.batch))
+            ref = references[case.name]
+            per_case[case.name] = compare((ref[0].float(), ref[1].float()), (logits.float().cpu(), act.float().cpu()),
+                                          case.batch, case.pad_rows)
+    return _agreement(per_case)
+
+
+class EagerFigures:
+    """laya's eager forward in each 16-bit dtype on one set of cases, per device: computed once each."""
+
+    def __init__(self, model: torch.nn.Module, case_list: List[Case], references: Dict[str, Batch]):
+        self._model, self._cases, self._refs = model, case_list, references
+        self._done: Dict[Tuple[str, str], Agreement] = {}
+
+    def get(self, dtype: str, device: str) -> Optional[Agreement]:
+        """None for fp32 (its rule needs no eager figures)."""
+        if dtype == "fp32":
+            return None
+        key = (str(device), dtype)
+        if key not in self._done:
+            here = next(self._model.parameters()).device
+            model = self._model if torch.device(device) == here else copy.deepcopy(self._model).to(device)
+            self._done[key] = eager_in_dtype(model, dtype, self._cases, self._refs)
+        return self._done[key]
+
+
+def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
+                  device: torch.device, rule: Rule, references: Optional[Dict[str, Batch]] = None,
+                  eager: Optional[Agreement] = None) -> VerifyResult:
+    """Figures for one artifact over all cases, and whether it meets `rule` (`eager`: laya's eager forward
+    in the artifact's dtype, recorded beside them)."""
     if references is None:
         references = reference_outputs(reference_model, case_list)
+    per_case = {}
     for case in case_list:
         with torch.no_grad():
-            ref = references[case.name]
             got = run_padded(runner, case.batch, ranges, pad_id, device)
-        c = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
-        per_case[case.name] = c
-        worst_p, worst_a = max(worst_p, c["max_abs_option_prob"]), max(worst_a, c["max_abs_action_prob"])
-        agree, total = agree + c["argmax_agree"], total + c["rows"]
-    share = agree / max(1, total)
-    ok = worst_p <= rule.max_abs and worst_a <= rule.max_abs and share >= rule.argmax_share
+        ref = references[case.name]
+        per_case[case.name] = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
+    a = _agreement(per_case)
+    ok = a.worst <= rule.max_abs and a.argmax_agreement >= rule.argmax_share
     why = None
     if not ok:
-        why = ("over tolerance: option probabilities differ by up to %.3g, action probabilities by %.3g "
-               "(tolerance %.3g); top option agrees on %.1f%% of rows (need %.1f%%)"
-               % (worst_p, worst_a, rule.max_abs, 100 * share, 100 * rule.argmax_share))
+        why = ("over tolerance: option probabilities differ from fp32 by up to %.3g, action probabilities by %.3g, "
+               "top option agrees on %.1f%% of rows; the rule allows %s"
+               % (a.max_abs_option_prob, a.max_abs_action_prob, 100 * a.argmax_agreement, rule.describe()))
     return VerifyResult(passed=ok, reason=why, tolerance=rule.max_abs, argmax_required=rule.argmax_share,
-                        max_abs_option_prob=worst_p, max_abs_action_prob=worst_a, argmax_agreement=share,
-                        rows_compared=total, cases=per_case)
+                        max_abs_option_prob=a.max_abs_option_prob, max_abs_action_prob=a.max_abs_action_prob,
+                        argmax_agreement=a.argmax_agreement, rows_compared=sum(c["rows"] for c in per_case.values()),
+                        cases=per_case, rule=rule.describe(), eager_in_dtype=eager)
 
 
 def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:

@@ -46,18 +46,24 @@ def test_matching_machine_has_no_mismatch():
     assert mismatch(Needs(device="cpu", torch="2.13.1", cpu_isa="AVX2", cxx11_abi=True), CPU) is None
 
 
-def _entry(name, kind, status="verified", lat=None, device="cpu", **kw):
-    return Artifact(name=name, kind=kind, status=status, needs=Needs(device=device), device=device,
+def _entry(name, kind, status="verified", lat=None, device="cpu", dtype="fp32", **kw):
+    return Artifact(name=name, kind=kind, status=status, needs=Needs(device=device), device=device, dtype=dtype,
                     latency_ms={device: {"1x128x4": lat}} if lat is not None else {}, **kw)
 
 
 def test_reject_reasons_from_the_manifest():
     assert "failed verification" in reject_reason(_entry("a", "aoti", "failed_verification",
-                                                         verify=VerifyResult(False, "over tolerance")), CPU, "cpu")
-    assert "build failed" in reject_reason(_entry("a", "aoti", "build_failed", error="boom"), CPU, "cpu")
-    assert "not a runtime artifact" in reject_reason(_entry("p", "exported_program"), CPU, "cpu")
-    assert "ONNX Runtime runs on the CPU" in reject_reason(_entry("o", "onnx"), H200, "cuda")
-    assert reject_reason(_entry("a", "aoti"), CPU, "cpu") is None
+                                                         verify=VerifyResult(False, "over tolerance")), CPU, "cpu",
+                                                  "fp32")
+    assert "build failed" in reject_reason(_entry("a", "aoti", "build_failed", error="boom"), CPU, "cpu", "fp32")
+    assert "not a runtime artifact" in reject_reason(_entry("p", "exported_program"), CPU, "cpu", "fp32")
+    assert "ONNX Runtime runs on the CPU" in reject_reason(_entry("o", "onnx"), H200, "cuda", "fp16")
+    assert reject_reason(_entry("a", "aoti"), CPU, "cpu", "fp32") is None
+    # laya serves this agent in another dtype than the artifact computes in: refused with the fix
+    gpu = _entry("g", "aoti", device="cuda", dtype="bf16")
+    why = reject_reason(gpu, H200, "cuda", "fp16")
+    assert "computes in bf16 and this agent serves in fp16" in why and "target.dtypes=[fp16]" in why
+    assert reject_reason(gpu, H200, "cuda", "bf16") is None
 
 
 def test_rank_by_measured_latency_then_fixed_order():

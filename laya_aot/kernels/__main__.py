@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from ..precision import cuda_dtype
 from .compile import DEFAULT_ARCHS, build_for_checkpoint, checkpoint_catalogue, default_jobs, read_checkpoint_config
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path)
-    p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the checkpoint's amp_dtype)")
+    p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: what laya serves the checkpoint in on "
+                   "sm_80+: its amp_dtype, fp16 when absent)")
     p.add_argument("--max-len", type=int, default=None, help="default: the checkpoint's max_len")
     p.add_argument("--max-rows", type=int, default=64)
 
@@ -42,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(spec.key)
         return 0
     agent_cfg = read_checkpoint_config(a.checkpoint)["agent"]
-    dtype = a.dtype or agent_cfg.get("amp_dtype", "bf16")
+    dtype = a.dtype or cuda_dtype(agent_cfg.get("amp_dtype"))
     max_len = a.max_len or int(agent_cfg.get("max_len", 512))
     t0 = time.perf_counter()
     reports = build_for_checkpoint(a.checkpoint, a.arch or list(DEFAULT_ARCHS), dtype, max_len, a.max_rows, a.out,

@@ -303,10 +303,13 @@ def read_checkpoint_config(checkpoint_dir: Path) -> Dict[str, Any]:
 
 def checkpoint_catalogue(checkpoint_dir: Path, dtype: Optional[str] = None, max_len: Optional[int] = None,
                          max_rows: int = 64) -> List[KernelSpec]:
-    """The catalogue of a checkpoint directory; dtype and max_len default to its own config."""
+    """The catalogue of a checkpoint directory; dtype defaults to what laya serves it in on a GPU of sm_80 or
+    newer (its amp_dtype, fp16 when absent), max_len to its own config."""
+    from ..precision import cuda_dtype
+
     cfg = read_checkpoint_config(checkpoint_dir)
     agent = cfg["agent"]
-    return catalogue(cfg["encoder"], dtype or agent.get("amp_dtype", "bf16"), max_len or agent.get("max_len", 512),
+    return catalogue(cfg["encoder"], dtype or cuda_dtype(agent.get("amp_dtype")), max_len or agent.get("max_len", 512),
                      max_rows, head_layers=int(agent.get("head_layers", 2)))
 
 

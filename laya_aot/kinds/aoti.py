@@ -170,7 +170,10 @@ class AOTIRunner(Runner):
         return lambda *xs: tuple(loader.run(list(xs)))
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
-        with self._lock:
+        # the package launches on the current stream of the current device: make that the artifact's GPU,
+        # whatever device the calling thread had current (an agent on cuda:1 beside one on cuda:0)
+        where = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with self._lock, where:
             fn = self.graphs if self.graphs is not None else self._run
             logits, act = fn(ids, att, mpos, mmask, qtype)
         return logits, act
@@ -236,7 +239,7 @@ def build(ctx: BuildContext) -> str:
                    "(run the build on a machine with that GPU)" % (ctx.cfg.target.name, ctx.cfg.target.arch))
     with safe_open(str(ctx.ckpt / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    name = "%s-%s" % (NAME, ctx.cfg.target.name)
+    name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
     facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)

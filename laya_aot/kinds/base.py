@@ -55,17 +55,25 @@ class BuildContext:
     staging: Path
     machine: Machine
     device: str
-    dtype: str
+    # the dtypes the build makes artifacts in (precision.build_dtypes), and the one being built now
+    dtypes: List[str]
+    dtype: str = ""
     agent: Any = None
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     pad_id: int = 0
     vocab: int = 0
     ep: Any = None
+    ep_dtype: str = ""
     ranges: Optional[Ranges] = None
     artifacts: List[Artifact] = field(default_factory=list)
     stages: List[Dict[str, Any]] = field(default_factory=list)
     eager_latency_ms: Optional[Dict[str, float]] = None
     smoke: Optional[Dict[str, Any]] = None
+
+    def artifact_name(self, kind: "Kind", base: Optional[str] = None) -> str:
+        """`<kind>-<target>` (or `base`), with `-<dtype>` when the build makes more than one dtype."""
+        suffix = "-%s" % self.dtype if len(self.dtypes) > 1 and not kind.fixed_dtype else ""
+        return "%s%s" % (base or "%s-%s" % (kind.name, self.cfg.target.name), suffix)
 
     def add_artifact(self, kind: "Kind", name: str, rel: str, device: str, dtype: str, seconds: float,
                      details: Optional[Dict[str, Any]] = None, gpu_arch: Optional[str] = None) -> Artifact:
@@ -115,6 +123,8 @@ class Kind:
     cuda_graphs: bool = False
     # whether the action head runs in `export.action_head_dtype` (False: fp32, as ONNX is exported)
     serves_dtype_head: bool = True
+    # built once, in this dtype, whatever the target's dtypes (ONNX Runtime on the CPU: fp32)
+    fixed_dtype: Optional[str] = None
     needs: Callable[[Machine, str], Needs] = native_needs
     variant: Callable[[Machine, str], str] = native_variant
     # why an agent on this device should not use it even when the machine fits (None: it may)

@@ -99,7 +99,8 @@ def pad_rows(batch: Tuple[torch.Tensor, ...], rows: int = MIN_ROWS) -> Tuple[tor
 
 
 def compiled_module(model: torch.nn.Module, dtype: str, action_head_dtype: str, device: str):
-    module = ExplicitDtypeModel(model, torch_dtype(dtype), torch_dtype(action_head_dtype)).to(device)
+    module = ExplicitDtypeModel(model, torch_dtype(dtype), torch_dtype(action_head_dtype),
+                                torch.device(device).type).to(device)
     return module, torch.compile(module, **COMPILE_OPTIONS)
 
 
@@ -221,7 +222,7 @@ def build(ctx: BuildContext) -> str:
     if not torch.cuda.is_available():
         raise Skip("target %s needs its GPU on the build machine to compile and save Inductor caches"
                    % ctx.cfg.target.name)
-    name = "%s-%s" % (NAME, ctx.cfg.target.name)
+    name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
     facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
     seconds = time.perf_counter() - t0

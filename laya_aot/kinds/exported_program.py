@@ -108,9 +108,10 @@ def build(ctx: BuildContext) -> str:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
                          % (max_tokens, ctx.info["max_len"]))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
-    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype))
+    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev)
     t0 = time.perf_counter()
     ctx.ep = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
+    ctx.ep_dtype = ctx.dtype
     seconds = time.perf_counter() - t0
     ctx.ranges = ranges_of(ctx.ep)
     rel = "exported_program/%s.pt2" % ctx.dtype

@@ -75,7 +75,7 @@ class ONNXRunner(Runner):
 def build(ctx: BuildContext) -> str:
     """Exported from an fp32 program (ONNX Runtime runs on the CPU), whatever the target's dtype."""
     ep = ctx.ep
-    if ctx.dtype != "fp32":
+    if ctx.ep_dtype != "fp32":
         module = ExplicitDtypeModel(ctx.agent.model, torch.float32, torch.float32)
         ep = export_model(module, ctx.ranges.max_rows, ctx.ranges.max_tokens, ctx.ranges.max_markers, ctx.pad_id)
     t0 = time.perf_counter()
@@ -95,6 +95,6 @@ def refuse_device(device: str) -> Optional[str]:
     return None
 
 
-KIND = Kind(name=NAME, stage="onnx", build=build, load=load, order=3, serves_dtype_head=False,
+KIND = Kind(name=NAME, stage="onnx", build=build, load=load, order=3, serves_dtype_head=False, fixed_dtype="fp32",
             needs=lambda m, device: Needs(device="cpu"), variant=lambda m, device: "onnx-any",
             refuse_device=refuse_device)

@@ -42,13 +42,14 @@ def build(ctx: BuildContext) -> str:
     except ImportError as e:  # pragma: no cover - depends on the optional extra
         raise Skip("TileLang is not installed (pip install 'laya-aot[tilelang]'): %s" % e) from e
     t0 = time.perf_counter()
+    folder = ctx.artifact_name(KIND, NAME)  # tilelang, or tilelang-<dtype> when the build makes several
     out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
-                                       ctx.staging / NAME, jobs=ctx.cfg.jobs)
+                                       ctx.staging / folder, jobs=ctx.cfg.jobs)
     lines = []
     for arch, res in out.items():
         ok = [k for k in res["kernels"] if k["status"] == "ok"]
-        ctx.add_artifact(KIND, "%s-%s" % (NAME, arch), "%s/%s" % (NAME, arch), "cuda", ctx.dtype, res["seconds"],
-                         details=res, gpu_arch=arch)
+        ctx.add_artifact(KIND, ctx.artifact_name(KIND, "%s-%s" % (NAME, arch)), "%s/%s" % (folder, arch), "cuda",
+                         ctx.dtype, res["seconds"], details=res, gpu_arch=arch)
         lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
                                                                      res.get("from_cache", 0)))
     ctx.stages[-1]["seconds_compile"] = time.perf_counter() - t0
@@ -60,8 +61,13 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
 
 
 def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:
+    """laya's agent serving in the kernels' dtype (a probe child's own environment: LAYA_CUDA_AMP is set
+    for this process only)."""
+    import os
+
     import laya
 
+    os.environ["LAYA_CUDA_AMP"] = str(art.dtype)
     return LoadEnv(device=device, agent=laya.load(str(checkpoint), device=device))
 
 

@@ -20,7 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds
+from .. import kinds, precision
+from .. import laya_internals as laya_api
 from .._version import __version__
 from ..files import sha256_file, sha256_tree
 from ..kinds import BuildContext, Kind, Skip, model_tensors
@@ -33,13 +34,23 @@ from ..manifest import (
     CheckpointInfo,
     Fingerprint,
     Needs,
+    VerifyResult,
     read_manifest,
     write_manifest,
 )
 from ..padding import Ranges
 from ..tolerance import Tolerance, rule_for
-from ..variant import current_machine
-from ..verification import cases, latency_ms, random_rows, reference_outputs, run_padded, smoke_record, verify_runner
+from ..variant import current_gpu_arch, current_machine
+from ..verification import (
+    EagerFigures,
+    cases,
+    latency_ms,
+    random_rows,
+    reference_outputs,
+    run_padded,
+    smoke_record,
+    verify_runner,
+)
 from . import staging
 
 log = logging.getLogger(__name__)
@@ -70,8 +81,8 @@ def stage_load(ctx: BuildContext) -> str:
     if ctx.info["option_layout"] == "parallel":
         raise BuildError("checkpoint %s uses option_layout='parallel', whose masks only laya's eager forward "
                          "reads; it cannot be exported" % ctx.ckpt)
-    ctx.pad_id = int(ctx.agent.tok.pad_token_id or 0)
-    ctx.vocab = min(int(ctx.agent.model.encoder.config.vocab_size), len(ctx.agent.tok))
+    ctx.pad_id = laya_api.pad_id(ctx.agent)
+    ctx.vocab = laya_api.vocab(ctx.agent)
     return "fingerprint %s..." % ctx.fingerprint["sha256"][:12]
 
 
@@ -86,16 +97,18 @@ def stage_verify(ctx: BuildContext) -> str:
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
         lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
     tensors = model_tensors(reference)
-    references = None
+    references = reference_outputs(reference, case_list)
+    eager_figures = EagerFigures(reference, case_list, references)
+    gpu_agents: Dict[str, Any] = {}
     summary = []
     for art in ctx.artifacts:
         if art.status != "built":
             continue
         kind = kinds.get(art.kind)
-        if not kind.verified_at_build or (art.device == "cuda" and not torch.cuda.is_available()):
+        why_not_here = _cannot_verify_here(kind, art)
+        if why_not_here:
             art.status = "unverified"
-            art.verify = _not_verified("needs a %s GPU to verify; verify it there with `laya-aot verify`"
-                                       % (art.needs.gpu_arch or "CUDA"))
+            art.verify = _not_verified(why_not_here)
             summary.append("%s unverified" % art.name)
             continue
         t0 = time.perf_counter()
@@ -106,11 +119,13 @@ def stage_verify(ctx: BuildContext) -> str:
             summary.append("%s FAILED (%s)" % (art.name, crash))
             continue
         try:
-            runner = kind.load(ctx.staging / art.path, art,
-                               kinds.LoadEnv(device=art.device, tensors=tensors, model=reference))
-            references = references or reference_outputs(reference, case_list)
+            env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
+            if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
+                env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
+            runner = kind.load(ctx.staging / art.path, art, env)
+            eager = eager_figures.get(art.dtype, art.device)
             result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                                   rule_for(art.dtype, tol), references)
+                                   rule_for(art.dtype, tol, eager), references, eager)
             if kind.serves:
                 sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
                 art.latency_ms = {art.device: {
@@ -126,10 +141,41 @@ def stage_verify(ctx: BuildContext) -> str:
     return ", ".join(summary)
 
 
-def _not_verified(reason: str, seconds: Optional[float] = None):
-    from ..manifest import VerifyResult
-
+def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:
     return VerifyResult(passed=False, reason=reason, seconds=None if seconds is None else round(seconds, 3))
+
+
+def _cannot_verify_here(kind: Kind, art: Artifact) -> Optional[str]:
+    """Why this build machine cannot run the artifact (None: it can). A kind not verified at build in
+    general (cross-compiled TileLang) is verified here all the same when this machine has its GPU."""
+    if art.device != "cuda":
+        return None
+    here = current_gpu_arch() if torch.cuda.is_available() else None
+    if kind.verified_at_build:
+        return None if here else "needs a %s GPU to verify; verify it there with `laya-aot verify`" % art.needs.gpu_arch
+    if here and str(art.needs.gpu_arch).rstrip("a") == here:
+        return None
+    return ("cross-compiled for %s without that GPU here; the first %s GPU that loads it verifies it against "
+            "eager before it serves" % (art.needs.gpu_arch, art.needs.gpu_arch))
+
+
+def _gpu_agent(ctx: BuildContext, dtype: str):
+    """laya's agent for the checkpoint on this GPU, serving in `dtype` (LAYA_CUDA_AMP, read by laya.load)."""
+    import laya
+
+    before = os.environ.get("LAYA_CUDA_AMP")
+    os.environ["LAYA_CUDA_AMP"] = dtype
+    try:
+        agent = laya.load(str(ctx.ckpt), device="cuda")
+    finally:
+        if before is None:
+            os.environ.pop("LAYA_CUDA_AMP", None)
+        else:
+            os.environ["LAYA_CUDA_AMP"] = before
+    got = laya_api.serving_dtype(agent)
+    if got != dtype:
+        raise RuntimeError("laya serves this checkpoint in %s on this GPU, not %s" % (got, dtype))
+    return agent
 
 
 def _probe_native(ctx: BuildContext, kind: Kind, art: Artifact) -> Optional[str]:
@@ -171,9 +217,9 @@ def _hash_artifacts(ctx: BuildContext) -> None:
 
 def bundle_of(ctx: BuildContext) -> Bundle:
     info = ctx.info
-    checkpoint = CheckpointInfo(name=info["name"], path=info["path"], max_len=info["max_len"], dtype=info["dtype"],
+    checkpoint = CheckpointInfo(name=info["name"], path=info["path"], max_len=info["max_len"],
                                 n_actions=info["n_actions"], option_layout=info["option_layout"],
-                                head_layers=info["head_layers"],
+                                head_layers=info["head_layers"], amp_dtype=info["amp_dtype"],
                                 fingerprint=Fingerprint(ctx.fingerprint["sha256"], ctx.fingerprint["files"]))
     return Bundle(
         schema=SCHEMA, schema_version=SCHEMA_VERSION, laya_aot_version=__version__,
@@ -185,19 +231,26 @@ def bundle_of(ctx: BuildContext) -> Bundle:
         smoke=ctx.smoke, stages=ctx.stages, config=OmegaConf.to_container(ctx.cfg, resolve=True))
 
 
-Stage = Tuple[str, Callable[[BuildContext], str], bool, Optional[Kind]]
+Stage = Tuple[str, Callable[[BuildContext], str], bool, Optional[Kind], Optional[str]]
 
 
-def stages() -> List[Stage]:
-    """(name, step, fatal, kind): load, one stage per kind in the registry's order, verify."""
-    return ([("load", stage_load, True, None)]
-            + [(k.stage, k.build, not k.optional, k) for k in kinds.REGISTRY]
-            + [("verify", stage_verify, True, None)])
+def stages(dtypes: List[str]) -> List[Stage]:
+    """(name, step, fatal, kind, dtype): load; per dtype, one stage per kind in the registry's order (a kind
+    with a fixed dtype once); verify."""
+    out: List[Stage] = [("load", stage_load, True, None, None)]
+    for i, dtype in enumerate(dtypes):
+        out += [(k.stage, k.build, not k.optional, k, k.fixed_dtype or dtype) for k in kinds.REGISTRY
+                if not (k.fixed_dtype and i)]
+    return out + [("verify", stage_verify, True, None, None)]
 
 
 def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], fatal: bool, enabled: bool,
-               report: Report, kind: Optional[Kind]) -> None:
+               report: Report, kind: Optional[Kind], dtype: Optional[str]) -> None:
     rec: Dict[str, Any] = {"name": name, "status": "running"}
+    if dtype is not None:
+        ctx.dtype = dtype
+        if len(ctx.dtypes) > 1:
+            rec["dtype"] = dtype
     ctx.stages.append(rec)
     t0 = time.perf_counter()
     if not enabled:
@@ -220,8 +273,8 @@ def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], 
                 raise
             raise BuildError("stage %s failed: %s: %s" % (name, type(e).__name__, e)) from e
         if kind is not None:
-            ctx.artifacts.append(Artifact(name="%s-%s" % (kind.name, ctx.cfg.target.name), kind=kind.name,
-                                          status="build_failed", device=ctx.device, needs=Needs(device=ctx.device),
+            ctx.artifacts.append(Artifact(name=ctx.artifact_name(kind), kind=kind.name, status="build_failed",
+                                          device=ctx.device, needs=Needs(device=ctx.device), dtype=ctx.dtype,
                                           error=rec["error"]))
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     report(rec)
@@ -240,10 +293,6 @@ def _refuse_foreign_output(out: Path) -> None:
                          "directory, so choose another output_dir or remove it first" % out) from None
 
 
-def default_dtype(target: Any) -> str:
-    return str(target.dtype or ("fp32" if target.device == "cpu" else "bf16"))
-
-
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
     try:
@@ -256,13 +305,18 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     device = str(cfg.target.device)
     if device not in ("cpu", "cuda"):
         raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)
+    try:
+        dtypes = precision.build_dtypes(device, cfg.target.arch, {"amp_dtype": info["amp_dtype"]},
+                                        list(cfg.target.dtypes or []))
+    except ValueError as e:
+        raise BuildError(str(e)) from e
     stage_dir = staging.new_staging(out)
     ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
-                       device=device, dtype=default_dtype(cfg.target))
+                       device=device, dtypes=dtypes)
     try:
-        for name, fn, fatal, kind in stages():
+        for name, fn, fatal, kind, dtype in stages(dtypes):
             enabled = fatal or bool(getattr(cfg.stages, name))
-            _run_stage(ctx, name, fn, fatal, enabled, report, kind)
+            _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
         usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
         if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
             why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds
+from .. import kinds, precision
 from .. import laya_internals as laya_api
 from ..manifest import Artifact, Bundle, BundleError, artifact_path, check_artifact_hash, read_bundle
 from ..tolerance import rule_for
@@ -71,9 +71,11 @@ class _Early:
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dev_type = torch.device(dev).type
             machine = current_machine(dev)
+            # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
+            serving = precision.expected_serving_dtype(ckpt_mod.read_config(ckpt), dev_type, machine.gpu_arch)
             candidates, _ = rank(manifest.artifacts, dev_type, prefer)
             for art in candidates:
-                if reject_reason(art, machine, dev_type) is None:
+                if reject_reason(art, machine, dev_type, serving) is None:
                     if kinds.get(art.kind).native and check_artifact_hash(bundle, art) is None:
                         self.device = dev
                         self.started_after_s = round(time.perf_counter() - self._t0, 3)
@@ -120,7 +122,10 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
     from ..verification import compare, smoke_batch, smoke_from_record
 
     dev = agent.device
-    rule = rule_for(art.dtype, manifest.tolerance)
+    # the bound the artifact met at verification (for a 16-bit one it depends on laya's eager figures there)
+    bound = art.verify.tolerance if art.verify and art.verify.tolerance is not None else None
+    if bound is None:
+        return "its manifest entry records no verified tolerance; rebuild the bundle with `laya-aot build`"
     record = manifest.smoke
     with torch.no_grad():
         if record:
@@ -128,16 +133,17 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
         else:
             batch = smoke_batch(art.ranges, laya_api.vocab(agent), backend.pad_id)
             ref = backend.stock_forward(*(x.to(dev) for x in batch))
-            # this reference runs in the agent's own precision (16-bit autocast on CUDA): allow for it
-            rule = max(rule, rule_for(laya_api.serving_dtype(agent), manifest.tolerance), key=lambda r: r.max_abs)
+            # this reference runs in the agent's own precision: it may itself be that far from fp32
+            if art.verify.eager_in_dtype is not None:
+                bound += art.verify.eager_in_dtype.worst
         got = backend.forward(*(x.to(dev) for x in batch))
     c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
                 batch, 0)
     backend.reset_stats()  # the smoke batch is not traffic
     worst = max(c["max_abs_option_prob"], c["max_abs_action_prob"])
-    if not worst <= rule.max_abs:
+    if not worst <= bound:
         return "it loaded but disagrees with the %s by %.3g (tolerance %.3g)" % (
-            "build's eager fp32 reference" if record else "eager forward here", worst, rule.max_abs)
+            "build's eager fp32 reference" if record else "eager forward here", worst, bound)
     return None
 
 
@@ -148,7 +154,7 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
 
     from ..files import write_json_atomic
     from ..probe import verdict_path
-    from ..verification import cases, verify_runner
+    from ..verification import cases, eager_in_dtype, reference_outputs, verify_runner
 
     path = verdict_path(art, machine, "verify:" + str(agent.device))
     try:
@@ -158,9 +164,12 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
     r = art.ranges
     pad_id = laya_api.pad_id(agent)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        res = verify_runner(runner, agent.model, cases(int(time.time()), r, laya_api.vocab(agent), pad_id),
-                            r, pad_id, runner.device, rule_for(art.dtype, manifest.tolerance))
+    case_list = cases(int(time.time()), r, laya_api.vocab(agent), pad_id)
+    with torch.no_grad(), torch.autocast(agent.device.type, enabled=False):
+        references = reference_outputs(agent.model, case_list)
+        eager = eager_in_dtype(agent.model, art.dtype, case_list, references) if art.dtype != "fp32" else None
+        res = verify_runner(runner, agent.model, case_list, r, pad_id, runner.device,
+                            rule_for(art.dtype, manifest.tolerance, eager), references, eager)
     stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
     reason = None if res.passed else "verified on this machine and failed: %s" % res.reason
     try:
@@ -256,10 +265,12 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
     candidates, skipped = rank(manifest.artifacts, device, prefer)
     rejected.extend(skipped)
     pad_id = laya_api.pad_id(agent)
+    serving = laya_api.serving_dtype(agent)
+    load_stats["serving_dtype"] = serving
     tensors = None
     for art in candidates:
         kind = kinds.get(art.kind)
-        why = reject_reason(art, machine, device)
+        why = reject_reason(art, machine, device, serving)
         stats: Dict[str, Any] = {}
         if why is None:
             t_hash = time.perf_counter()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from .. import kinds
+from .. import kinds, precision
 from ..manifest import Artifact
 from ..variant import Machine, mismatch
 
 
-def reject_reason(art: Artifact, machine: Machine, agent_device: str) -> Optional[str]:
-    """Why `art` cannot serve an agent on `agent_device` here, from the manifest alone (None: it may)."""
+def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str) -> Optional[str]:
+    """Why `art` cannot serve an agent on `agent_device` that laya runs in `serving_dtype`, from the manifest
+    alone (None: it may)."""
     kind = kinds.get(art.kind)
     if not kind.serves:
         return "the portable %s is what the other artifacts are compiled from, not a runtime artifact" % kind.name
@@ -32,7 +33,7 @@ def reject_reason(art: Artifact, machine: Machine, agent_device: str) -> Optiona
         return refused
     if art.needs.device != agent_device:
         return "built for %s, the agent runs on %s" % (art.needs.device, agent_device)
-    return mismatch(art.needs, machine)
+    return mismatch(art.needs, machine) or precision.why_not(str(art.dtype), serving_dtype, agent_device)
 
 
 def _latency(art: Artifact, device: str) -> Optional[float]:

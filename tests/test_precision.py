@@ -1,0 +1,162 @@
+"""laya's precision policy, and verification relative to laya's own reduced precision.
+
+The policy module is checked against laya's own functions (not a copy of them); the rule against a
+checkpoint with decisive answers, where a fixed absolute bound rejected correct 16-bit artifacts.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import build_bundle
+
+from laya_aot import precision
+from laya_aot.tolerance import Agreement, Tolerance, rule_for
+
+
+@pytest.mark.parametrize("amp", [None, "bf16", "fp16", "bfloat16", "float16", "fp32"])
+@pytest.mark.parametrize("env", [None, "fp16", "bf16", "BFloat16", "float16", "fp8"])
+def test_cuda_policy_is_lavas_own(amp, env, monkeypatch):
+    import laya.agent
+
+    if env is None:
+        monkeypatch.delenv("LAYA_CUDA_AMP", raising=False)
+    else:
+        monkeypatch.setenv("LAYA_CUDA_AMP", env)
+    # what laya.Agent does at compute capability >= 8 (agent.py): _cuda_amp_dtype(cfg.get("amp_dtype", "fp16"))
+    cfg = {} if amp is None else {"amp_dtype": amp}
+    theirs = {torch.bfloat16: "bf16", torch.float16: "fp16"}[laya.agent._cuda_amp_dtype(cfg.get("amp_dtype", "fp16"))]
+    assert precision.expected_serving_dtype(cfg, "cuda", "sm_90") == theirs
+    assert precision.cuda_dtype(amp, "sm_80", env) == theirs
+    assert precision.cuda_dtype(amp, "sm_75", env) == "fp16"   # below 8.0 laya always takes fp16
+
+
+@pytest.mark.parametrize("env, expect", [(None, "fp32"), ("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp32")])
+def test_cpu_policy_matches_a_real_agent(env, expect, demo_ckpt, monkeypatch):
+    import laya
+
+    from laya_aot.laya_internals import serving_dtype
+
+    if env is None:
+        monkeypatch.delenv("LAYA_CPU_AMP", raising=False)
+    else:
+        monkeypatch.setenv("LAYA_CPU_AMP", env)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agent = laya.load(str(demo_ckpt), device="cpu")
+    assert serving_dtype(agent) == precision.expected_serving_dtype({}, "cpu") == expect
+
+
+def test_build_dtypes_follow_the_checkpoint_unless_asked():
+    assert precision.build_dtypes("cuda", "sm_90", {}, []) == ["fp16"]          # amp_dtype absent
+    assert precision.build_dtypes("cuda", "sm_90", {"amp_dtype": "bf16"}, []) == ["bf16"]
+    assert precision.build_dtypes("cuda", "sm_75", {"amp_dtype": "bf16"}, []) == ["fp16"]
+    assert precision.build_dtypes("cpu", None, {"amp_dtype": "bf16"}, []) == ["fp32"]
+    assert precision.build_dtypes("cuda", "sm_90", {}, ["fp16", "bf16", "fp16"]) == ["fp16", "bf16"]
+    with pytest.raises(ValueError, match="never serves fp32 on CUDA"):
+        precision.build_dtypes("cuda", "sm_90", {}, ["fp32"])
+    with pytest.raises(ValueError, match="fp8 is not a dtype"):
+        precision.build_dtypes("cpu", None, {}, ["fp8"])
+
+
+def test_the_rule_is_relative_to_laya_eager_in_the_same_dtype():
+    tol = Tolerance()
+    assert rule_for("fp32", tol).max_abs == 1e-4 and rule_for("fp32", tol).argmax_share == 1.0
+    precise = rule_for("fp16", tol, Agreement(0.004, 0.003, 1.0))
+    assert precise.max_abs == 0.02 and precise.argmax_share == pytest.approx(0.98)   # the absolute floor
+    decisive = rule_for("bf16", tol, Agreement(0.03, 0.05, 0.97))
+    assert decisive.max_abs == pytest.approx(0.10) and decisive.argmax_share == pytest.approx(0.95)
+    assert "laya eager bf16" in decisive.describe()
+    with pytest.raises(ValueError, match="judged against laya's eager forward in fp16"):
+        rule_for("fp16", tol)
+
+
+@pytest.fixture(scope="module")
+def decisive(tmp_path_factory):
+    """The issue's kind of checkpoint: head dim 32, one head layer, four actions, no amp_dtype, decisive."""
+    import laya
+
+    from laya_aot.demo import demo_shape, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("decisive") / "ckpt",
+                           demo_shape("tiny", hidden_size=96, num_attention_heads=3, head_layers=1, n_actions=4,
+                                      head_gain=8.0), seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ckpt, laya.load(str(ckpt), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
+    from laya_aot.model import ExplicitDtypeModel, torch_dtype
+    from laya_aot.padding import Ranges
+    from laya_aot.verification import cases, eager_in_dtype, reference_outputs, verify_runner
+
+    _, agent = decisive
+    model = agent.model.float().eval()
+    ranges = Ranges(1, 8, 32, 256, 2, 64)
+    case_list = cases(3, ranges, 900, 0)
+    refs = reference_outputs(model, case_list)
+    eager = eager_in_dtype(model, dtype, case_list, refs)
+    assert eager.worst > 1e-3, "the checkpoint is not decisive enough to show anything in %s" % dtype
+    faithful = ExplicitDtypeModel(model, torch_dtype(dtype), torch.float32)
+    rule = rule_for(dtype, Tolerance(), eager)
+    ok = verify_runner(faithful, model, case_list, ranges, 0, torch.device("cpu"), rule, refs, eager)
+    assert ok.passed, ok.reason
+    assert ok.eager_in_dtype == eager and "laya eager %s" % dtype in ok.rule
+
+    def off(*batch):  # a wrong artifact: option logits shifted, as a miscompiled head would give
+        logits, act = faithful(*batch)
+        return logits + 1.5 * torch.arange(logits.shape[1]), act
+    bad = verify_runner(off, model, case_list, ranges, 0, torch.device("cpu"), rule, refs, eager)
+    assert not bad.passed and "laya eager %s" % dtype in bad.reason
+
+
+@pytest.mark.parametrize("amp, kernel_dtype", [(None, "float16"), ("bf16", "bfloat16")])
+def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, tmp_path):
+    """On a CPU machine: the exported program and the TileLang kernels for sm_90 are in the dtype laya
+    serves the checkpoint in on an H200 (amp_dtype absent: fp16), the 16-bit program verified against
+    laya's eager forward in that dtype."""
+    pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
+    from laya_aot.demo import demo_shape, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
+    m = build_bundle(ckpt, tmp_path / "b", "target=sm_90", "stages.onnx=false")
+    want = "fp16" if amp is None else "bf16"
+    (tl,) = [a for a in m["artifacts"] if a["kind"] == "tilelang"]
+    (ep,) = [a for a in m["artifacts"] if a["kind"] == "exported_program"]
+    assert tl["dtype"] == ep["dtype"] == want and m["checkpoint"]["amp_dtype"] == amp
+    keys = [k["key"] for k in tl["details"]["kernels"]]
+    assert keys and all("dtype-%s" % kernel_dtype in k for k in keys), keys[:3]
+    assert ep["status"] == "verified" and ep["verify"]["eager_in_dtype"]["argmax_agreement"] > 0.9
+    assert ep["verify"]["tolerance"] >= 0.02 and want in ep["verify"]["rule"]
+
+
+def test_the_loader_serves_only_the_agents_dtype(demo_ckpt, tmp_path, monkeypatch):
+    """On the CPU laya serves fp32, or bf16 with LAYA_CPU_AMP=bf16: each agent gets the artifact in its own
+    dtype, and an artifact in another one is refused with the fix."""
+    import laya_aot
+
+    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[bf16]", "aoti.cpu_frozen=false", "stages.onnx=false")
+    monkeypatch.delenv("LAYA_CPU_AMP", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"computes in bf16 and this agent serves in fp32.*target.dtypes=\[fp32\]"):
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(tmp_path / "b"), device="cpu")
+    assert agent.backend == "eager"
+    monkeypatch.setenv("LAYA_CPU_AMP", "bf16")
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(tmp_path / "b"), device="cpu", strict=True)
+    assert agent.backend == "aot:aoti" and agent.backend_object.artifact.dtype == "bf16"
+    assert agent.backend_object.load_stats["serving_dtype"] == "bf16"
+
+
+def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
+    from laya_aot.commands import inspect
+
+    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[bf16,fp16]", "aoti.cpu_frozen=false",
+                 "stages.onnx=false")
+    assert inspect([str(tmp_path / "b"), "--json"], 0.0) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["artifacts"]}
+    assert set(rows) == {"exported_program-bf16", "exported_program-fp16", "aoti-cpu-bf16", "aoti-cpu-fp16"}
+    for r in rows.values():
+        assert r["eager_in_dtype"]["max_abs_option_prob"] >= 0 and r["tolerance"] >= 0.02 and r["rule"]
