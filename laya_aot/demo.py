@@ -1,10 +1,12 @@
 """Deterministic demo checkpoints: real Laya checkpoint directories made offline from a seed.
 
 No network exists where laya-aot is built and tested, so nothing may download weights. This module
-writes the exact layout `laya.load(dir)` reads (`rl_agent_config.json`, `model.safetensors`,
-`tokenizer/`, `encoder/`) for a ModernBERT config of any size, with weights drawn from a seeded
-generator and scaled so that answers differ across options and inputs (a model that answers
-uniformly would make every numerical comparison pass trivially).
+builds laya's DecisionModel for a ModernBERT config of any size, fills it with weights drawn from a
+seeded generator (scaled so that answers differ across options and inputs: a model that answers
+uniformly would make every numerical comparison pass trivially), and writes it with laya's own
+`laya.train.save_checkpoint`: fp16 weights on disk and the config keys laya's trainer writes, as a
+user's fine-tuned checkpoint has them. `amp_dtype` is written only when a shape sets it; absent, laya
+serves the checkpoint in fp16 on CUDA, as it does a fine-tune of a base checkpoint that had none.
 """
 from __future__ import annotations
 
@@ -39,38 +41,73 @@ class DemoShape:
     n_actions: int = 3
     local_attention: int = 64
     global_attn_every_n_layers: int = 3
-    amp_dtype: str = "bf16"
+    # rl_agent_config.json's amp_dtype; None leaves it out (laya then serves fp16 on CUDA)
+    amp_dtype: Optional[str] = None
     tokenizer_vocab: int = 1200
+    # "bpe" (byte-level, as ModernBERT's) or "wordpiece" (as BERT's)
+    tokenizer: str = "bpe"
+    # False leaves the tokenizer config as transformers writes it, which laya.load rewrites in place on
+    # first load (as it does for a checkpoint straight from laya's trainer)
+    pin_tokenizer: bool = True
     # weight scales: large enough that options and inputs get clearly different answers; deep presets use
-    # a smaller layer gain so that 22-28 random layers stay as well conditioned in bf16 as trained ones,
-    # and head gain 1: with 2.0 the large-1024 model's own bf16 forward (any bf16 implementation, laya's
-    # included) differed from fp32 by 0.030 in action probability on the CPU, over the 2e-2 tolerance;
-    # with 1.0 it differs by 0.007 and answers still spread (benchmarks/investigations/bf16_scale_check.py)
+    # a smaller layer gain so that 22-28 random layers stay as well conditioned as trained ones. They are
+    # not chosen to make any dtype pass verification: a 16-bit artifact is judged against laya's own
+    # forward in that dtype (laya_aot/tolerance.py), however decisive the checkpoint's answers are
     embed_std: float = 0.5
     layer_gain: float = 1.0
     head_gain: float = 3.0
 
 
 PRESETS: Dict[str, DemoShape] = {
-    # the default of every command and the tests' fixture: seconds to build on 2 cores
+    # the default of every command and the tests' fixture: seconds to build on 2 cores; no amp_dtype
     "tiny": DemoShape(),
-    # differs from tiny everywhere it can: hidden 96 with 3 heads (head dim 32, not 64),
-    # one decision-head layer, four actions, context 384
+    # differs from tiny everywhere it can: hidden 96 with 3 heads (head dim 32, not 16), one decision-head
+    # layer, four actions, context 384, amp_dtype fp16 written out
     "tiny-alt": DemoShape(hidden_size=96, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
                           vocab_size=1536, max_len=384, head_layers=1, n_actions=4, local_attention=32,
-                          global_attn_every_n_layers=2, tokenizer_vocab=1000),
-    "base-512": DemoShape(layer_gain=0.25, head_gain=1.0,
-                          hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
-                          vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "base-1024": DemoShape(layer_gain=0.25, head_gain=1.0,
-                          hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
-                           vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
-    "large-512": DemoShape(layer_gain=0.25, head_gain=1.0,
-                          hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
-                           vocab_size=50368, max_len=512, local_attention=128, tokenizer_vocab=4000),
-    "large-1024": DemoShape(layer_gain=0.25, head_gain=1.0,
-                          hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624,
-                            vocab_size=50368, max_len=1024, local_attention=128, tokenizer_vocab=4000),
+                          global_attn_every_n_layers=2, tokenizer_vocab=1000, amp_dtype="fp16"),
+    # ModernBERT-base and -large dimensions with amp_dtype bf16, as laya's shipped checkpoints
+    "base-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22,
+                          num_attention_heads=12, intermediate_size=1152, vocab_size=50368, max_len=512,
+                          local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
+    "base-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22,
+                           num_attention_heads=12, intermediate_size=1152, vocab_size=50368, max_len=1024,
+                           local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
+    "large-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28,
+                           num_attention_heads=16, intermediate_size=2624, vocab_size=50368, max_len=512,
+                           local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
+    "large-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28,
+                            num_attention_heads=16, intermediate_size=2624, vocab_size=50368, max_len=1024,
+                            local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
+}
+
+# Checkpoints the defaults were never tuned on, spread over what users have: amp_dtype bf16 / fp16 /
+# absent, head dims 16-64, 1-16 encoder heads, 1-3 decision-head layers, 2-8 actions, contexts 128-2048,
+# several local-attention windows, BPE and WordPiece, decisive answers (large head weights), a tokenizer
+# config as laya's trainer leaves it. tests/test_matrix.py runs each on the CPU; benchmarks/gpu_matrix.py
+# on a GPU.
+_SMALL = dict(tokenizer_vocab=900)
+MATRIX: Dict[str, DemoShape] = {
+    # the issue's checkpoint: head dim 32, one head layer, four actions, context 256, decisive, no amp_dtype
+    "hd32-absent-decisive": DemoShape(hidden_size=96, num_attention_heads=3, num_hidden_layers=2,
+                                      intermediate_size=128, head_layers=1, n_actions=4, max_len=256,
+                                      local_attention=32, head_gain=8.0, tokenizer="wordpiece",
+                                      pin_tokenizer=False, **_SMALL),
+    "hd16-1head-ctx128": DemoShape(hidden_size=16, num_attention_heads=1, num_hidden_layers=1, intermediate_size=32,
+                                   head_layers=1, n_actions=2, max_len=128, local_attention=16, **_SMALL),
+    "hd16-16heads-fp16": DemoShape(hidden_size=256, num_attention_heads=16, num_hidden_layers=2,
+                                   intermediate_size=384, head_layers=2, n_actions=5, max_len=512, local_attention=64,
+                                   head_gain=6.0, amp_dtype="fp16", tokenizer="wordpiece", **_SMALL),
+    "hd64-bf16-ctx1024": DemoShape(hidden_size=256, num_attention_heads=4, num_hidden_layers=2, intermediate_size=320,
+                                   head_layers=3, n_actions=3, max_len=1024, local_attention=256, amp_dtype="bf16",
+                                   **_SMALL),
+    "hd32-8actions-ctx2048": DemoShape(hidden_size=64, num_attention_heads=2, num_hidden_layers=3,
+                                       intermediate_size=96, global_attn_every_n_layers=2, head_layers=3, n_actions=8,
+                                       max_len=2048, local_attention=128, amp_dtype="bf16", tokenizer="wordpiece",
+                                       head_gain=5.0, **_SMALL),
+    "hd16-8heads-fp16-ctx384": DemoShape(hidden_size=128, num_attention_heads=8, num_hidden_layers=2,
+                                         intermediate_size=192, head_layers=2, n_actions=6, max_len=384,
+                                         local_attention=48, amp_dtype="fp16", **_SMALL),
 }
 
 # A small fixed corpus for the tokenizer: deterministic, offline, and close enough to the
@@ -92,10 +129,24 @@ Security alert: an unknown device signed in to the account from another country 
 """.strip()
 
 
-def _train_tokenizer(vocab: int):
-    """A byte-level BPE tokenizer trained on the fixed corpus: any text encodes, nothing downloads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train_tokenizer(vocab: int, kind: str = "bpe"):
+    """A tokenizer trained on the fixed corpus, nothing downloads: byte-level BPE (any text encodes) or
+    WordPiece with BERT's pre-tokenizer (unknown words become [UNK])."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        tok.train_from_iterator([_CORPUS] * 4, trainer=trainers.WordPieceTrainer(
+            vocab_size=vocab, special_tokens=list(SPECIALS), show_progress=False))
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                       model_max_length=1 << 20)
+    if kind != "bpe":
+        raise ValueError("unknown demo tokenizer %r; use bpe or wordpiece" % kind)
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -159,22 +210,27 @@ def _fill_weights(model: torch.nn.Module, seed: int, spec: DemoShape) -> Dict[st
     return state
 
 
+# bumped when the files written for the same shape and seed change (2: fp16 weights, laya's own writer)
+FORMAT = 2
+
+
 def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny", seed: int = 0,
                     overwrite: bool = False) -> Path:
-    """Write a Laya checkpoint directory for `shape` (a preset name or a DemoShape) and return its path.
+    """Write a Laya checkpoint directory for `shape` (a preset or matrix name, or a DemoShape) and return
+    its path.
 
     The directory is assembled beside its destination and renamed into place, so a killed run never
     leaves a half-written checkpoint that `laya.load` would accept.
     """
     from laya.common import build_model
-    from safetensors.torch import save_file
+    from laya.train import save_checkpoint
 
-    spec = PRESETS[shape] if isinstance(shape, str) else shape
+    spec = demo_shape(shape) if isinstance(shape, str) else shape
     out = Path(out_dir)
     if out.exists():
         made = _demo_facts(out)
         if not overwrite and (out / "model.safetensors").exists():
-            if made == {"seed": seed, "shape": asdict(spec)}:
+            if made == {"seed": seed, "shape": asdict(spec), "format": FORMAT}:
                 return out
             if made is None:
                 raise FileExistsError("%s holds a checkpoint that make_checkpoint did not write; choose another "
@@ -185,25 +241,29 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".%s.partial-" % out.name, dir=out.parent))
     try:
-        tok = _train_tokenizer(spec.tokenizer_vocab)
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
-        ecfg = _encoder_config(spec, tok)
-        ecfg.save_pretrained(str(tmp / "encoder"))
+        tok = _train_tokenizer(spec.tokenizer_vocab, spec.tokenizer)
+        _encoder_config(spec, tok).save_pretrained(str(tmp / "encoder"))
+        # the keys laya's trainer writes for a fine-tune (laya.train), amp_dtype only when the shape sets it
         cfg = {
             "encoder": "answerdotai/ModernBERT-base",
             "head_layers": spec.head_layers,
             "act_costs": {"act_%d" % i: 0.1 * (i + 1) for i in range(spec.n_actions - 1)},
             "max_len": spec.max_len,
             "head_max_len": min(192, spec.max_len // 2),
-            "amp_dtype": spec.amp_dtype,
+            "fine_tuned": True,
             "temperature": [1.0, 1.0, 1.0],
-            "laya_aot_demo": {"seed": seed, "shape": asdict(spec)},
+            "temperature_by_options": {},
+            "laya_aot_demo": {"seed": seed, "shape": asdict(spec), "format": FORMAT},
         }
+        if spec.amp_dtype is not None:
+            cfg["amp_dtype"] = spec.amp_dtype
         model = build_model(cfg, encoder_dir=str(tmp / "encoder"), pretrained=False)
-        save_file(_fill_weights(model, seed, spec), str(tmp / "model.safetensors"))
-        with open(tmp / "rl_agent_config.json", "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2)
+        model.load_state_dict(_fill_weights(model, seed, spec), strict=True)
+        save_checkpoint(model, tok, cfg, str(tmp))  # fp16 weights, encoder config, tokenizer, config
+        if spec.pin_tokenizer:
+            _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
+        for p in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700: another user (a service) must read it
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,10 +282,42 @@ def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:
 
 
 def demo_shape(name: str, **overrides) -> DemoShape:
-    """A preset with some fields changed (for example `demo_shape('tiny', max_len=128)`)."""
-    if name not in PRESETS:
-        raise ValueError("unknown demo shape %r; choose one of %s" % (name, ", ".join(PRESETS)))
-    return replace(PRESETS[name], **overrides)
+    """A preset or matrix shape with some fields changed (for example `demo_shape('tiny', max_len=128)`)."""
+    shapes = {**PRESETS, **MATRIX}
+    if name not in shapes:
+        raise ValueError("unknown demo shape %r; choose one of %s" % (name, ", ".join(shapes)))
+    return replace(shapes[name], **overrides)
+
+
+WORDS = ("invoice refund payment charged twice password login server down error crash deploy timeout "
+         "meeting moved thursday angry thanks urgent critical delivery late damaged box security alert").split()
+
+
+def state_text(rng, n_words: int) -> str:
+    """`n_words` words of support-ticket vocabulary drawn with the numpy generator `rng`."""
+    return " ".join(rng.choice(WORDS, n_words))
+
+
+def question_suite() -> Dict[str, Dict[str, object]]:
+    """60 typed questions for comparing answers: choices (one criterion up to six), score rubrics (2-6
+    levels), noul with and without text."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    qs = {}
+    for i in range(20):
+        n = 1 + i % 6
+        qs["choice_%d" % i] = {"type": "choice", "instructions": "Which option fits? %s" % state_text(rng, 3),
+                               "criteria": {"opt%d" % j: state_text(rng, 2) for j in range(n)}}
+    for i in range(20):
+        qs["score_%d" % i] = {"type": "score", "instructions": "Rate it: %s" % state_text(rng, 4),
+                              "criteria": [state_text(rng, 2) for _ in range(2 + i % 5)]}
+    for i in range(20):
+        q = {"type": "noul", "instructions": "Is this true? %s" % state_text(rng, 5)}
+        if i % 2:
+            q["criteria"] = {"true": state_text(rng, 2), "false": state_text(rng, 2)}
+        qs["noul_%d" % i] = q
+    return qs
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -233,7 +325,7 @@ def main(argv: Optional[list] = None) -> int:
 
     p = argparse.ArgumentParser(prog="laya-aot make-demo", description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--shape", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--shape", default="tiny", choices=sorted({**PRESETS, **MATRIX}))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
@@ -241,4 +333,4 @@ def main(argv: Optional[list] = None) -> int:
     return 0
 
 
-__all__ = ["DemoShape", "PRESETS", "demo_shape", "make_checkpoint"]
+__all__ = ["MATRIX", "DemoShape", "PRESETS", "demo_shape", "make_checkpoint", "question_suite", "state_text"]

@@ -61,7 +61,7 @@ def test_alt_shape_differs_everywhere_it_can(alt_ckpt, demo_ckpt):
 
 
 def test_unknown_preset_is_refused(tmp_path):
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown demo shape 'nope'"):
         make_checkpoint(tmp_path / "x", "nope")
 
 

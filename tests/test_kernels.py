@@ -139,7 +139,8 @@ def test_catalogue_matches_a_real_demo_checkpoint_on_cpu(monkeypatch, tmp_path):
     ckpt = make_checkpoint(tmp_path / "tiny-alt", "tiny-alt")
     agent = laya.load(str(ckpt), device="cpu")
     rec = Recorder(monkeypatch)
-    fast = FastLaya(agent.model, max_len=agent.cfg["max_len"], use_graphs=False, dtype=torch.bfloat16)
+    # tiny-alt states amp_dtype fp16, so laya's fast path runs it in fp16: the catalogue's default dtype
+    fast = FastLaya(agent.model, max_len=agent.cfg["max_len"], use_graphs=False, dtype=torch.float16)
     _drive(fast, [1, 2, 3, 5, 8, 9, 16], [1, 16, 17, 255, 256, 257, 320, 321, 383, 384], "cpu")
     expected = checkpoint_catalogue(ckpt, max_rows=16)
     assert set(rec.calls) == set(expected)
@@ -188,7 +189,8 @@ def tiny_build(tmp_path_factory):
     root = tmp_path_factory.mktemp("kernels")
     ckpt = make_checkpoint(root / "tiny", "tiny")
     out = root / "bundle"
-    reports = build_for_checkpoint(ckpt, ["sm_90a", "sm_86"], "bf16", 256, 64, out, progress=False)
+    # the tiny demo has no amp_dtype: laya serves it in fp16 on these GPUs, the catalogue's default too
+    reports = build_for_checkpoint(ckpt, ["sm_90a", "sm_86"], "fp16", 256, 64, out, progress=False)
     return ckpt, out, reports
 
 
@@ -286,7 +288,7 @@ def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeyp
     _strip_nvcc(monkeypatch)
     _forget_jit_caches()
     agent = laya.load(str(ckpt), device="cpu")
-    agent.dtype = torch.bfloat16
+    agent.dtype = torch.float16   # what laya serves the tiny demo (no amp_dtype) in on a GPU
     with jit_guard(forbid=True) as attempts:
         fast = make_fast_forward(agent, out, arch, reports[arch]["kernels"], use_graphs=False)
         for n, t in [(1, 1), (64, 256), (3, 100), (200, 256)]:
@@ -314,7 +316,7 @@ def test_runtime_refuses_missing_or_altered_kernels(tiny_build, monkeypatch, tmp
     ckpt, out, reports = tiny_build
     _strip_nvcc(monkeypatch)
     agent = laya.load(str(ckpt), device="cpu")
-    agent.dtype = torch.bfloat16
+    agent.dtype = torch.float16
     entries = reports["sm_86"]["kernels"]
     _forget_jit_caches()
     with jit_guard(forbid=True) as attempts:

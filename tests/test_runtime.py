@@ -11,59 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from questions import assert_same_answers, question_suite, state_text
 
 import laya_aot
 from laya_aot.files import sha256_tree, write_json_atomic
 from laya_aot.manifest import MANIFEST, read_manifest
 from laya_aot.runtime.loader import NoArtifactError
-
-WORDS = ("invoice refund payment charged twice password login server down error crash deploy timeout "
-         "meeting moved thursday angry thanks urgent critical delivery late damaged box security alert").split()
-
-
-def _state(rng: np.random.Generator, n_words: int) -> str:
-    return " ".join(rng.choice(WORDS, n_words))
-
-
-def question_suite():
-    """60 questions: choices (one criterion up to six), score rubrics (2-6 levels), noul with and without text."""
-    rng = np.random.default_rng(5)
-    qs = {}
-    for i in range(20):
-        n = 1 + i % 6
-        qs["choice_%d" % i] = {"type": "choice", "instructions": "Which option fits? %s" % _state(rng, 3),
-                               "criteria": {"opt%d" % j: _state(rng, 2) for j in range(n)}}
-    for i in range(20):
-        qs["score_%d" % i] = {"type": "score", "instructions": "Rate it: %s" % _state(rng, 4),
-                              "criteria": [_state(rng, 2) for _ in range(2 + i % 5)]}
-    for i in range(20):
-        q = {"type": "noul", "instructions": "Is this true? %s" % _state(rng, 5)}
-        if i % 2:
-            q["criteria"] = {"true": _state(rng, 2), "false": _state(rng, 2)}
-        qs["noul_%d" % i] = q
-    return qs
-
-
-def _answer_key(a):
-    if a["type"] == "choice":
-        return a["choice"]
-    if a["type"] == "score":
-        p = a["probabilities"]
-        return max(p, key=p.get)
-    return a["noul"] > 0.5
-
-
-def assert_same_answers(got, ref, tol=1e-4 + 1e-12):
-    """laya rounds probabilities to 4 decimals: a raw difference of 1e-7 can still show as 1e-4."""
-    assert got.keys() == ref.keys()
-    for qid in ref:
-        g, r = got[qid], ref[qid]
-        assert _answer_key(g) == _answer_key(r), qid
-        for k, v in (r.get("probabilities") or {}).items():
-            assert abs(g["probabilities"][k] - v) <= tol, (qid, k)
-        if r["type"] == "noul":
-            assert abs(g["noul"] - r["noul"]) <= tol, qid
-        assert abs(g["action"]["act_probability"] - r["action"]["act_probability"]) <= tol, qid
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +48,7 @@ def test_aoti_is_chosen_and_described(aot):
 def test_fifty_questions_of_all_types_answer_as_laya_eager(aot, eager):
     qs = question_suite()
     rng = np.random.default_rng(9)
-    states = [_state(rng, n) for n in (3, 40, 120)]
+    states = [state_text(rng, n) for n in (3, 40, 120)]
     before = aot.backend_object.stats.get("artifact_calls", 0)
     for got, ref in zip(aot.predict_batch(states, qs), eager.predict_batch(states, qs)):
         assert_same_answers(got["answers"], ref["answers"])
@@ -104,7 +57,7 @@ def test_fifty_questions_of_all_types_answer_as_laya_eager(aot, eager):
 
 def test_long_states_over_several_windows(aot, eager):
     qs = {k: v for k, v in list(question_suite().items())[::6]}
-    long_state = _state(np.random.default_rng(3), 900)   # far past the 256-token context: several windows
+    long_state = state_text(np.random.default_rng(3), 900)   # far past the 256-token context: several windows
     got, ref = aot.predict_long(long_state, qs), eager.predict_long(long_state, qs)
     assert_same_answers(got["answers"], ref["answers"])
 
@@ -116,7 +69,7 @@ def test_system_one_and_decide_run_unchanged(aot, eager):
 
 
 def test_rows_beyond_the_export_are_chunked(aot, eager):
-    states = [_state(np.random.default_rng(i), 5 + i % 7) for i in range(70)]   # 70 rows > max_rows 64
+    states = [state_text(np.random.default_rng(i), 5 + i % 7) for i in range(70)]   # 70 rows > max_rows 64
     q = {"t": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech", "account"]}}
     chunks = aot.backend_object.stats.get("chunks", 0)
     for got, ref in zip(aot.predict_batch(states, q, batch_size=70), eager.predict_batch(states, q, batch_size=70)):
@@ -139,7 +92,7 @@ def test_threads_give_the_serial_answers(aot):
     calls = []
     for i in range(25):
         n_q = 1 + i % 4
-        calls.append(([_state(rng, 4 + 13 * (i % 9)) for _ in range(1 + i % 3)], dict(qs[i: i + n_q])))
+        calls.append(([state_text(rng, 4 + 13 * (i % 9)) for _ in range(1 + i % 3)], dict(qs[i: i + n_q])))
     serial = [aot.predict_batch(s, q) for s, q in calls]
     results = {}
     errors = []
@@ -399,9 +352,9 @@ def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_record
 
     from laya_aot import checkpoint as ckpt_mod
 
-    # the demo's weights (1.4 MB) count as a large file here, as a real checkpoint's would
+    # the demo's weights (0.7 MB in fp16) count as a large file here, as a real checkpoint's would
     monkeypatch.setattr(ckpt_mod, "small_files_match", functools.partial(ckpt_mod.small_files_match,
-                                                                         limit_bytes=1 << 20))
+                                                                         limit_bytes=1 << 18))
     started = []
     real_start = probe_mod.start
 
