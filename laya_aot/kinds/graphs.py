@@ -10,6 +10,7 @@ or disagrees turns graphs off for that shape, with the reason in `stats`.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -22,25 +23,47 @@ MAX_GRAPHS = 16
 # replay vs plain call on the same inputs: the same kernels on the same data, so this is generous
 ATOL = RTOL = 1e-3
 
+_CAPTURE_LOCK = threading.Lock()
+_STREAMS: Dict[torch.device, Any] = {}
+
+
+def _capture_stream(device: torch.device) -> Any:
+    """One side stream per GPU to capture on (made under _CAPTURE_LOCK)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device=device)
+    return _STREAMS[device]
+
 Key = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
 Fn = Callable[..., Sequence[torch.Tensor]]
 
 
 class _Graph:
-    """One captured call: static input buffers, the graph, and its static outputs."""
+    """One captured call: static input buffers, the graph, and its static outputs.
+
+    Capture and replay run with the inputs' GPU as the current device: torch.cuda.graph captures on a side
+    stream of the current device, so an agent on cuda:1 in a process whose current device is cuda:0
+    would otherwise capture on the wrong GPU (issue 12: every GPU but the first lost its graphs)."""
 
     def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
-        self.inputs = [x.clone() for x in inputs]
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread of the service using CUDA meanwhile does not break the capture
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs = list(fn(*self.inputs))
+        self.device = inputs[0].device
+        # one capture at a time in the process (torch.cuda.graph synchronizes and empties the allocator's
+        # cache on entry), each on a side stream of its own GPU: torch.cuda.graph's default capture stream
+        # is made once per process, on the GPU current at the first capture, so a second GPU's capture
+        # failed with "invalid resource handle" (two-GPU run)
+        with _CAPTURE_LOCK, torch.cuda.device(self.device):
+            self.inputs = [x.clone() for x in inputs]
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread of the service using CUDA meanwhile does not break the capture
+            with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream(self.device),
+                                  capture_error_mode="thread_local"):
+                self.outputs = list(fn(*self.inputs))
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        for dst, src in zip(self.inputs, inputs):
-            dst.copy_(src)
-        self.graph.replay()
-        return [o.clone() for o in self.outputs]  # the next replay overwrites the static outputs
+        with torch.cuda.device(self.device):
+            for dst, src in zip(self.inputs, inputs):
+                dst.copy_(src)
+            self.graph.replay()
+            return [o.clone() for o in self.outputs]  # the next replay overwrites the static outputs
 
     def pool(self) -> Any:
         return self.graph.pool()
