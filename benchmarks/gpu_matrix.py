@@ -1,0 +1,234 @@
+"""GPU check of the precision policy (issue 12): matrix checkpoints served in laya's own dtype.
+
+On the GPU host, after the .device-site unpack line:
+
+    python3 benchmarks/gpu_matrix.py --out $OUT [--names a,b,...] [--kernel-cache DIR] [--parallel 4]
+
+For each matrix checkpoint (laya_aot.demo.MATRIX; default: four, with amp_dtype absent, fp16 and bf16) it
+builds a bundle for this GPU with laya's policy (no dtype given: the build works it out), then loads each of
+the AOTInductor, TileLang and compile artifacts in a fresh process (empty Inductor/Triton/TileLang caches,
+nvcc off PATH) with `prefer=KIND, strict=True`, and in the same process laya's eager agent (which serves
+in the same dtype). It records: the dtype laya serves in, the artifact's verify figures and laya eager-in-
+dtype's from the manifest, compile attempts (TileLang/nvcc entry points) and Inductor compiles (Dynamo
+graphs, FX-graph misses) after loading, and, over 60 typed questions x 3 states, how many decisions equal
+laya eager's and the largest probability difference. Writes gpu_matrix.json/.md and the build logs to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+DEFAULT = ("hd32-absent-decisive", "hd16-1head-ctx128", "hd16-16heads-fp16", "hd16-8heads-fp16-ctx384")
+KINDS = ("aoti", "tilelang", "compile")
+MARK = "MATRIX-RESULT "
+
+
+def _decision(a):
+    if a["type"] == "choice":
+        return a["choice"]
+    if a["type"] == "score":
+        return max(a["probabilities"], key=a["probabilities"].get)
+    return a["noul"] > 0.5
+
+
+def _probs(a):
+    out = dict(a.get("probabilities") or {})
+    if a["type"] == "noul":
+        out["noul"] = a["noul"]
+    out["act"] = a["action"]["act_probability"]
+    return out
+
+
+def child(ckpt: str, bundle: str, kind: str) -> None:
+    import numpy as np
+
+    from laya_aot.kernels.guard import jit_guard
+
+    with jit_guard(forbid=False) as attempts:
+        import laya
+        import torch
+        from torch._dynamo.utils import counters
+
+        import laya_aot
+        from laya_aot.demo import question_suite, state_text
+        from laya_aot.laya_internals import serving_dtype
+
+        t0 = time.perf_counter()
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=kind, strict=True)
+        qs = question_suite()
+        rng = np.random.default_rng(11)
+        states = [state_text(rng, n) for n in (5, 40, 160)]
+        got = agent.predict_batch(states, qs)
+        got = agent.predict_batch(states, qs)  # a second call: CUDA graphs replay from here on
+        torch.cuda.synchronize()
+        load_and_answer_s = time.perf_counter() - t0
+        compiles = {"tilelang_nvcc_attempts": sum(attempts.values()),
+                    "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+                    "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+                    "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])}
+        eager = laya.load(ckpt, device="cuda")
+        ref = eager.predict_batch(states, qs)
+        same = total = 0
+        worst = 0.0
+        for g, r in zip(got, ref):
+            for qid in r["answers"]:
+                a, b = g["answers"][qid], r["answers"][qid]
+                total += 1
+                same += _decision(a) == _decision(b)
+                pa, pb = _probs(a), _probs(b)
+                worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
+        bo = agent.backend_object
+        art = bo.artifact
+        v = art.verify
+        res = {"kind": kind, "backend": agent.backend, "artifact": art.name, "artifact_dtype": art.dtype,
+               "agent_serves": serving_dtype(agent), "eager_serves": serving_dtype(eager),
+               "load_and_first_answers_s": round(load_and_answer_s, 3), "compiles_after_load": compiles,
+               "decisions_equal": same, "decisions": total, "max_prob_diff_vs_eager": worst,
+               "verify": {"max_abs_option_prob": v.max_abs_option_prob, "max_abs_action_prob": v.max_abs_action_prob,
+                          "argmax_agreement": v.argmax_agreement, "tolerance": v.tolerance, "rule": v.rule,
+                          "eager_in_dtype": v.eager_in_dtype.__dict__ if v.eager_in_dtype else None,
+                          "status": art.status},
+               "stats": {k: val for k, val in bo.stats.items() if k != "cuda_graphs"},
+               "cuda_graphs": bo.stats.get("cuda_graphs"), "load_stats": bo.load_stats}
+        print(MARK + json.dumps(res, default=str), flush=True)
+
+
+def _env(work: Path, name: str, no_nvcc: bool, kernel_cache: str = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    caches = work / "caches" / name
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
+               TILELANG_CACHE_DIR=str(caches / "tilelang"), LAYA_AOT_CACHE_DIR=str(caches / "laya-aot"))
+    if kernel_cache:
+        env["LAYA_AOT_KERNEL_CACHE"] = kernel_cache
+    if no_nvcc:
+        env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                      if p and not shutil.which("nvcc", path=p))
+    return env
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/gpu-matrix")
+    p.add_argument("--names", default=",".join(DEFAULT))
+    p.add_argument("--kernel-cache", default=None, help="a TileLang kernel cache cross-compiled elsewhere")
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--max-rows", type=int, default=16, help="export.max_rows (fewer TileLang row buckets)")
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--child", nargs=3, metavar=("CKPT", "BUNDLE", "KIND"))
+    a = p.parse_args()
+    if a.child:
+        child(*a.child)
+        return 0
+    t_start = time.time()
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    names = a.names.split(",")
+    from laya_aot.demo import make_checkpoint
+
+    ckpts = {n: make_checkpoint(work / "ckpt" / n, n, seed=7) for n in names}
+    report = {"command": "python3 benchmarks/gpu_matrix.py " + " ".join(sys.argv[1:]), "checkpoints": {}}
+    jobs = max(1, (os.cpu_count() or 4) // max(1, min(a.parallel, len(names))))
+
+    def build(n):
+        bundle = work / "bundle" / n
+        cmd = [sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpts[n], "target=sm_90",
+               "output_dir=%s" % bundle, "stages.onnx=false", "jobs=%d" % jobs, "export.max_rows=%d" % a.max_rows]
+        t0 = time.time()
+        try:
+            # what the budget leaves, minus a minute for the serving processes
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, a.budget_s - (time.time() - t_start)
+                                                                                 - 60),
+                               env=_env(work, "build-" + n, False, a.kernel_cache))
+            rc, log = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, log = -1, "TIMEOUT\n%s\n%s" % (e.stdout, e.stderr)
+        log = "\n".join(x for x in log.splitlines() if "kernel/s" not in x and "s/kernel" not in x)
+        with open(out / "build_logs.txt", "a") as f:  # kept as it goes: a run cut short still shows its builds
+            f.write("===== %s (rc %d, %.1f s)\n$ %s\n%s\n" % (n, rc, time.time() - t0, " ".join(cmd), log[-8000:]))
+        return n, rc, round(time.time() - t0, 1)
+
+    with ThreadPoolExecutor(a.parallel) as pool:
+        for n, rc, secs in pool.map(build, names):
+            m = json.loads((work / "bundle" / n / "bundle.json").read_text()) if rc == 0 else None
+            report["checkpoints"][n] = {"build_rc": rc, "build_s": secs,
+                                        "amp_dtype": m and m["checkpoint"]["amp_dtype"],
+                                        "artifacts": {x["name"]: {"kind": x["kind"], "dtype": x.get("dtype"),
+                                                                  "status": x["status"],
+                                                                  "verify": x.get("verify") and {
+                                                                      k: x["verify"].get(k) for k in (
+                                                                          "max_abs_option_prob", "max_abs_action_prob",
+                                                                          "argmax_agreement", "tolerance", "reason",
+                                                                          "eager_in_dtype")}}
+                                                      for x in (m["artifacts"] if m else [])},
+                                        "serving": {}}
+            print("built %s: rc %d in %.1f s" % (n, rc, secs), flush=True)
+
+    def serve(job):
+        n, kind = job
+        if time.time() - t_start > a.budget_s - 30:
+            return n, kind, {"skipped": "out of time budget"}
+        try:
+            p = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", str(ckpts[n]),
+                                str(work / "bundle" / n), kind], capture_output=True, text=True,
+                               env=_env(work, "serve-%s-%s" % (n, kind), True),
+                               timeout=max(30, a.budget_s - (time.time() - t_start)))
+        except subprocess.TimeoutExpired:
+            return n, kind, {"failed": "did not finish within the time budget"}
+        line = next((x for x in p.stdout.splitlines() if x.startswith(MARK)), None)
+        if line:
+            return n, kind, json.loads(line[len(MARK):])
+        return n, kind, {"failed": (p.stderr.strip().splitlines() or ["no output"])[-1][:500], "rc": p.returncode}
+
+    def save():
+        report["wall_s"] = round(time.time() - t_start, 1)
+        (out / "gpu_matrix.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "gpu_matrix.md").write_text(markdown(report))
+
+    save()
+    todo = [(n, k) for n in names if report["checkpoints"][n]["build_rc"] == 0 for k in KINDS]
+    with ThreadPoolExecutor(a.parallel) as pool:
+        for n, kind, res in pool.map(serve, todo):
+            report["checkpoints"][n]["serving"][kind] = res
+            save()
+            print("served %s %s: %s" % (n, kind, {k: res.get(k) for k in ("backend", "decisions_equal", "decisions",
+                                                                         "failed", "compiles_after_load")}), flush=True)
+    save()
+    print(markdown(report))
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = ["Command: `%s`" % r["command"], "",
+             "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
+             "laya eager-in-dtype dp opt/act | decisions = eager | max prob diff | TileLang/nvcc | Dynamo graphs / "
+             "FX misses | graph replays |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, c in r["checkpoints"].items():
+        for kind, s in c["serving"].items():
+            if "failed" in s or "skipped" in s:
+                lines.append("| %s | %s | %s | %s |" % (n, c["amp_dtype"], kind, s.get("failed") or s.get("skipped")))
+                continue
+            v, e, comp = s["verify"], s["verify"]["eager_in_dtype"] or {}, s["compiles_after_load"]
+            g = s.get("cuda_graphs") or {}
+            lines.append("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %.3g | %d | %d / %d | %s |" % (
+                n, c["amp_dtype"], kind, s["agent_serves"], s["artifact_dtype"], v["max_abs_option_prob"],
+                v["max_abs_action_prob"], v["tolerance"],
+                "%.3g / %.3g" % (e["max_abs_option_prob"], e["max_abs_action_prob"]) if e else "-",
+                s["decisions_equal"], s["decisions"], s["max_prob_diff_vs_eager"], comp["tilelang_nvcc_attempts"],
+                comp["dynamo_graphs"], comp["fxgraph_cache_miss"], g.get("replays", "-")))
+    lines += ["", "Builds: " + ", ".join("%s %s in %.0f s" % (n, "ok" if c["build_rc"] == 0 else "FAILED", c["build_s"])
+                                       for n, c in r["checkpoints"].items()), "Wall: %.0f s" % r["wall_s"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
