@@ -62,6 +62,9 @@ def build_dtypes(device: str, arch: Optional[str], rl_config: Dict[str, Any], as
         if device == "cuda" and "fp32" in asked:
             raise ValueError("target.dtypes=%s: laya never serves fp32 on CUDA (autocast is always on there), so "
                              "an fp32 CUDA artifact would never be installed; use bf16 and/or fp16" % list(asked))
+        if device == "cpu" and "fp16" in asked:
+            raise ValueError("target.dtypes=%s: laya never serves fp16 on the CPU (LAYA_CPU_AMP takes bf16 only), so "
+                             "an fp16 CPU artifact would never be installed; use fp32 and/or bf16" % list(asked))
         return list(dict.fromkeys(asked))
     if device == "cuda":
         return [cuda_dtype(rl_config.get("amp_dtype"), arch)]

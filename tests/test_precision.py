@@ -57,6 +57,8 @@ def test_build_dtypes_follow_the_checkpoint_unless_asked():
     assert precision.build_dtypes("cuda", "sm_90", {}, ["fp16", "bf16", "fp16"]) == ["fp16", "bf16"]
     with pytest.raises(ValueError, match="never serves fp32 on CUDA"):
         precision.build_dtypes("cuda", "sm_90", {}, ["fp32"])
+    with pytest.raises(ValueError, match="never serves fp16 on the CPU"):
+        precision.build_dtypes("cpu", None, {}, ["bf16", "fp16"])
     with pytest.raises(ValueError, match="fp8 is not a dtype"):
         precision.build_dtypes("cpu", None, {}, ["fp8"])
 
@@ -153,10 +155,16 @@ def test_the_loader_serves_only_the_agents_dtype(demo_ckpt, tmp_path, monkeypatc
 def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
     from laya_aot.commands import inspect
 
-    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[bf16,fp16]", "aoti.cpu_frozen=false",
+    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[fp32,bf16]", "aoti.cpu_frozen=false",
                  "stages.onnx=false")
     assert inspect([str(tmp_path / "b"), "--json"], 0.0) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["artifacts"]}
-    assert set(rows) == {"exported_program-bf16", "exported_program-fp16", "aoti-cpu-bf16", "aoti-cpu-fp16"}
-    for r in rows.values():
-        assert r["eager_in_dtype"]["max_abs_option_prob"] >= 0 and r["tolerance"] >= 0.02 and r["rule"]
+    assert set(rows) == {"exported_program-bf16", "exported_program-fp32", "aoti-cpu-bf16", "aoti-cpu-fp32"}
+    assert rows["aoti-cpu-fp32"]["here"] == "usable"               # this agent serves fp32
+    assert "computes in bf16 and this agent serves in fp32" in rows["aoti-cpu-bf16"]["here"]
+    for name, r in rows.items():
+        assert r["rule"]
+        if name.endswith("bf16"):
+            assert r["eager_in_dtype"]["max_abs_option_prob"] >= 0 and r["tolerance"] >= 0.02
+        else:
+            assert r["eager_in_dtype"] is None and r["tolerance"] == 1e-4
