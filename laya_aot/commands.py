@@ -82,8 +82,9 @@ def demo(argv: List[str], start: float) -> int:
                   "%.2f" % ans["urgency"]["score"], "%.2f" % ans["angry"]["noul"])
     con.print(t)
     bo = agent.backend_object
-    con.print("backend: [bold]%s[/]  artifact: %s  variant: %s" % (agent.backend, getattr(bo, "artifact", {}) and
-                                                                   bo.artifact["name"], getattr(bo, "variant", None)))
+    art = getattr(bo, "artifact", None)
+    con.print("backend: [bold]%s[/]  artifact: %s  variant: %s" % (agent.backend, art.name if art else None,
+                                                                   getattr(bo, "variant", None)))
     for name, why in getattr(bo, "rejected", []):
         con.print("  not used: %s: %s" % (name, why))
     con.print("process start -> first answer: [bold]%.2f s[/] (bundle load %.2f s, first predict %.3f s%s)"
