@@ -365,3 +365,36 @@ def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_record
     _load_expect_eager(other, demo_bundle, "built from another checkpoint", prefer="aoti")
     assert started and all(p.proc.poll() is not None for p in started)   # started early, then ended
     assert not list((tmp_path / "fresh-cache" / "probes").glob("*.json"))
+
+
+def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check(demo_ckpt, demo_bundle, tmp_path,
+                                                                                 monkeypatch):
+    """What the loader does with a cross-compiled TileLang artifact on its first GPU, shown with the ONNX
+    artifact on the CPU: verification here yields the bound, the smoke check applies it, and a second
+    start reads the same verdict and bound from the cache."""
+    import dataclasses
+
+    import laya
+
+    from laya_aot import kinds
+    from laya_aot.manifest import VerifyResult, read_bundle
+    from laya_aot.runtime import loader
+    from laya_aot.runtime.backend import AOTBackend
+    from laya_aot.variant import current_machine
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    manifest = read_bundle(demo_bundle, kinds.NAMES)
+    art = dataclasses.replace(manifest.artifact("onnx-fp32"), status="unverified",
+                              verify=VerifyResult(False, "cross-compiled without its GPU"))
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    runner = kinds.load(demo_bundle / art.path, art, kinds.LoadEnv(device="cpu"))
+    stats = {}
+    here = loader._verify_here(agent, runner, art, manifest, current_machine("cpu"), stats)
+    assert here.passed and here.tolerance == 1e-4 and "verify_here_s" in stats
+    again = loader._verify_here(agent, runner, art, manifest, current_machine("cpu"), {})
+    assert again.passed and again.tolerance == here.tolerance           # from the cache
+    art = dataclasses.replace(art, verify=here)
+    backend = AOTBackend(agent, runner, art, 0)
+    assert loader._smoke_check(agent, backend, art, manifest) is None
+    unverified = dataclasses.replace(art, verify=VerifyResult(False, "cross-compiled without its GPU"))
+    assert "no verified tolerance" in loader._smoke_check(agent, backend, unverified, manifest)

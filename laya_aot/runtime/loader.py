@@ -18,6 +18,7 @@ before every check passed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -31,8 +32,8 @@ import torch
 from .. import checkpoint as ckpt_mod
 from .. import kinds, precision
 from .. import laya_internals as laya_api
-from ..manifest import Artifact, Bundle, BundleError, artifact_path, check_artifact_hash, read_bundle
-from ..tolerance import rule_for
+from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
+from ..tolerance import Agreement, rule_for
 from ..variant import current_machine
 from .backend import AOTBackend, EagerFallback
 from .select import rank, reject_reason
@@ -147,9 +148,10 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
     return None
 
 
-def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats: Dict[str, Any]) -> Optional[str]:
+def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats: Dict[str, Any]) -> VerifyResult:
     """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
-    TileLang kernels). The verdict is cached per artifact and machine like the probe's."""
+    TileLang kernels). The verdict (with the bound it met, which the smoke check then applies) is cached
+    per artifact and machine like the probe's."""
     import json as _json
 
     from ..files import write_json_atomic
@@ -158,8 +160,11 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
 
     path = verdict_path(art, machine, "verify:" + str(agent.device))
     try:
-        return _json.loads(path.read_text(encoding="utf-8")).get("reason")
-    except (OSError, ValueError):
+        cached = _json.loads(path.read_text(encoding="utf-8"))
+        eager = cached.get("eager_in_dtype")
+        return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
+                            eager_in_dtype=Agreement(**eager) if eager else None, rule=cached.get("rule"))
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     r = art.ranges
     pad_id = laya_api.pad_id(agent)
@@ -171,15 +176,16 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
         res = verify_runner(runner, agent.model, case_list, r, pad_id, runner.device,
                             rule_for(art.dtype, manifest.tolerance, eager), references, eager)
     stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
-    reason = None if res.passed else "verified on this machine and failed: %s" % res.reason
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"artifact": art.name, "reason": reason, "figures": {
-            "max_abs_option_prob": res.max_abs_option_prob, "max_abs_action_prob": res.max_abs_action_prob,
-            "argmax_agreement": res.argmax_agreement}})
+        write_json_atomic(path, {"artifact": art.name, "reason": res.reason, "tolerance": res.tolerance,
+                                 "rule": res.rule, "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
+                                 "figures": {"max_abs_option_prob": res.max_abs_option_prob,
+                                             "max_abs_action_prob": res.max_abs_action_prob,
+                                             "argmax_agreement": res.argmax_agreement}})
     except OSError:
         pass
-    return reason
+    return res
 
 
 def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: bool,
@@ -298,8 +304,11 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             runner = kind.load(artifact_path(bundle, art), art, env)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
             backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats))
-            if art.status == "unverified":
-                why = _verify_here(agent, runner, art, manifest, machine, stats)
+            if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
+                here = _verify_here(agent, runner, art, manifest, machine, stats)
+                why = None if here.passed else "verified on this machine and failed: %s" % here.reason
+                art = dataclasses.replace(art, verify=here)
+                backend.artifact, backend.verify = art, here
             if why is None and smoke_check:
                 t_smoke = time.perf_counter()
                 why = _smoke_check(agent, backend, art, manifest)
