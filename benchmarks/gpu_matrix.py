@@ -38,6 +38,14 @@ def _decision(a):
     return a["noul"] > 0.5
 
 
+def _margin(a) -> float:
+    """How far the answer is from flipping: top-two probability gap, or the noul verdict's distance from 0.5."""
+    if a["type"] == "noul":
+        return abs(a["noul"] - 0.5)
+    top = sorted(a["probabilities"].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else 1.0
+
+
 def _probs(a):
     out = dict(a.get("probabilities") or {})
     if a["type"] == "noul":
@@ -75,13 +83,25 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                     "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"])}
         eager = laya.load(ckpt, device="cuda")
         ref = eager.predict_batch(states, qs)
-        same = total = 0
+        # the fp32 forward on this GPU: laya's agent with autocast off (its weights are fp32 in memory)
+        fp32 = laya.load(ckpt, device="cuda")
+        fp32.amp_enabled = False
+        ref32 = fp32.predict_batch(states, qs)
+        same = total = art_eq_fp32 = eager_eq_fp32 = 0
         worst = 0.0
-        for g, r in zip(got, ref):
+        differing = []
+        for g, r, f in zip(got, ref, ref32):
             for qid in r["answers"]:
-                a, b = g["answers"][qid], r["answers"][qid]
+                a, b, c = g["answers"][qid], r["answers"][qid], f["answers"][qid]
                 total += 1
                 same += _decision(a) == _decision(b)
+                art_eq_fp32 += _decision(a) == _decision(c)
+                eager_eq_fp32 += _decision(b) == _decision(c)
+                if _decision(a) != _decision(b):
+                    differing.append({"question": qid, "type": b["type"], "eager_margin": round(_margin(b), 5),
+                                      "fp32_margin": round(_margin(c), 5),
+                                      "artifact_equals_fp32": _decision(a) == _decision(c),
+                                      "eager_equals_fp32": _decision(b) == _decision(c)})
                 pa, pb = _probs(a), _probs(b)
                 worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
         bo = agent.backend_object
@@ -90,7 +110,9 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
         res = {"kind": kind, "backend": agent.backend, "artifact": art.name, "artifact_dtype": art.dtype,
                "agent_serves": serving_dtype(agent), "eager_serves": serving_dtype(eager),
                "load_and_first_answers_s": round(load_and_answer_s, 3), "compiles_after_load": compiles,
-               "decisions_equal": same, "decisions": total, "max_prob_diff_vs_eager": worst,
+               "decisions_equal": same, "decisions": total,
+               "decisions_equal_fp32": {"artifact": art_eq_fp32, "eager_in_dtype": eager_eq_fp32},
+               "differing_decisions": differing, "max_prob_diff_vs_eager": worst,
                "verify": {"max_abs_option_prob": v.max_abs_option_prob, "max_abs_action_prob": v.max_abs_action_prob,
                           "argmax_agreement": v.argmax_agreement, "tolerance": v.tolerance, "rule": v.rule,
                           "eager_in_dtype": v.eager_in_dtype.__dict__ if v.eager_in_dtype else None,
@@ -209,9 +231,10 @@ def main() -> int:
 def markdown(r: dict) -> str:
     lines = ["Command: `%s`" % r["command"], "",
              "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
-             "laya eager-in-dtype dp opt/act | decisions = eager | max prob diff | TileLang/nvcc | Dynamo graphs / "
+             "laya eager-in-dtype dp opt/act | decisions = eager | = fp32: artifact / eager | "
+             "eager margin where differ | max prob diff | TileLang/nvcc | Dynamo graphs / "
              "FX misses | graph replays |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in r["checkpoints"].items():
         for kind, s in c["serving"].items():
             if "failed" in s or "skipped" in s:
@@ -219,11 +242,15 @@ def markdown(r: dict) -> str:
                 continue
             v, e, comp = s["verify"], s["verify"]["eager_in_dtype"] or {}, s["compiles_after_load"]
             g = s.get("cuda_graphs") or {}
-            lines.append("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %.3g | %d | %d / %d | %s |" % (
+            lines.append(("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %s / %s | %s | %.3g | %d "
+                          "| %d / %d | %s |") % (
                 n, c["amp_dtype"], kind, s["agent_serves"], s["artifact_dtype"], v["max_abs_option_prob"],
                 v["max_abs_action_prob"], v["tolerance"],
                 "%.3g / %.3g" % (e["max_abs_option_prob"], e["max_abs_action_prob"]) if e else "-",
-                s["decisions_equal"], s["decisions"], s["max_prob_diff_vs_eager"], comp["tilelang_nvcc_attempts"],
+                s["decisions_equal"], s["decisions"], s["decisions_equal_fp32"]["artifact"],
+                s["decisions_equal_fp32"]["eager_in_dtype"],
+                ", ".join("%.3g" % d["eager_margin"] for d in s["differing_decisions"]) or "-",
+                s["max_prob_diff_vs_eager"], comp["tilelang_nvcc_attempts"],
                 comp["dynamo_graphs"], comp["fxgraph_cache_miss"], g.get("replays", "-")))
     lines += ["", "Builds: " + ", ".join("%s %s in %.0f s" % (n, "ok" if c["build_rc"] == 0 else "FAILED", c["build_s"])
                                        for n, c in r["checkpoints"].items()), "Wall: %.0f s" % r["wall_s"]]
