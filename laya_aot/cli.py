@@ -14,7 +14,7 @@ import warnings
 from typing import List, Optional
 
 START = time.perf_counter()
-COMMANDS = ("build", "demo", "inspect", "verify", "make-demo")
+COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve")
 USAGE = """usage: laya-aot COMMAND [ARGS]
 
   build [HYDRA OVERRIDES]        build a verified bundle (default: the demo checkpoint, target cpu)
@@ -22,6 +22,7 @@ USAGE = """usage: laya-aot COMMAND [ARGS]
   inspect BUNDLE [--json]        list a bundle's artifacts and whether each is usable on this machine
   verify BUNDLE --checkpoint DIR re-check hashes and re-run the numerical verification here
   make-demo DIR [--shape S]      write a demo checkpoint (tiny, tiny-alt, base-512, large-1024, ...)
+  serve                          laya's HTTP server, bundled checkpoints loaded from LAYA_AOT_BUNDLES
 
 `laya-aot build --help` lists the config groups and every key."""
 
@@ -81,6 +82,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cmd == "build":
         return _build(rest)
     _setup_logging()
+    if cmd == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(rest, START)
     if cmd == "make-demo":
         from .demo import main as demo_main
 

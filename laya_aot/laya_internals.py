@@ -6,11 +6,16 @@ only. So a bundle's backend is installed the way `set_backend` does it itself, u
 reader/writer lock (`_gate`), replacing `_backend` and clearing `_fast`. `check()` lists every name
 this module and `laya_aot.kernels` rely on; `tests/test_laya_internals.py` fails naming the first one a
 new laya renamed.
+
+`laya-aot serve` runs laya's own HTTP app over a Router whose checkpoint builds it takes over: laya's
+`Router._build` is the one place a Router constructs an Agent, and `laya.serve.build_router` reads every
+`LAYA_*` setting into `laya.router.Router(...)`; `aot_router_class` and `build_router` below are that seam.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any, List, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
@@ -28,13 +33,26 @@ MODULE_NAMES: Tuple[Tuple[str, str], ...] = (
     ("laya.common", "build_model"),
     ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
     ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
+    # laya-aot serve: laya's app and settings, and the Router's one Agent construction
+    ("laya.serve", "build_router"),
+    ("laya.serve", "create_app"),
+    ("laya.serve", "_resolve_port"),
+    ("laya.serve", "_resolve_log_level"),
+    ("laya.router", "Router._build"),
+    ("laya.router", "_merge_expected_digests"),
+    ("laya.router", "_digest_entry"),
+    ("laya.mcp.device", "router_agent"),
 )
 AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "device", "dtype", "amp_enabled")
+# what `router_agent_kwargs` reads of a Router, as Router._build does
+ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
 
 
-def check(agent: Any = None) -> List[str]:
+def check(agent: Any = None, router: Any = None) -> List[str]:
     """The names laya-aot needs that this laya lacks (empty when all are there)."""
     missing = []
+    if router is not None:
+        missing += ["Router.%s" % n for n in ROUTER_NAMES if not hasattr(router, n)]
     for module, path in MODULE_NAMES:
         try:
             obj: Any = importlib.import_module(module)
@@ -79,5 +97,78 @@ def serving_dtype(agent: Any) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(agent.dtype, "fp32")
 
 
-__all__ = ["Backend", "BackendUnavailable", "bucket_rows", "bucket_tokens", "check",
-           "install_backend", "pad_batch", "pad_id", "parallel_options", "serving_dtype", "vocab"]
+def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> type:
+    """A `laya.Router` subclass whose checkpoint builds call `build(router, key, laya_build)`.
+
+    `laya_build()` is laya's own `Router._build` for that key; everything else (lazy loads, LRU eviction,
+    unloads, routing) stays laya's.
+    """
+    from laya.router import Router
+
+    class AotRouter(Router):
+        def _build(self, key: str):
+            return build(self, key, lambda: Router._build(self, key))
+
+    return AotRouter
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+def build_router(router_class: type) -> Any:
+    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`.
+
+    laya's function constructs `laya.router.Router` by name at call time, so the name points at
+    `router_class` for the duration of the call; a laya that builds its Router some other way is reported.
+    """
+    import laya.router
+    import laya.serve
+
+    with _PATCH_LOCK:
+        original = laya.router.Router
+        laya.router.Router = router_class
+        try:
+            router = laya.serve.build_router()
+        finally:
+            laya.router.Router = original
+    if not isinstance(router, router_class):
+        raise RuntimeError("this laya's serve.build_router no longer builds laya.router.Router, so laya-aot serve "
+                           "cannot route checkpoint loads through bundles: adapt laya_aot/laya_internals.py")
+    return router
+
+
+def router_agent_kwargs(router: Any, key: str) -> Dict[str, Any]:
+    """What laya's `Router._build` passes to `Agent` for `key`, less where the checkpoint lives (source,
+    subfolder, revision, token): the device, the Router's `agent_kwargs` and the merged digest pins."""
+    from laya.router import _digest_entry, _merge_expected_digests
+
+    with router._lock:
+        kwargs: Dict[str, Any] = {"device": router.device}
+        kwargs.update(router.agent_kwargs)
+        expected = _merge_expected_digests(kwargs.pop("expected_sha256", None),
+                                           _digest_entry(router.sha256_digests, key))
+    if expected is not None:
+        kwargs["expected_sha256"] = expected
+    return kwargs
+
+
+def resident_agent(router: Any, name: str) -> Any:
+    """The agent `router` holds for `name` now, or None; never loads (laya's own /health reader)."""
+    from laya.mcp.device import router_agent
+
+    return router_agent(router, name)
+
+
+def serve_settings() -> Tuple[str, int, str]:
+    """Host, port and uvicorn log level from LAYA_HOST, LAYA_PORT, LAYA_LOG_LEVEL, read as `laya serve` reads
+    them (a bad port or level is a SystemExit with laya's message)."""
+    import os
+
+    from laya.serve import _resolve_log_level, _resolve_port
+
+    return os.environ.get("LAYA_HOST", "0.0.0.0"), _resolve_port(), _resolve_log_level()
+
+
+__all__ = ["Backend", "BackendUnavailable", "aot_router_class", "bucket_rows", "bucket_tokens", "build_router",
+           "check", "install_backend", "pad_batch", "pad_id", "parallel_options", "resident_agent",
+           "router_agent_kwargs", "serve_settings", "serving_dtype", "vocab"]

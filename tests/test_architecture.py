@@ -80,6 +80,18 @@ def test_runtime_and_pipeline_never_reach_each_other():
             assert not bad, "%s reaches the runtime through %s" % (m, bad)
 
 
+COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.commands", "laya_aot.serve"}
+
+
+def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the_build():
+    for m in MODULES:
+        if m not in COMMANDS_LAYER:
+            bad = sorted(GRAPH[m] & COMMANDS_LAYER)
+            assert not bad, "%s (below the commands layer) imports %s" % (m, bad)
+    bad = sorted(x for x in reachable("laya_aot.serve") if x.startswith("laya_aot.pipeline"))
+    assert not bad, "laya-aot serve reaches the build pipeline through %s" % bad
+
+
 def test_no_import_cycles():
     cycles = sorted(m for m in MODULES if m in reachable(m))
     assert not cycles, "modules that import themselves through others: %s" % cycles

@@ -1,0 +1,392 @@
+"""`laya-aot serve`: laya's own HTTP server, with every load of a bundled checkpoint going through a bundle.
+
+`laya serve` (laya.serve) loads checkpoints on first use, evicts them under `LAYA_MAX_LOADED` and unloads
+idle ones after `LAYA_IDLE_UNLOAD_SECONDS`: every one of those loads is a cold start. This runs the same
+app (`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
+checkpoint named in `LAYA_AOT_BUNDLES` call `laya_aot.load`; other checkpoints load exactly as in laya.
+
+    LAYA_AOT_BUNDLES='{"support": "/bundles/support"}'   model name -> bundle directory (or an hf:// spec)
+    LAYA_AOT_STRICT=1                                     a bundle that cannot serve fails that load
+                                                          (at start: the server refuses to start)
+    LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256)
+
+Visible in operation: one log line per load says which artifact serves the checkpoint or why it fell
+back, and `/health` (for a caller laya authorises) adds `backends` and `aot` for resident checkpoints.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from . import laya_internals as laya_api
+
+log = logging.getLogger("laya_aot.serve")
+
+ENV_BUNDLES = "LAYA_AOT_BUNDLES"
+ENV_STRICT = "LAYA_AOT_STRICT"
+ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
+HF_PREFIX = "hf://"
+_EXAMPLE = """'{"support": "/bundles/support"}'"""
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+USAGE = """usage: laya-aot serve
+
+laya's HTTP server (POST /v1/systemone, /v1/systemone/batch, GET /health), configured as `laya serve` is,
+by environment (LAYA_PORT, LAYA_HOST, LAYA_API_KEY, LAYA_EXTRA_MODELS, LAYA_MODELS, LAYA_PRELOAD,
+LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
+
+  LAYA_AOT_BUNDLES         JSON object: model name -> bundle directory, e.g. %s
+  LAYA_AOT_STRICT          1: a bundle that cannot serve its checkpoint fails that load (at start: no start)
+  LAYA_AOT_BUNDLE_SHA256S  JSON object: model name -> sha256 of the bundle's bundle.json (a pin)
+
+Checkpoints without a bundle load exactly as in `laya serve`.""" % _EXAMPLE
+
+
+class ServeConfigError(ValueError):
+    """A `LAYA_AOT_*` setting that cannot be served; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True)
+class BundleSpec:
+    """One bundled checkpoint: the Router's name for it, its bundle and the checkpoint directory it was built from."""
+
+    model: str
+    bundle: str
+    checkpoint: Path
+    sha256: Optional[str] = None
+
+    @property
+    def remote(self) -> bool:
+        return self.bundle.startswith(HF_PREFIX)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    bundles: Dict[str, BundleSpec] = field(default_factory=dict)
+    strict: bool = False
+
+
+def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ServeConfigError("invalid %s: not JSON (%s); set it to a JSON object of %s, e.g. %s"
+                               % (name, e, shape, _EXAMPLE)) from None
+    if not isinstance(data, dict):
+        raise ServeConfigError("invalid %s: a JSON object of %s is needed, got a JSON %s; e.g. %s"
+                               % (name, shape, type(data).__name__, _EXAMPLE))
+    return data
+
+
+def _known_checkpoints(env: Mapping[str, str]) -> Dict[str, Any]:
+    """The names laya's Router will know (built-ins and LAYA_EXTRA_MODELS) -> their source, as the Router keys them.
+
+    A malformed LAYA_EXTRA_MODELS is left to laya, which refuses to start with its own message."""
+    from laya.router import DEFAULT_MODELS, canonical_name
+
+    known: Dict[str, Any] = dict(DEFAULT_MODELS)
+    try:
+        extra = json.loads(env.get("LAYA_EXTRA_MODELS", "").strip() or "{}")
+    except ValueError:
+        extra = {}
+    if isinstance(extra, dict):
+        for name, source in extra.items():
+            known[canonical_name(name)] = tuple(source) if isinstance(source, list) else source
+    return known
+
+
+def _checkpoint_dir(model: str, source: Any) -> Path:
+    """The local directory a bundled checkpoint is read from: its LAYA_EXTRA_MODELS path, or the HF cache."""
+    from .checkpoint import CheckpointError, check_layout, from_hf_cache
+
+    repo, sub = (list(source) + [None])[:2] if isinstance(source, (list, tuple)) else (source, None)
+    local = Path(os.path.expanduser(str(repo)))
+    try:
+        if local.is_dir():
+            ckpt = local / sub if sub else local
+            check_layout(ckpt)
+            return ckpt
+        return from_hf_cache(str(repo), sub)
+    except CheckpointError as e:
+        raise ServeConfigError("model %r has a bundle but its checkpoint cannot be read: %s" % (model, e)) from None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ServeConfigError("invalid %s %r: use 1 (on) or 0 (off)" % (name, env.get(name)))
+
+
+def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
+    """Read and check LAYA_AOT_BUNDLES, LAYA_AOT_STRICT and LAYA_AOT_BUNDLE_SHA256S, before anything loads."""
+    from laya.router import canonical_name
+
+    from .manifest import MANIFEST
+
+    env = os.environ if env is None else env
+    strict = _flag(env, ENV_STRICT)
+    raw = _json_object(env, ENV_BUNDLES, "model name to bundle directory")
+    known = _known_checkpoints(env)
+    bundles: Dict[str, BundleSpec] = {}
+    for name, bundle in raw.items():
+        key = canonical_name(name)
+        if key not in known:
+            raise ServeConfigError(
+                "invalid %s: no checkpoint is named %r; this server knows %s. Register a local checkpoint under "
+                "that name with LAYA_EXTRA_MODELS='{\"%s\": \"/path/to/checkpoint\"}'"
+                % (ENV_BUNDLES, name, ", ".join(sorted(known)), name))
+        if key in bundles:
+            raise ServeConfigError("invalid %s: %r and %r name the same checkpoint %r; keep one"
+                                   % (ENV_BUNDLES, bundles[key].model, name, key))
+        if not isinstance(bundle, str) or not bundle.strip():
+            raise ServeConfigError("invalid %s: the bundle of %r must be a directory path (a string), got %r"
+                                   % (ENV_BUNDLES, name, bundle))
+        bundle = bundle.strip()
+        if not bundle.startswith(HF_PREFIX):
+            bundle = os.path.expanduser(bundle)
+            if not Path(bundle).is_dir():
+                raise ServeConfigError("invalid %s: bundle directory %s of %r does not exist; build it with "
+                                       "`laya-aot build checkpoint.path=CHECKPOINT output_dir=%s`"
+                                       % (ENV_BUNDLES, bundle, name, bundle))
+            if not (Path(bundle) / MANIFEST).is_file():
+                raise ServeConfigError("invalid %s: %s (the bundle of %r) has no %s, so it is not a finished "
+                                       "bundle; build it with `laya-aot build ... output_dir=%s`"
+                                       % (ENV_BUNDLES, bundle, name, MANIFEST, bundle))
+        bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=_checkpoint_dir(key, known[key]))
+    pins = _json_object(env, ENV_PINS, "model name to sha256")
+    if pins:
+        _require_load_parameter("bundle_sha256", ENV_PINS)
+    for name, sha in pins.items():
+        key = canonical_name(name)
+        if key not in bundles:
+            raise ServeConfigError("invalid %s: %r has no bundle in %s; pin only bundled models (%s)"
+                                   % (ENV_PINS, name, ENV_BUNDLES, ", ".join(sorted(bundles)) or "none"))
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha.strip()):
+            raise ServeConfigError("invalid %s: the pin of %r must be 64 hex digits (the sha256 `laya-aot inspect` "
+                                   "prints), got %r" % (ENV_PINS, name, sha))
+        bundles[key] = BundleSpec(key, bundles[key].bundle, bundles[key].checkpoint, sha.strip().lower())
+    return ServeConfig(bundles=bundles, strict=strict)
+
+
+def _require_load_parameter(name: str, setting: str) -> None:
+    from .runtime.loader import load
+
+    if name not in inspect.signature(load).parameters:
+        raise ServeConfigError("%s needs a laya_aot.load that takes %s=, and this laya-aot's does not; upgrade "
+                               "laya-aot or unset %s" % (setting, name, setting))
+
+
+def precheck(spec: BundleSpec) -> Optional[str]:
+    """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
+    check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
+    from . import kinds
+    from .checkpoint import fingerprint
+    from .manifest import BundleError, read_bundle
+
+    try:
+        kw = {"sha256": spec.sha256} if spec.sha256 else {}
+        manifest = read_bundle(spec.bundle, kinds.NAMES, **kw)
+    except BundleError as e:
+        return str(e)
+    here = fingerprint(spec.checkpoint)["sha256"]
+    if manifest.checkpoint.fingerprint.sha256 != here:
+        return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...); rebuild it with "
+                "`laya-aot build checkpoint.path=%s`" % (spec.checkpoint, manifest.checkpoint.fingerprint.sha256[:12],
+                                                          here[:12], spec.checkpoint))
+    return None
+
+
+def describe(agent: Any) -> Dict[str, Any]:
+    """What serves a loaded agent: backend, and for a bundle the artifact, its variant or why it fell back."""
+    out: Dict[str, Any] = {"backend": getattr(agent, "backend", None)}
+    backend = getattr(agent, "backend_object", None)
+    art = getattr(backend, "artifact", None)
+    if art is not None:
+        out["artifact"] = art.name
+        out["variant"] = getattr(backend, "variant", None)
+    rejected = getattr(backend, "rejected", None)
+    if rejected is not None and art is None:
+        out["fallback"] = ["%s: %s" % (name, why) for name, why in rejected]
+    return out
+
+
+class BundleLoads:
+    """The Router's build step for bundled checkpoints: `laya_aot.load`, one log line per load, a load count."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.loads: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, router: Any, key: str, laya_build: Callable[[], Any]) -> Any:
+        spec = self.config.bundles.get(key)
+        if spec is None:
+            return laya_build()
+        from .runtime.loader import load
+
+        kwargs = laya_api.router_agent_kwargs(router, key)
+        if spec.sha256:
+            kwargs["bundle_sha256"] = spec.sha256
+        with self._lock:
+            self.loads[key] += 1
+            n = self.loads[key]
+        t0 = time.perf_counter()
+        try:
+            agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict, **kwargs)
+        except Exception as e:
+            log.error("%r load #%d from bundle %s failed%s: %s", key, n, spec.bundle,
+                      " (LAYA_AOT_STRICT=1)" if self.config.strict else "", e)
+            raise
+        info = describe(agent)
+        took = time.perf_counter() - t0
+        if "artifact" in info:
+            log.info("%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s",
+                     key, n, took, info["backend"], info["artifact"], info["variant"], spec.bundle)
+        else:
+            log.warning("%r load #%d in %.2f s: fell back to laya's eager forward; no artifact of "
+                        "bundle %s fits: %s", key, n, took, spec.bundle, "; ".join(info.get("fallback") or []))
+        return agent
+
+
+class HealthBackends:
+    """ASGI middleware: laya's `/health` answer, when it is the full (authorised) one, gains `backends` (every
+    resident checkpoint's backend) and `aot` (per bundled resident checkpoint: bundle, artifact or fallback
+    reasons, loads). laya decides who is authorised; other routes pass through untouched."""
+
+    def __init__(self, app: Any, router: Any, loads: BundleLoads):
+        self.app, self.router, self.loads = app, router, loads
+
+    def _extra(self, loaded: List[str]) -> Dict[str, Any]:
+        backends: Dict[str, Any] = {}
+        aot: Dict[str, Any] = {}
+        for name in loaded:
+            agent = laya_api.resident_agent(self.router, name)
+            if agent is None:
+                continue
+            info = describe(agent)
+            backends[name] = info["backend"]
+            spec = self.loads.config.bundles.get(name)
+            if spec is not None:
+                aot[name] = dict(info, bundle=spec.bundle, loads=self.loads.loads[name])
+        return {"backends": backends, "aot": aot}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "GET" or not scope.get("path", "").endswith("/health"):
+            await self.app(scope, receive, send)
+            return
+        start: Dict[str, Any] = {}
+        body: List[bytes] = []
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    head, payload = self._amend(start, b"".join(body))
+                    await send(head)
+                    await send({"type": "http.response.body", "body": payload})
+            else:
+                await send(message)
+
+        await self.app(scope, receive, capture)
+
+    def _amend(self, start: Dict[str, Any], raw: bytes) -> Tuple[Dict[str, Any], bytes]:
+        try:
+            payload = json.loads(raw) if start.get("status") == 200 else None
+        except ValueError:
+            payload = None
+        if not (isinstance(payload, dict) and isinstance(payload.get("loaded"), list)):  # not the authorised answer
+            return start, raw
+        payload.update(self._extra(payload["loaded"]))
+        out = json.dumps(payload, separators=(",", ":")).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        return dict(start, headers=headers + [(b"content-length", str(len(out)).encode())]), out
+
+
+def create_app(config: Optional[ServeConfig] = None) -> Any:
+    """laya's FastAPI app over a Router that loads bundled checkpoints through `laya_aot.load`.
+
+    Builds the Router as `laya serve` does (preloading unless LAYA_PRELOAD=0); a bundled checkpoint not
+    loaded at start is pre-checked from its manifest, and under LAYA_AOT_STRICT a failed check refuses."""
+    import laya.serve
+
+    config = config_from_env() if config is None else config
+    loads = BundleLoads(config)
+    for spec in config.bundles.values():
+        log.info("%r <- bundle %s (checkpoint %s)%s", spec.model, spec.bundle, spec.checkpoint,
+                 ", strict" if config.strict else "")
+    router = laya_api.build_router(laya_api.aot_router_class(loads))
+    missing = laya_api.check(router=router)
+    if missing:
+        raise RuntimeError("this laya lacks %s, which laya-aot serve relies on (laya_aot/laya_internals.py)"
+                           % ", ".join(missing))
+    resident = set(router.loaded)
+    for spec in config.bundles.values():
+        if spec.model in resident:
+            continue
+        why = None if spec.remote else precheck(spec)
+        if why is not None and config.strict:
+            raise ServeConfigError("bundle %s cannot serve %r (%s=1): %s" % (spec.bundle, spec.model, ENV_STRICT, why))
+        if why is not None:
+            log.warning("%r loads on first use and will fall back to laya's eager forward: %s",
+                        spec.model, why)
+        else:
+            log.info("%r loads on first use from bundle %s (%s)", spec.model, spec.bundle,
+                     "fetched by laya_aot.load" if spec.remote else "manifest checked, built from this checkpoint")
+    app = laya.serve.create_app(router=router)
+    app.add_middleware(HealthBackends, router=router, loads=loads)
+    return app
+
+
+def _setup_logging() -> None:
+    """Plain lines on stderr beside uvicorn's (a server log is read by grep, not a terminal)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s", stream=sys.stderr,
+                        force=True)
+    log.setLevel(logging.INFO)
+
+
+def main(argv: List[str], start: float) -> int:
+    """`laya-aot serve`: configuration errors are one line and exit 2, never a traceback."""
+    from .runtime.loader import NoArtifactError
+
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv:
+        print("laya-aot serve takes no arguments (it is configured by environment, as laya serve is): %s\n\n%s"
+              % (" ".join(argv), USAGE), file=sys.stderr)
+        return 2
+    _setup_logging()
+    try:
+        host, port, level = laya_api.serve_settings()
+        app = create_app()
+    except (ServeConfigError, NoArtifactError) as e:
+        print("laya-aot serve: %s" % e, file=sys.stderr)
+        return 2
+    except SystemExit as e:  # laya's own refusals (LAYA_EXTRA_MODELS, LAYA_PORT, ...) carry their message
+        if isinstance(e.code, str):
+            print("laya-aot serve: %s" % e.code, file=sys.stderr)
+            return 2
+        raise
+    log.info("ready %.1f s after process start, on %s:%d", time.perf_counter() - start, host, port)
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=level)
+    return 0

@@ -1,0 +1,308 @@
+"""`laya-aot serve` against real servers: uvicorn in a child process on a free localhost port, httpx as the
+client, and `laya serve` itself (eager) beside it as the reference for answers, auth and errors."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import httpx
+import pytest
+
+from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+from tests.questions import assert_same_answers
+
+KEY = "test-key"
+AUTH = {"Authorization": "Bearer " + KEY}
+START_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process (`laya-aot serve`, or laya's own with `laya=True`) and its log."""
+
+    def __init__(self, tmp: Path, name: str, env: Dict[str, str], laya: bool = False):
+        self.port = _free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.log_path = tmp / ("%s.log" % name)
+        full = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(self.port), LAYA_THREADS="1",
+                    PYTHONUNBUFFERED="1", **env)
+        cmd = [sys.executable, "-m", "laya.serve"] if laya else [sys.executable, "-m", "laya_aot.cli", "serve"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=full, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).resolve().parents[1])
+
+    def wait_ready(self) -> "Server":
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited with %s:\n%s" % (self.proc.returncode, self.log()))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("server not ready in %d s:\n%s" % (START_TIMEOUT_S, self.log()))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def post(self, path: str, body, headers: Optional[dict] = AUTH, **kw) -> httpx.Response:
+        kw.setdefault("timeout", 60)
+        if isinstance(body, (bytes, str)):
+            return httpx.post(self.url + path, content=body, headers={**(headers or {}),
+                                                                      "content-type": "application/json"}, **kw)
+        return httpx.post(self.url + path, json=body, headers=headers or {}, **kw)
+
+    def health(self, headers: Optional[dict] = AUTH) -> dict:
+        r = httpx.get(self.url + "/health", headers=headers or {}, timeout=10)
+        assert r.status_code == 200
+        return r.json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _env(ckpt: Path, bundles: Optional[dict] = None, **extra: str) -> Dict[str, str]:
+    env = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(ckpt), "plain": str(ckpt)}), "LAYA_MODELS": "demo,plain",
+           "LAYA_API_KEY": KEY}
+    if bundles is not None:
+        env["LAYA_AOT_BUNDLES"] = json.dumps(bundles)
+    env.update(extra)
+    return env
+
+
+def _tamper(bundle: Path) -> list:
+    """Change one byte range of every artifact that can serve; returns their names."""
+    from laya_aot import kinds
+    from laya_aot.manifest import artifact_path, read_bundle
+
+    names = []
+    for art in read_bundle(bundle, kinds.NAMES).artifacts:
+        if not kinds.get(art.kind).serves:
+            continue
+        p = artifact_path(bundle, art)
+        target = max((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size) if p.is_dir() else p
+        with open(target, "ab") as f:
+            f.write(b"tampered")
+        names.append(art.name)
+    assert names
+    return names
+
+
+@pytest.fixture(scope="module")
+def tampered(demo_bundle, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("serve") / "tampered"
+    shutil.copytree(demo_bundle, dst)
+    return dst, _tamper(dst)
+
+
+@pytest.fixture(scope="module")
+def servers(demo_ckpt, demo_bundle, tampered, tmp_path_factory):
+    """Started together so their starts overlap: bundled (idle unload after 2 s), laya's eager, tampered bundle."""
+    tmp = tmp_path_factory.mktemp("servers")
+    started = {
+        "aot": Server(tmp, "aot", _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_IDLE_UNLOAD_SECONDS="2")),
+        "laya": Server(tmp, "laya", _env(demo_ckpt), laya=True),
+        "tampered": Server(tmp, "tampered", _env(demo_ckpt, {"demo": str(tampered[0])})),
+    }
+    try:
+        yield {k: s.wait_ready() for k, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _ask(server: Server, state: str, model: str = "demo") -> dict:
+    r = server.post("/v1/systemone", {"model": model, "state": state, "questions": DEMO_QUESTIONS})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _same(got: dict, ref: dict) -> None:
+    assert_same_answers(got["answers"], ref["answers"])
+    for key in ("model", "usage", "routing"):
+        assert got[key] == ref[key], key
+
+
+def test_answers_over_http_equal_laya_serves_eager_answers(servers):
+    aot, eager = servers["aot"], servers["laya"]
+    for state in DEMO_STATES:
+        _same(_ask(aot, state), _ask(eager, state))
+    batch = {"model": "demo", "states": DEMO_STATES, "questions": DEMO_QUESTIONS}
+    got, ref = aot.post("/v1/systemone/batch", batch), eager.post("/v1/systemone/batch", batch)
+    assert got.status_code == ref.status_code == 200
+    for g, r in zip(got.json()["results"], ref.json()["results"]):
+        _same(g, r)
+    assert got.json()["total_usage"] == ref.json()["total_usage"]
+    health = aot.health()
+    assert health["backends"]["demo"].startswith("aot:"), health
+    assert health["aot"]["demo"]["artifact"] and "fallback" not in health["aot"]["demo"]
+    assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
+
+
+def test_a_checkpoint_without_a_bundle_loads_as_laya_serve_loads_it(servers):
+    aot, eager = servers["aot"], servers["laya"]
+    _same(_ask(aot, DEMO_STATES[0], "plain"), _ask(eager, DEMO_STATES[0], "plain"))
+    health = aot.health()
+    assert health["backends"]["plain"] == "eager"
+    assert "plain" not in health["aot"] and "'plain'" not in aot.log()
+
+
+def test_health_adds_backends_only_for_an_authorised_caller(servers):
+    aot, eager = servers["aot"], servers["laya"]
+    for headers in (None, {"Authorization": "Bearer wrong"}):
+        assert aot.health(headers) == eager.health(headers) == {"status": "ok"}
+    full, ref = aot.health(), eager.health()
+    idle = {"idle_unload_seconds", "idle_seconds"}  # laya's own keys, there because only this server unloads idle
+    assert set(full) - set(ref) - idle == {"backends", "aot"} and set(ref) <= set(full)
+    assert full["status"] == ref["status"] and full["device"] == ref["device"]
+
+
+@pytest.mark.parametrize("body, headers", [
+    ({"model": "demo", "state": "x", "questions": DEMO_QUESTIONS}, None),                       # no key: 401
+    ({"model": "demo", "state": "x", "questions": DEMO_QUESTIONS}, {"Authorization": "Bearer no"}),
+    ({"model": "demo", "state": "x"}, AUTH),                                                   # no questions: 400
+    (b"{not json", AUTH),
+    ({"model": "./elsewhere", "state": "x", "questions": DEMO_QUESTIONS}, AUTH),               # a path: 422
+    ({"model": "demo", "state": "x", "questions": DEMO_QUESTIONS, "max_len": "long"}, AUTH),
+    ({"model": "demo", "state": "x", "questions": DEMO_QUESTIONS, "hooks": ["x"]}, AUTH),
+    ({"model": "demo", "state": "x", "questions": {"q": {"type": "riddle", "instructions": "?"}}}, AUTH),
+])
+def test_auth_and_error_responses_are_laya_serves(servers, body, headers):
+    got = servers["aot"].post("/v1/systemone", body, headers=headers)
+    ref = servers["laya"].post("/v1/systemone", body, headers=headers)
+    assert got.status_code == ref.status_code and got.status_code >= 400
+    assert got.json() == ref.json()
+
+
+def test_an_idle_unload_reloads_from_the_bundle(servers):
+    aot, eager = servers["aot"], servers["laya"]
+    _ask(aot, DEMO_STATES[0])
+    loads_before = aot.log().count("'demo' load #")
+    deadline = time.monotonic() + 30
+    while "demo" in aot.health()["loaded"]:  # LAYA_IDLE_UNLOAD_SECONDS=2
+        assert time.monotonic() < deadline, "laya's idle unload never unloaded the checkpoint"
+        time.sleep(0.5)
+    _same(_ask(aot, DEMO_STATES[1]), _ask(eager, DEMO_STATES[1]))
+    log = aot.log()
+    assert log.count("'demo' load #") == loads_before + 1
+    last = [line for line in log.splitlines() if "'demo' load #" in line][-1]
+    assert "served by aot:" in last, last
+    assert aot.health()["backends"]["demo"].startswith("aot:")
+
+
+def test_a_tampered_bundle_falls_back_with_the_reason_in_the_log(servers, tampered):
+    server, eager = servers["tampered"], servers["laya"]
+    health = server.health()
+    assert health["backends"]["demo"] == "eager"
+    log = server.log()
+    assert "fell back to laya's eager forward" in log
+    for name in tampered[1]:
+        assert any(name in reason and "file was changed after the build" in reason
+                   for reason in health["aot"]["demo"]["fallback"]), name
+        assert "%s: sha256 of" % name in log
+    _same(_ask(server, DEMO_STATES[2]), _ask(eager, DEMO_STATES[2]))
+
+
+def _run_cli(env: Dict[str, str], timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess:
+    full = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(_free_port()), LAYA_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-m", "laya_aot.cli", "serve"], env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_tampered_bundle_refuses_to_start_under_strict(demo_ckpt, tampered):
+    r = _run_cli(_env(demo_ckpt, {"demo": str(tampered[0])}, LAYA_AOT_STRICT="1"))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("laya-aot serve: ") and "no artifact of %s can serve" % tampered[0] in last
+    assert "Uvicorn running" not in r.stderr
+
+
+def test_strict_refuses_at_start_even_for_a_checkpoint_loaded_on_first_use(demo_ckpt, demo_bundle, tmp_path):
+    foreign = tmp_path / "foreign"
+    shutil.copytree(demo_bundle, foreign)
+    manifest = json.loads((foreign / "bundle.json").read_text())
+    manifest["checkpoint"]["fingerprint"]["sha256"] = "0" * 64
+    (foreign / "bundle.json").write_text(json.dumps(manifest))
+    r = _run_cli(_env(demo_ckpt, {"demo": str(foreign)}, LAYA_AOT_STRICT="1", LAYA_PRELOAD="0"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "built from another checkpoint" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("bundles, says", [
+    ("{not json", "invalid LAYA_AOT_BUNDLES: not JSON"),
+    ('["/bundles/demo"]', "a JSON object of model name to bundle directory is needed, got a JSON list"),
+    ('{"nosuch": "%(bundle)s"}', "no checkpoint is named 'nosuch'; this server knows demo, english"),
+    ('{"demo": "%(tmp)s/missing"}', "bundle directory %(tmp)s/missing of 'demo' does not exist; build it with"),
+    ('{"demo": "%(tmp)s"}', "has no bundle.json, so it is not a finished bundle"),
+    ('{"demo": 3}', "the bundle of 'demo' must be a directory path"),
+])
+def test_bad_laya_aot_bundles_is_one_clear_error(demo_ckpt, demo_bundle, tmp_path, bundles, says):
+    from laya_aot.serve import ServeConfigError, config_from_env
+
+    subst = {"bundle": demo_bundle, "tmp": tmp_path}
+    env = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}), "LAYA_AOT_BUNDLES": bundles % subst}
+    with pytest.raises(ServeConfigError) as e:
+        config_from_env(env)
+    assert says % subst in str(e.value)
+
+
+def test_a_bad_setting_stops_the_command_with_one_line(demo_ckpt):
+    r = _run_cli({"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}),
+                  "LAYA_AOT_BUNDLES": '{"demo": "/no/such"}'}, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "laya-aot serve: invalid LAYA_AOT_BUNDLES: bundle directory /no/such of 'demo' does not exist; build it with "
+        "`laya-aot build checkpoint.path=CHECKPOINT output_dir=/no/such`"]
+
+
+def test_strict_and_pins_are_checked(demo_ckpt, demo_bundle):
+    from laya_aot.runtime.loader import load
+    from laya_aot.serve import ServeConfigError, config_from_env
+
+    base = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}),
+            "LAYA_AOT_BUNDLES": json.dumps({"demo": str(demo_bundle)})}
+    cfg = config_from_env(dict(base, LAYA_AOT_STRICT="1"))
+    assert cfg.strict and cfg.bundles["demo"].checkpoint == demo_ckpt
+    with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_STRICT 'maybe': use 1"):
+        config_from_env(dict(base, LAYA_AOT_STRICT="maybe"))
+    pins = dict(base, LAYA_AOT_BUNDLE_SHA256S=json.dumps({"english": "a" * 64}))
+    if "bundle_sha256" in inspect.signature(load).parameters:
+        with pytest.raises(ServeConfigError, match="'english' has no bundle in LAYA_AOT_BUNDLES"):
+            config_from_env(pins)
+        pinned = config_from_env(dict(base, LAYA_AOT_BUNDLE_SHA256S=json.dumps({"demo": "A" * 64})))
+        assert pinned.bundles["demo"].sha256 == "a" * 64
+    else:  # this laya_aot.load cannot pin: the setting is refused rather than ignored
+        with pytest.raises(ServeConfigError, match="LAYA_AOT_BUNDLE_SHA256S needs a laya_aot.load that takes "
+                                                   "bundle_sha256="):
+            config_from_env(pins)
+
+
+def test_this_laya_has_what_serve_relies_on():
+    from laya.router import Router
+
+    from laya_aot import laya_internals
+
+    assert laya_internals.check(router=Router()) == []
