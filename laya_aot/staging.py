@@ -1,10 +1,10 @@
 """Assemble a bundle beside its destination and swap it into place in one step.
 
-A build writes into `.<name>.partial-XXXX` next to the output directory and, once the manifest is
-written, exchanges it with the output atomically (Linux `renameat2(RENAME_EXCHANGE)`; elsewhere two
-renames). A build killed at any point leaves either the previous bundle or nothing at the output
-path, never a directory that looks complete; the next build removes partial directories whose
-builder process is gone.
+Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`). A build writes into
+`.<name>.partial-XXXX` next to the output directory and, once the manifest is written, exchanges it
+with the output atomically (Linux `renameat2(RENAME_EXCHANGE)`; elsewhere two renames). A build
+killed at any point leaves either the previous bundle or nothing at the output path, never a
+directory that looks complete; the next build removes partial directories whose builder process is gone.
 """
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def test_killed_build_leaves_the_previous_bundle_intact(bundle_copy, demo_ckpt):
     assert all(_hash_problem(bundle_copy, a["name"]) is None for a in after["artifacts"])
     partials = list(bundle_copy.parent.glob(".bundle.partial-*"))
     assert partials and not any((p / MANIFEST).exists() for p in partials)
-    from laya_aot.pipeline.staging import clean_stale
+    from laya_aot.staging import clean_stale
     clean_stale(bundle_copy)                                # the next build removes what the killed one left
     assert not list(bundle_copy.parent.glob(".bundle.partial-*"))
 

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision
+from .. import kinds, precision, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
 from ..files import sha256_file, sha256_tree
@@ -51,7 +51,6 @@ from ..verification import (
     smoke_record,
     verify_runner,
 )
-from . import staging
 
 log = logging.getLogger(__name__)
 
