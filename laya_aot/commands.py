@@ -4,17 +4,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from rich.console import Console
 from rich.table import Table
 
-from .manifest import MANIFEST, Artifact, BundleError, check_artifact_hash, read_bundle
+from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
+
+log = logging.getLogger(__name__)
 
 DEMO_BUNDLE = "artifacts/demo"
 
@@ -100,6 +104,24 @@ def _usable_here(bundle: Path, art: Artifact, device: str, machine, serving: str
     return "usable" if why is None else why
 
 
+def _guarded(name: str, run: Callable[[], int]) -> int:
+    """Run a command; anything unforeseen is one line naming it (exit 2), never a traceback. A bundle's
+    problems are reported by the command itself; this catches what nobody foresaw."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for the person at the terminal; --debug shows the rest
+        log.debug("laya-aot %s failed", name, exc_info=True)
+        print("laya-aot %s: %s: %s (internal error: please report it; LAYA_AOT_VERBOSE=1 shows where)"
+              % (name, type(e).__name__, str(e)[:500]), file=sys.stderr)
+        if os.environ.get("LAYA_AOT_VERBOSE"):
+            import traceback
+
+            traceback.print_exc()
+        return 2
+
+
 def inspect(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot inspect", description="List a bundle's artifacts and whether each "
                                 "is usable on this machine.")
@@ -107,6 +129,10 @@ def inspect(argv: List[str], start: float) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default=None, help="the agent's device (default: cuda when visible, else cpu)")
     a = p.parse_args(argv)
+    return _guarded("inspect", lambda: _inspect(a))
+
+
+def _inspect(a: argparse.Namespace) -> int:
     import torch
 
     from . import kinds
@@ -114,7 +140,8 @@ def inspect(argv: List[str], start: float) -> int:
     from .variant import current_machine
 
     try:
-        m = read_bundle(a.bundle, kinds.NAMES)
+        raw_sha = bundle_sha256(a.bundle)
+        m = read_bundle(a.bundle, kinds.NAMES, sha256=raw_sha)
     except BundleError as e:
         print("laya-aot inspect: %s" % e, file=sys.stderr)
         return 2
@@ -135,7 +162,8 @@ def inspect(argv: List[str], start: float) -> int:
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
                      "here": _usable_here(Path(a.bundle), e, dev_type, machine, serving)})
     if a.json:
-        print(json.dumps({"bundle": a.bundle, "checkpoint": m.checkpoint.name, "machine": machine.as_dict(),
+        print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
+                          "machine": machine.as_dict(),
                           "device": device, "serving_dtype": serving, "artifacts": rows}, indent=2))
         return 0
     t = Table(title="%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
@@ -154,7 +182,10 @@ def inspect(argv: List[str], start: float) -> int:
                   "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
                   "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
                   "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
-    _console().print(t)
+    con = _console()
+    con.print(t)
+    con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
+              % raw_sha, soft_wrap=True)
     return 0
 
 
@@ -165,6 +196,10 @@ def verify(argv: List[str], start: float) -> int:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--seed", type=int, default=None, help="default: a new seed each run (fresh inputs)")
     a = p.parse_args(argv)
+    return _guarded("verify", lambda: _verify(a))
+
+
+def _verify(a: argparse.Namespace) -> int:
     import laya
     import torch
 
@@ -180,6 +215,15 @@ def verify(argv: List[str], start: float) -> int:
         m = read_bundle(a.bundle, kinds.NAMES)
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
+        return 2
+    if not Path(a.checkpoint).is_dir():
+        print("laya-aot verify: --checkpoint %s does not exist or is not a directory; pass the Laya checkpoint "
+              "directory the bundle was built from" % a.checkpoint, file=sys.stderr)
+        return 2
+    try:
+        ckpt_mod.check_layout(Path(a.checkpoint))
+    except ckpt_mod.CheckpointError as e:
+        print("laya-aot verify: --checkpoint: %s" % e, file=sys.stderr)
         return 2
     here = ckpt_mod.fingerprint(a.checkpoint)["sha256"]
     built_from = m.checkpoint.fingerprint.sha256

@@ -6,10 +6,12 @@ the file changes its ctime, which no tool can set back, so a cached digest is ne
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -42,16 +44,44 @@ def sha256_tree(root: str | os.PathLike, file_digest: Callable[[Path], str] = sh
     return h.hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, data: Dict[str, Any]) -> None:
-    """Write JSON through a temporary file and rename, so readers never see half a file."""
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+    """Write bytes through a temporary file of a unique name and rename it into place.
+
+    Readers never see half a file, and writers racing on one path (several processes caching the same
+    probe verdict) never trip over each other's temporary file: the last rename wins, whole. The file
+    gets `mode` (default 0644), not mkstemp's 0600, so another user (a service account) can read it.
+    """
     path = Path(path)
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, data: Dict[str, Any]) -> None:
+    """Write JSON atomically (`write_bytes_atomic`): readers see the old file or the new one, never a mix."""
+    write_bytes_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def make_readable(root: str | os.PathLike) -> None:
+    """Give a tree written by this process normal permissions: directories 0755, files 0644 (0755 when
+    executable). Some writers (mkstemp, mkdtemp, safetensors) leave 0600/0700, and a bundle built by one
+    user must load for another (a service account)."""
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            os.chmod(p, 0o755 if os.stat(p).st_mode & 0o111 else 0o644)
 
 
 def _stat_key(path: Path) -> str:

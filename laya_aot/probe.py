@@ -31,12 +31,19 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = float(os.environ.get("LAYA_AOT_PROBE_TIMEOUT", "600"))
 _MARK = "LAYA_AOT_PROBE_RESULT "
 # bumped when the child checks something new, so verdicts cached by an older probe are not trusted
-PROBE_VERSION = 2
+PROBE_VERSION = 3
+# a child ended by one of these was killed from outside (the out-of-memory killer, an operator, a shutdown):
+# that says nothing about the artifact, so it is retried once and never cached
+OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
-    facts = json.dumps({"sha256": art.sha256, "machine": machine.as_dict(), "device": device,
-                        "probe": PROBE_VERSION}, sort_keys=True)
+    """Where the verdict on `art` is cached: keyed by its whole manifest entry (its files' sha256 and
+    everything the child loads it with: kind, ranges, dtype, details) and the machine, so an entry that
+    differs in anything (a damaged duplicate, another build) never shares a verdict with this one."""
+    entry = json.dumps(dataclasses.asdict(art), sort_keys=True, default=str)
+    facts = json.dumps({"entry": hashlib.sha256(entry.encode()).hexdigest(), "sha256": art.sha256,
+                        "machine": machine.as_dict(), "device": device, "probe": PROBE_VERSION}, sort_keys=True)
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
 
@@ -53,10 +60,16 @@ class Pending:
     """A probe child started early (for example while laya loads the checkpoint); `finish` collects it."""
 
     def __init__(self, entry: Artifact, path: Path, machine: Machine, device: str,
-                 proc: Optional[subprocess.Popen] = None, cached: Optional[Dict[str, Any]] = None):
+                 proc: Optional[subprocess.Popen] = None, cached: Optional[Dict[str, Any]] = None,
+                 launch: Optional[Dict[str, Any]] = None):
         self.entry, self.path, self.machine, self.device = entry, path, machine, device
-        self.proc, self.cached = proc, cached
+        self.proc, self.cached, self.launch = proc, cached, launch
         self.t0 = time.perf_counter()
+
+    def relaunch(self) -> None:
+        """Start the child again (after it was killed from outside)."""
+        assert self.launch is not None
+        self.proc = subprocess.Popen(**self.launch)
 
     def cancel(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -68,13 +81,21 @@ def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
     """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
     path = verdict_path(entry, machine, device)
     try:
-        return Pending(entry, path, machine, device, cached=json.loads(path.read_text(encoding="utf-8")))
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
+            return Pending(entry, path, machine, device, cached=cached)
     except (OSError, ValueError):
         pass
     cmd = [sys.executable, "-m", __name__, str(bundle), str(checkpoint), device]
     env = dict(os.environ, PYTHONFAULTHANDLER="0", LAYA_AOT_PROBE_ENTRY=json.dumps(dataclasses.asdict(entry)))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return Pending(entry, path, machine, device, proc=proc)
+    launch = dict(args=cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return Pending(entry, path, machine, device, proc=subprocess.Popen(**launch), launch=launch)
+
+
+def _killed_from_outside(rc: Optional[int]) -> Optional[str]:
+    if rc is not None and rc < 0 and -rc in [int(s) for s in OUTSIDE_SIGNALS]:
+        return signal.Signals(-rc).name
+    return None
 
 
 def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
@@ -84,17 +105,33 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
         stats.update(probe="cached", probe_seconds=0.0, probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
     assert pending.proc is not None
-    try:
-        out, err = pending.proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - pending.t0)))
-    except subprocess.TimeoutExpired:
-        pending.cancel()
-        stats.update(probe="timeout", probe_seconds=time.perf_counter() - pending.t0)
-        return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
+    for attempt in (1, 2):
+        try:
+            out, err = pending.proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - pending.t0)))
+        except subprocess.TimeoutExpired:
+            pending.cancel()
+            stats.update(probe="timeout", probe_seconds=time.perf_counter() - pending.t0)
+            return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
+        killed = _killed_from_outside(pending.proc.returncode)
+        if killed is None or pending.launch is None:
+            break
+        if attempt == 2:  # not the artifact's fault as far as anyone can tell: not cached, probed again next start
+            stats.update(probe="killed", probe_seconds=time.perf_counter() - pending.t0)
+            return ("a probe process that loaded it was killed from outside (%s) twice, as an out-of-memory "
+                    "killer or a shutdown does; not cached: the next start probes it again" % killed)
+        log.warning("laya-aot: the probe of %s was killed from outside (%s); probing it once more",
+                    pending.entry.name, killed)
+        stats["probe_retried_after"] = killed
+        pending.relaunch()
     seconds = time.perf_counter() - pending.t0
     rc = pending.proc.returncode
     reason: Optional[str] = None
     line = next((x[len(_MARK):] for x in out.splitlines() if x.startswith(_MARK)), None)
-    result = json.loads(line) if line else {}
+    try:
+        result = json.loads(line) if line else {}
+    except ValueError:
+        result = {}
+    result = result if isinstance(result, dict) else {}
     if rc != 0:
         tail = (err.strip().splitlines() or [""])[-1][:300]
         reason = _describe_exit(rc) + (" (%s)" % tail if tail and rc > 0 else "")
