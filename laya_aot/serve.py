@@ -8,7 +8,8 @@ checkpoint named in `LAYA_AOT_BUNDLES` call `laya_aot.load`; other checkpoints l
     LAYA_AOT_BUNDLES='{"support": "/bundles/support"}'   model name -> bundle directory (or an hf:// spec)
     LAYA_AOT_STRICT=1                                     a bundle that cannot serve fails that load
                                                           (at start: the server refuses to start)
-    LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256)
+    LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256;
+                                                          load's LAYA_AOT_BUNDLE_SHA256 only with one bundle)
 
 Visible in operation: one log line per load says which artifact serves the checkpoint or why it fell
 back, and `/health` (for a caller laya authorises) adds `backends` and `aot` for resident checkpoints.
@@ -35,6 +36,7 @@ log = logging.getLogger("laya_aot.serve")
 ENV_BUNDLES = "LAYA_AOT_BUNDLES"
 ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
+ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
 HF_PREFIX = "hf://"
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -181,6 +183,11 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
             raise ServeConfigError("invalid %s: the pin of %r must be 64 hex digits (the sha256 `laya-aot inspect` "
                                    "prints), got %r" % (ENV_PINS, name, sha))
         bundles[key] = BundleSpec(key, bundles[key].bundle, bundles[key].checkpoint, sha.strip().lower())
+    single = env.get(ENV_PIN, "").strip()
+    if single and len(bundles) > 1:  # laya_aot.load would hold every bundle of this server to one manifest
+        raise ServeConfigError("%s pins one bundle, and this server loads %d (%s); pin each with %s='{\"%s\": "
+                               "\"<sha256>\", ...}' and unset %s" % (ENV_PIN, len(bundles), ", ".join(sorted(bundles)),
+                                                                   ENV_PINS, sorted(bundles)[0], ENV_PIN))
     return ServeConfig(bundles=bundles, strict=strict)
 
 

@@ -294,6 +294,11 @@ def test_strict_and_pins_are_checked(demo_ckpt, demo_bundle):
             config_from_env(pins)
         pinned = config_from_env(dict(base, LAYA_AOT_BUNDLE_SHA256S=json.dumps({"demo": "A" * 64})))
         assert pinned.bundles["demo"].sha256 == "a" * 64
+        two = dict(base, LAYA_AOT_BUNDLE_SHA256="a" * 64, LAYA_EXTRA_MODELS=json.dumps({"demo": str(demo_ckpt),
+                                                                                      "other": str(demo_ckpt)}),
+                   LAYA_AOT_BUNDLES=json.dumps({"demo": str(demo_bundle), "other": str(demo_bundle)}))
+        with pytest.raises(ServeConfigError, match="LAYA_AOT_BUNDLE_SHA256 pins one bundle, and this server loads 2"):
+            config_from_env(two)
     else:  # this laya_aot.load cannot pin: the setting is refused rather than ignored
         with pytest.raises(ServeConfigError, match="LAYA_AOT_BUNDLE_SHA256S needs a laya_aot.load that takes "
                                                    "bundle_sha256="):
