@@ -14,7 +14,7 @@ import warnings
 from typing import List, Optional
 
 START = time.perf_counter()
-COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve")
+COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve", "merge", "pack", "unpack", "fetch")
 USAGE = """usage: laya-aot COMMAND [ARGS]
 
   build [HYDRA OVERRIDES]        build a verified bundle (default: the demo checkpoint, target cpu)
@@ -25,6 +25,10 @@ USAGE = """usage: laya-aot COMMAND [ARGS]
   serve                          laya's HTTP server, bundled checkpoints loaded from LAYA_AOT_BUNDLES
 
 `laya-aot build --help` lists the config groups and every key."""
+  merge OUT BUNDLE...            join partial bundles of one checkpoint (built on several machines)
+  pack BUNDLE FILE               write a bundle as one zstd tar (FILE.tar.zst), manifest first
+  unpack FILE DIR                extract a pack, checking every file against its manifest
+  fetch SPEC [--device D]        fetch what this machine can use: hf://ORG/REPO[/PATH][@REV], a pack, a dir of packs
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -97,3 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+    if cmd in ("merge", "pack", "unpack", "fetch"):
+        from .distribution import commands as dist
+
+        return getattr(dist, cmd)(rest, START)

@@ -9,19 +9,23 @@ wildcard ("no `needs`" does not mean "no requirement"). Fields a newer writer ad
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Collection, Dict, List, Optional
 
-from .files import cached_sha256, sha256_tree, write_json_atomic
+from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
 from .padding import Ranges
 from .tolerance import Agreement, Tolerance
 
 SCHEMA = "laya-aot/bundle"
-SCHEMA_VERSION = 1
+# 2: per-artifact `files` (path, sha256, size of every file: what unpack and fetch check) and `build_machine`
+# (merged bundles hold artifacts from several machines). Version 1 is still read: its artifacts inherit the
+# bundle's build machine and list no files (merge and pack record them after re-checking the hash).
+SCHEMA_VERSION = 2
 MANIFEST = "bundle.json"
 
 DEVICES = ("cpu", "cuda")
@@ -73,6 +77,14 @@ class VerifyResult:
 
 
 @dataclass
+@dataclass
+class FileRecord:
+    """One file of an artifact, as the build wrote it: what unpacking and fetching check each file against."""
+
+    sha256: str
+    size: int
+
+
 class Artifact:
     """One artifact of a bundle: where it is, what it needs, what it is, and how it verified."""
 
@@ -94,6 +106,9 @@ class Artifact:
     latency_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
     error: Optional[str] = None
 
+    # every file of the artifact by its path in the bundle (schema 2), and the machine that built it
+    files: Dict[str, FileRecord] = field(default_factory=dict)
+    build_machine: Dict[str, Any] = field(default_factory=dict)
     @property
     def built(self) -> bool:
         return self.status != "build_failed"
@@ -193,6 +208,10 @@ def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
         art = _read(Artifact, data, "", source)
     except RecursionError:
         raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, _REBUILD)) from None
+            if version >= 2:
+                _check_files(a, "artifacts[%d]" % i, source)
+            if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
+                a.build_machine = dict(bundle.build_machine)
     _check_artifact(art, kinds, "", source)
     return art
 
@@ -218,6 +237,49 @@ def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     """`value` as type `tp`, or a BundleError naming `where`."""
     origin = typing.get_origin(tp)
     if tp is Any:
+
+
+def _check_files(a: Artifact, where: str, source: str) -> None:
+    """A built artifact lists its files, each inside its path, and they add up to its sha256 and size."""
+    if not a.built:
+        return
+    if not a.files:
+        _fail(source, where + ".files", "the artifact's files (schema 2 lists them)", a.files)
+    for rel, rec in a.files.items():
+        if not _inside(rel, str(a.path)) or rec.size < 0:
+            _fail(source, "%s.files.%s" % (where, rel), "a file under %s with a size" % a.path, rel)
+    if files_digest(a) != a.sha256:
+        _fail(source, where + ".files", "files whose digests add up to sha256 %s" % a.sha256, "another digest")
+    if a.size is not None and sum(r.size for r in a.files.values()) != a.size:
+        _fail(source, where + ".size", "the sum of its files' sizes", a.size)
+
+
+def _inside(rel: str, path: str) -> bool:
+    parts = PurePosixPath(rel).parts
+    return (not rel.startswith("/") and ".." not in parts and "." not in rel.split("/")
+            and (rel == path or rel.startswith(path.rstrip("/") + "/")))
+
+
+def files_digest(art: Artifact) -> str:
+    """The artifact's sha256 from its file records, computed as the build computes it from the bytes
+    (a file: its digest; a directory: `files.sha256_tree`)."""
+    path = str(art.path)
+    if list(art.files) == [path]:
+        return art.files[path].sha256
+    h = hashlib.sha256()
+    for rel in sorted(art.files, key=lambda r: PurePosixPath(r).parts):
+        inner = PurePosixPath(rel).relative_to(path).as_posix()
+        h.update(inner.encode() + b"\0" + art.files[rel].sha256.encode() + b"\n")
+    return h.hexdigest()
+
+
+def record_files(root: str | os.PathLike, art: Artifact) -> None:
+    """Hash every file of `art` under bundle directory `root`: its `files`, `sha256` and `size`."""
+    p = Path(root) / str(art.path)
+    found = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
+    art.files = {f.relative_to(root).as_posix(): FileRecord(sha256_file(f), f.stat().st_size) for f in found}
+    art.sha256 = files_digest(art)
+    art.size = sum(r.size for r in art.files.values())
         return value
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -92,6 +92,25 @@ def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the
     assert not bad, "laya-aot serve reaches the build pipeline through %s" % bad
 
 
+# layers below the halves, and what they must never reach (docs/architecture.md's table)
+BELOW_THE_HALVES = {
+    "laya_aot.distribution": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.cli", "laya_aot.commands"),
+    "laya_aot.usable": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution"),
+    "laya_aot.staging": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds"),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW_THE_HALVES))
+def test_layers_below_the_halves_never_reach_up(layer):
+    mods = [m for m in MODULES if m == layer or m.startswith(layer + ".")]
+    assert mods, layer
+    for m in mods:
+        bad = sorted(x for x in reachable(m) if x.startswith(BELOW_THE_HALVES[layer]))
+        assert not bad, "%s reaches %s" % (m, bad)
+    # the loader turns hf:// and packs into a directory through the distribution layer
+    assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.loader"]
+
+
 def test_no_import_cycles():
     cycles = sorted(m for m in MODULES if m in reachable(m))
     assert not cycles, "modules that import themselves through others: %s" % cycles

@@ -36,6 +36,7 @@ from ..manifest import (
     Needs,
     VerifyResult,
     read_manifest,
+    record_files,
     write_manifest,
 )
 from ..padding import Ranges
@@ -207,11 +208,9 @@ def _tolerance(cfg: DictConfig) -> Tolerance:
 
 def _hash_artifacts(ctx: BuildContext) -> None:
     for art in ctx.artifacts:
-        if not art.path:
-            continue
-        p = ctx.staging / art.path
-        art.sha256 = sha256_tree(p) if p.is_dir() else sha256_file(p)
-        art.size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+        if art.path:
+            record_files(ctx.staging, art)  # each file's digest and size (what unpack and fetch check), the sum
+            art.build_machine = ctx.machine.as_dict()
 
 
 def bundle_of(ctx: BuildContext) -> Bundle:

@@ -1,0 +1,106 @@
+"""`laya-aot merge`, `pack`, `unpack` and `fetch`: the distribution commands a CI job or a person runs.
+
+Each prints what it did, and a refusal as one `laya-aot CMD: ...` line on stderr with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+from ..manifest import BundleError
+
+
+def _run(name: str, argv: List[str], setup: Callable[[argparse.ArgumentParser], None],
+         body: Callable[[argparse.Namespace], None]) -> int:
+    p = argparse.ArgumentParser(prog="laya-aot %s" % name)
+    setup(p)
+    a = p.parse_args(argv)
+    try:
+        body(a)
+    except BundleError as e:
+        print("laya-aot %s: %s" % (name, e), file=sys.stderr)
+        return 2
+    return 0
+
+
+def merge(argv: List[str], start: float) -> int:
+    def setup(p: argparse.ArgumentParser) -> None:
+        p.description = "Join partial bundles of one checkpoint (built on different machines) into one bundle."
+        p.add_argument("out", type=Path, help="the merged bundle's directory (absent, empty, or a bundle)")
+        p.add_argument("bundles", type=Path, nargs="+", help="the partial bundles")
+
+    def body(a: argparse.Namespace) -> None:
+        from .merge import merge as do
+
+        t0 = time.perf_counter()
+        b = do(a.out, a.bundles)
+        print("merged %d bundles into %s in %.1f s: %d artifacts" % (len(a.bundles), a.out,
+                                                                    time.perf_counter() - t0, len(b.artifacts)))
+        for art in b.artifacts:
+            print("  %-28s %-10s %-12s built on %s" % (art.name, art.status, art.variant,
+                                                        _machine(art.build_machine)))
+
+    return _run("merge", argv, setup, body)
+
+
+def _machine(m: dict) -> str:
+    if not m:
+        return "?"
+    return "%s %s%s" % (m.get("machine"), m.get("cpu_isa"), " + %s" % m["gpu_arch"] if m.get("gpu_arch") else "")
+
+
+def pack(argv: List[str], start: float) -> int:
+    def setup(p: argparse.ArgumentParser) -> None:
+        p.description = "Write a bundle as one zstd-compressed tar, bundle.json first."
+        p.add_argument("bundle", type=Path)
+        p.add_argument("file", type=Path, help="the pack to write, e.g. demo.tar.zst")
+
+    def body(a: argparse.Namespace) -> None:
+        from .pack import pack as do
+
+        info = do(a.bundle, a.file)
+        print("packed %s into %s: %d files, %d bytes, sha256 %s" % (a.bundle, info.path, info.files, info.size,
+                                                                    info.sha256))
+
+    return _run("pack", argv, setup, body)
+
+
+def unpack(argv: List[str], start: float) -> int:
+    def setup(p: argparse.ArgumentParser) -> None:
+        p.description = "Extract a pack into a bundle directory, checking every file against its manifest."
+        p.add_argument("file", type=Path)
+        p.add_argument("dir", type=Path, help="the bundle directory to create (absent, empty, or a bundle)")
+
+    def body(a: argparse.Namespace) -> None:
+        from .pack import unpack as do
+
+        b = do(a.file, a.dir)
+        print("unpacked %s into %s: %d artifacts" % (a.file, a.dir, len(b.artifacts)))
+
+    return _run("unpack", argv, setup, body)
+
+
+def fetch(argv: List[str], start: float) -> int:
+    def setup(p: argparse.ArgumentParser) -> None:
+        p.description = ("Fetch what this machine can use of a bundle: hf://ORG/REPO[/PATH][@REVISION], a pack "
+                         "(*.tar.zst) or a directory of packs.")
+        p.add_argument("spec")
+        p.add_argument("--device", default=None, help="the device the agent will run on (default: cuda if visible)")
+        p.add_argument("--out", type=Path, default=None, help="put the bundle here instead of the laya-aot cache")
+
+    def body(a: argparse.Namespace) -> None:
+        from .fetch import fetch as do
+
+        f = do(a.spec, device=a.device, out=a.out)
+        print("fetched %s into %s" % (f.source, f.path))
+        print("  artifacts usable here: %s" % (", ".join(f.fetched) or "none"))
+        if f.files:
+            print("  files: %d (%d bytes)%s" % (f.files, f.bytes, ", %d downloaded, the rest from the Hugging Face "
+                                                "cache" % f.downloaded if f.source.startswith("hf://") else ""))
+        for name, why in f.skipped:
+            print("  not fetched: %s: %s" % (name, why))
+
+    return _run("fetch", argv, setup, body)

@@ -1,0 +1,249 @@
+"""Turn a bundle address into a local bundle directory holding what this machine can use.
+
+Addresses (`resolve(spec)`, used by `laya_aot.load(..., bundle=spec)` and `laya-aot fetch SPEC`):
+- a bundle directory (it has bundle.json): itself;
+- a pack file `*.tar.zst`: unpacked once into the laya-aot cache, keyed by the pack's sha256;
+- a directory of packs (no bundle.json, some `*.tar.zst`; a local or mounted share): each pack's
+  manifest is read from its first member, packs of another checkpoint are left out (when the
+  checkpoint is known), and the pack with the most artifacts this machine can use is unpacked as above;
+- `hf://ORG/REPO[/PATH][@REVISION]`: a bundle published on the Hugging Face Hub, as the huggingface/kernels
+  library fetches one build variant: bundle.json is downloaded first, then only the files of the
+  artifacts this machine can use (`usable.reject_reason`, the loader's own rule), all through
+  `huggingface_hub` into its cache, pinned to the commit the manifest came from. HF_HUB_OFFLINE=1 and
+  HF_ENDPOINT are honoured by the library; offline, the cache answers.
+
+The Hub's cache keeps files as symbolic links to its blobs, and a bundle's files must be its own (the
+loader refuses links), so the fetched files are hard-linked (copied across file systems) into a bundle
+directory under the laya-aot cache (or `out`). Artifacts not fetched are absent there: the loader
+rejects them with a reason (another device, a missing file), never a crash.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from .. import kinds, precision, staging
+from ..files import cache_dir, cached_sha256
+from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
+from ..usable import reject_reason
+from .bundle_files import check_files, refuse_foreign
+
+log = logging.getLogger(__name__)
+
+HF_SCHEME = "hf://"
+PACK_SUFFIX = ".tar.zst"
+
+
+@dataclass
+class Fetched:
+    """What `fetch` made available: the local bundle, the artifacts fetched, and why the others were not."""
+
+    path: Path
+    source: str
+    fetched: List[str] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0
+    downloaded: int = 0  # files that were not in the cache before (hf:// only)
+
+
+def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
+    """The artifacts an agent on `device` (default: cuda when a GPU is visible) could use here, and a reason
+    for each other one; the same rule as the loader's first check."""
+    import torch
+
+    from ..variant import current_machine
+
+    dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev_type = torch.device(dev).type
+    machine = current_machine(dev)
+    serving = precision.expected_serving_dtype({"amp_dtype": manifest.checkpoint.amp_dtype}, dev_type,
+                                               machine.gpu_arch)
+    ok, skipped = [], []
+    for a in manifest.artifacts:
+        why = reject_reason(a, machine, dev_type, serving)
+        if why is None:
+            ok.append(a)
+        else:
+            skipped.append((a.name, why))
+    return ok, skipped
+
+
+def parse_hf(spec: str) -> Tuple[str, str, Optional[str]]:
+    """`hf://ORG/REPO[/PATH][@REVISION]` -> (repo id, path in the repo, revision or None)."""
+    rest = spec[len(HF_SCHEME):]
+    revision = None
+    if "@" in rest:
+        rest, _, revision = rest.rpartition("@")
+    parts = [p for p in rest.strip("/").split("/") if p]
+    if len(parts) < 2 or not revision and revision is not None or any(p in (".", "..") for p in parts):
+        raise BundleError("%r is not a Hugging Face bundle address; write hf://ORG/REPO[/PATH][@REVISION]" % spec)
+    return "/".join(parts[:2]), "/".join(parts[2:]), revision
+
+
+def resolve(spec: str | os.PathLike, device: Optional[str] = None, checkpoint: Optional[Path] = None) -> Path:
+    """A local bundle directory for `spec` (see the module's docstring); a bundle directory is returned as is,
+    and anything that is none of the forms above too, for the loader to explain."""
+    if isinstance(spec, (str, os.PathLike)) and str(spec).startswith(HF_SCHEME):
+        return fetch(str(spec), device=device).path
+    p = Path(spec)
+    if p.is_file() and p.name.endswith(PACK_SUFFIX) or p.is_dir() and _packs_only(p):
+        return fetch(p, device=device, checkpoint=checkpoint).path
+    return p
+
+
+def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[object, Optional[str]]:
+    """`resolve` for the loader: (local bundle directory, None), or (spec, why it could not be fetched), so a
+    bundle that cannot be fetched is one reason among the loader's (eager fallback, or strict's error)."""
+    if spec is None or not str(spec):
+        return spec, None
+    try:
+        return resolve(spec, device=device, checkpoint=checkpoint), None
+    except BundleError as e:
+        return spec, str(e)
+
+
+def _packs_only(d: Path) -> bool:
+    return not (d / MANIFEST).exists() and any(d.glob("*" + PACK_SUFFIX))
+
+
+def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[Path] = None,
+          checkpoint: Optional[Path] = None) -> Fetched:
+    """Make the bundle at `spec` available locally (in the laya-aot cache, or in `out`)."""
+    if str(spec).startswith(HF_SCHEME):
+        return _from_hub(str(spec), device, out)
+    p = Path(spec)
+    if p.is_dir() and (p / MANIFEST).exists():
+        if out is not None:
+            raise BundleError("%s is already a local bundle; copy it, or pack it (`laya-aot pack`) to move it" % p)
+        from ..manifest import read_bundle
+
+        ok, skipped = usable_here(read_bundle(p, kinds.NAMES), device)
+        return Fetched(p, str(p), [a.name for a in ok], skipped)
+    if p.is_dir() and _packs_only(p):
+        p = _choose_pack(p, device, checkpoint)
+    if p.is_file() and p.name.endswith(PACK_SUFFIX):
+        return _from_pack(p, device, out)
+    raise BundleError("%s is neither a bundle directory, a pack (*%s), a directory of packs nor an hf:// address"
+                      % (spec, PACK_SUFFIX))
+
+
+def _from_pack(file: Path, device: Optional[str], out: Optional[Path]) -> Fetched:
+    from .pack import read_pack_manifest, unpack
+
+    target = out or cache_dir() / "packs" / cached_sha256(file)[:32]
+    if not (out is None and (target / MANIFEST).is_file()):  # unpacked before: the loader re-checks every hash
+        unpack(file, target)
+    manifest = read_pack_manifest(file)
+    ok, skipped = usable_here(manifest, device)
+    files = [r for a in manifest.artifacts if a.built for r in a.files.values()]
+    return Fetched(target, str(file), [a.name for a in ok], skipped, len(files), sum(r.size for r in files))
+
+
+def _choose_pack(d: Path, device: Optional[str], checkpoint: Optional[Path]) -> Path:
+    """The pack of a directory of packs with the most artifacts usable here (of the checkpoint, when known)."""
+    from .pack import read_pack_manifest
+
+    cands = [(p, read_pack_manifest(p)) for p in sorted(d.glob("*" + PACK_SUFFIX))]
+    prints = {m.checkpoint.fingerprint.sha256 for _, m in cands}
+    if len(prints) > 1:
+        if checkpoint is None:
+            raise BundleError("%s holds packs of %d checkpoints; name the pack file itself" % (d, len(prints)))
+        from ..checkpoint import fingerprint
+
+        here = fingerprint(checkpoint)["sha256"]
+        cands = [(p, m) for p, m in cands if m.checkpoint.fingerprint.sha256 == here]
+        if not cands:
+            raise BundleError("no pack in %s was built from checkpoint %s (fingerprint %s...); build and pack one"
+                              % (d, checkpoint, here[:12]))
+    scored = [(-len(usable_here(m, device)[0]), i, p) for i, (p, m) in enumerate(cands)]
+    best = min(scored)[2]
+    log.info("directory of packs %s: using %s", d, best.name)
+    return best
+
+
+def _hub_error(spec: str, what: str, e: BaseException) -> BundleError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    fix = ("HF_HUB_OFFLINE is set and the cache does not hold it: fetch it once online (`laya-aot fetch %s`)"
+           % spec if offline else "check the address and revision, HF_TOKEN for a private repository, and the "
+           "network (HF_ENDPOINT for a mirror)")
+    return BundleError("cannot fetch %s of %s from the Hugging Face Hub (%s: %s); %s"
+                       % (what, spec, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", fix))
+
+
+def _from_hub(spec: str, device: Optional[str], out: Optional[Path]) -> Fetched:
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    repo, sub, revision = parse_hf(spec)
+
+    def name(rel: str) -> str:
+        return "%s/%s" % (sub, rel) if sub else rel
+
+    try:
+        mpath = Path(hf_hub_download(repo, name(MANIFEST), revision=revision))
+    except Exception as e:  # noqa: BLE001 - the library's errors vary by cause; each becomes one message
+        raise _hub_error(spec, MANIFEST, e) from None
+    parts = mpath.parts
+    commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts else (revision or "main")
+    raw = mpath.read_bytes()
+    try:
+        manifest = Bundle.from_dict(json.loads(raw.decode("utf-8")), kinds.NAMES, "%s:%s" % (spec, MANIFEST))
+    except ValueError as e:
+        raise BundleError("%s:%s is unreadable (%s); publish a bundle written by laya-aot" % (spec, MANIFEST, e)) \
+            from None
+    if any(a.built and not a.files for a in manifest.artifacts):
+        raise BundleError("%s: its manifest lists no files per artifact (schema %d), so one variant cannot be "
+                          "fetched; publish a bundle written by this laya-aot (`laya-aot merge` or `build`)"
+                          % (spec, manifest.schema_version))
+    ok, skipped = usable_here(manifest, device)
+    wanted: Dict[str, FileRecord] = {rel: rec for a in ok for rel, rec in a.files.items()}
+    local: Dict[str, Path] = {}
+    downloaded = 0
+    for rel in sorted(wanted):
+        cached = try_to_load_from_cache(repo, name(rel), revision=commit)
+        downloaded += not isinstance(cached, str)
+        try:
+            local[rel] = Path(hf_hub_download(repo, name(rel), revision=commit))
+        except Exception as e:  # noqa: BLE001
+            raise _hub_error(spec, rel, e) from None
+    folder = "%s--%s" % tuple(repo.split("/"))
+    target = out or cache_dir() / "hub" / folder / commit / (sub.replace("/", "--") or "_")
+    _link_bundle(target, raw, local, wanted, spec)
+    log.info("fetched %s: %s (%d files, %d downloaded)", spec, ", ".join(a.name for a in ok) or "nothing usable",
+             len(wanted), downloaded)
+    return Fetched(target, spec, [a.name for a in ok], skipped, len(wanted), sum(r.size for r in wanted.values()),
+                   downloaded)
+
+
+def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str) -> None:
+    """A bundle directory at `target` of the manifest's bytes and the fetched files (hard links, or copies)."""
+    if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == raw \
+            and check_files(target, wanted, cached_sha256) is None:
+        return  # fetched before (another device's variant may be missing: then it is made again below)
+    refuse_foreign(target, "fetch")
+    tmp = staging.new_staging(target)
+    try:
+        for rel, src in local.items():
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src.resolve(), dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+        why = check_files(tmp, wanted, cached_sha256)
+        if why:
+            raise BundleError("the files fetched from %s do not match its manifest (%s); the repository was changed "
+                              "by hand or the download was damaged: fetch again, or rebuild and publish" % (spec, why))
+        (tmp / MANIFEST).write_bytes(raw)
+        staging.publish(tmp, target)
+    except BaseException:
+        staging.discard(tmp)
+        raise
+
+
+__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load", "usable_here"]

@@ -1,0 +1,184 @@
+"""`laya-aot merge OUT BUNDLE...`: partial bundles of one checkpoint, built on different machines, joined.
+
+What must agree, else one message per conflict, all listed in one error:
+- the checkpoint fingerprint (artifacts of another checkpoint would give wrong answers);
+- the laya-aot version (artifact layouts and the loader's expectations follow it), the tolerance (the
+  loader applies the bundle's to artifacts it verifies itself), the exported ranges and the smoke
+  record's batch (its eager fp32 reference may differ in the last bits between CPUs: it must agree
+  within the fp32 tolerance, and the first bundle's is kept);
+- exported programs of one dtype: torch.export's output is not byte-reproducible (a random
+  serialization id, buffers in another order from one process to the next: two builds of the demo
+  checkpoint gave two sha256), so programs are compared by what they were exported from: checkpoint,
+  ranges, action-head dtype and torch version. Equal: the first is kept; different: a conflict;
+- artifact names: one name, one content. Identical duplicates (same sha256) are kept once (the first
+  bundle's entry, with its verify figures); a failed entry gives way to a built one of the same name;
+  anything else is a conflict (build each artifact in one job only, e.g. `stages.onnx=false` on GPU jobs);
+- file paths: two artifacts never write one path with different bytes.
+
+Every file of every input is re-hashed against its manifest before anything is written; each artifact
+keeps its own build machine, verify figures and latency. The output is assembled beside OUT and renamed
+into place (`staging`), so a refusal or a crash leaves OUT as it was.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from .. import kinds, staging
+from ..files import cached_sha256
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, BundleError, read_bundle, write_manifest
+from .bundle_files import check_files, files_of, refuse_foreign
+
+log = logging.getLogger(__name__)
+
+
+def _portable_facts(a: Artifact) -> Tuple:
+    return (a.dtype, a.ranges, a.action_head_dtype, a.variant, a.needs.torch)
+
+
+def _smoke_conflict(first: Bundle, other: Bundle) -> str:
+    a, b = first.smoke, other.smoke
+    if (a is None) != (b is None):
+        return "one has a smoke record and the other has none"
+    if a is None or b is None:
+        return ""
+    if a.inputs != b.inputs or a.input_dtypes != b.input_dtypes:
+        return "the smoke batches differ (another verify.seed or export ranges)"
+    bound = first.tolerance.fp32
+    worst = max((abs(x - y) for ra, rb in zip(a.reference, b.reference) for row_a, row_b in zip(ra, rb)
+                 for x, y in zip(row_a, row_b)), default=0.0)
+    if worst > bound:
+        return "the smoke references differ by %.3g (more than the fp32 tolerance %.3g)" % (worst, bound)
+    return ""
+
+
+def _top_level_conflicts(parts: List[Tuple[Path, Bundle]]) -> List[str]:
+    (p0, b0), out = parts[0], []
+    for p, b in parts[1:]:
+        if b.checkpoint.fingerprint.sha256 != b0.checkpoint.fingerprint.sha256:
+            out.append("%s was built from another checkpoint than %s (fingerprint %s... against %s...); merge "
+                       "bundles of one checkpoint only" % (p, p0, b.checkpoint.fingerprint.sha256[:12],
+                                                            b0.checkpoint.fingerprint.sha256[:12]))
+        if b.laya_aot_version != b0.laya_aot_version:
+            out.append("%s was built by laya-aot %s, %s by %s; build every part with one laya-aot version"
+                       % (p, b.laya_aot_version, p0, b0.laya_aot_version))
+        if b.tolerance != b0.tolerance:
+            out.append("%s was verified with another tolerance than %s; build every part with the same verify.* "
+                       "settings" % (p, p0))
+        if b.ranges != b0.ranges:
+            out.append("%s was exported with other ranges than %s (%s against %s); build every part with the same "
+                       "export.* settings" % (p, p0, b.ranges, b0.ranges))
+        smoke = _smoke_conflict(b0, b)
+        if smoke:
+            out.append("%s and %s: %s; build every part with the same export.* and verify.* settings"
+                       % (p0, p, smoke))
+    return out
+
+
+def _join(parts: List[Tuple[Path, Bundle]]) -> Tuple[List[Tuple[Path, Artifact]], List[str]]:
+    """The artifacts to keep, with the bundle each comes from, and every conflict between them."""
+    kept: Dict[str, Tuple[Path, Artifact]] = {}
+    conflicts: List[str] = []
+    for path, b in parts:
+        for a in b.artifacts:
+            if a.name in kept:
+                p0, a0 = kept[a.name]
+                if not a.built:
+                    continue  # a failed attempt never displaces what another part built
+                if not a0.built:
+                    kept[a.name] = (path, a)
+                    continue
+                if a.sha256 == a0.sha256:
+                    continue
+                if a.kind == kinds.PORTABLE.name:
+                    if _portable_facts(a) != _portable_facts(a0):
+                        conflicts.append("%s: different exported programs in %s and %s (dtype, ranges, action head "
+                                         "or torch differ); build every part with the same export.* settings and "
+                                         "torch" % (a.name, p0, path))
+                    continue  # the same export made twice: torch.export is not byte-reproducible, keep the first
+                conflicts.append("artifact %s is in %s and %s with different content (sha256 %s... and %s...); "
+                                 "build each artifact in one part only (e.g. stages.onnx=false on the others)"
+                                 % (a.name, p0, path, str(a0.sha256)[:12], str(a.sha256)[:12]))
+                continue
+            kept[a.name] = (path, a)
+    return list(kept.values()), conflicts
+
+
+def _file_conflicts(arts: List[Artifact]) -> List[str]:
+    owner: Dict[str, Tuple[str, str]] = {}  # file path -> (artifact name, sha256)
+    out = []
+    for a in arts:
+        for rel, rec in a.files.items():
+            if rel in owner and owner[rel][1] != rec.sha256:
+                out.append("file %s belongs to both %s and %s with different bytes; rename one artifact"
+                           % (rel, owner[rel][0], a.name))
+            owner.setdefault(rel, (a.name, rec.sha256))
+    return out
+
+
+def _merged(parts: List[Tuple[Path, Bundle]], arts: List[Artifact]) -> Bundle:
+    b0 = parts[0][1]
+    eager: Dict[str, object] = {}
+    for _, b in parts:
+        for device, figures in b.eager_latency_ms.items():
+            eager.setdefault(device, figures)  # the first part that measured it on this kind of device
+    return Bundle(
+        schema=SCHEMA, schema_version=SCHEMA_VERSION, laya_aot_version=b0.laya_aot_version,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        checkpoint=b0.checkpoint, artifacts=arts,
+        target={"name": "+".join(str(b.target.get("name")) for _, b in parts), "parts": [b.target for _, b in parts]},
+        build_machine={}, tolerance=b0.tolerance, ranges=b0.ranges, eager_latency_ms=eager, smoke=b0.smoke,
+        stages=[dict(s, part=i) for i, (_, b) in enumerate(parts) for s in b.stages],
+        config={"merged_from": [{"bundle": str(p), "created": b.created, "config": b.config} for p, b in parts]})
+
+
+def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike]) -> Bundle:
+    """Join partial bundles of one checkpoint into `out`; a BundleError lists every conflict."""
+    if not bundles:
+        raise BundleError("merge needs at least one bundle: laya-aot merge OUT BUNDLE [BUNDLE...]")
+    out = Path(out)
+    refuse_foreign(out, "merge")
+    parts = [(Path(b), read_bundle(b, kinds.NAMES)) for b in bundles]
+    problems = _top_level_conflicts(parts)
+    chosen, conflicts = _join(parts)
+    problems += conflicts
+    arts: List[Artifact] = []
+    for path, a in chosen:  # every file of every kept artifact, re-hashed against its manifest
+        if not a.built:
+            arts.append(a)
+            continue
+        files, why = files_of(path, a)
+        why = why or check_files(path, files, cached_sha256)
+        if why:
+            problems.append("%s in %s: %s" % (a.name, path, why))
+        arts.append(replace(a, files=files))
+    problems += _file_conflicts(arts)
+    if problems:
+        raise BundleError("cannot merge %d bundles into %s:\n  - %s" % (len(parts), out, "\n  - ".join(problems)))
+    merged = _merged(parts, arts)
+    tmp = staging.new_staging(out)
+    try:
+        for (path, _), a in zip(chosen, arts):
+            for rel in a.files:
+                dst = tmp / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path / rel, dst)
+        again = check_files(tmp, {rel: rec for a in arts for rel, rec in a.files.items()}, cached_sha256)
+        if again:  # an input changed while it was copied
+            raise BundleError("an input changed during the merge: %s; run the merge again" % again)
+        write_manifest(tmp, merged)
+        read_bundle(tmp, kinds.NAMES)  # what was written reads back under the strict reader
+        staging.publish(tmp, out)
+    except BaseException:
+        staging.discard(tmp)
+        raise
+    log.info("merged %d bundles into %s: %d artifacts", len(parts), out, len(arts))
+    return merged
+
+
+__all__ = ["merge"]
