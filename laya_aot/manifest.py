@@ -77,7 +77,6 @@ class VerifyResult:
 
 
 @dataclass
-@dataclass
 class FileRecord:
     """One file of an artifact, as the build wrote it: what unpacking and fetching check each file against."""
 
@@ -85,6 +84,7 @@ class FileRecord:
     size: int
 
 
+@dataclass
 class Artifact:
     """One artifact of a bundle: where it is, what it needs, what it is, and how it verified."""
 
@@ -105,10 +105,10 @@ class Artifact:
     verify: Optional[VerifyResult] = None
     latency_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
     error: Optional[str] = None
-
     # every file of the artifact by its path in the bundle (schema 2), and the machine that built it
     files: Dict[str, FileRecord] = field(default_factory=dict)
     build_machine: Dict[str, Any] = field(default_factory=dict)
+
     @property
     def built(self) -> bool:
         return self.status != "build_failed"
@@ -196,6 +196,10 @@ class Bundle:
         seen = set()
         for i, a in enumerate(bundle.artifacts):
             _check_artifact(a, kinds, "artifacts[%d]" % i, source)
+            if version >= 2:
+                _check_files(a, "artifacts[%d]" % i, source)
+            if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
+                a.build_machine = dict(bundle.build_machine)
             if a.name in seen:
                 raise BundleError("%s lists artifact %r twice (artifacts[%d].name); %s" % (source, a.name, i, _REBUILD))
             seen.add(a.name)
@@ -208,10 +212,6 @@ def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
         art = _read(Artifact, data, "", source)
     except RecursionError:
         raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, _REBUILD)) from None
-            if version >= 2:
-                _check_files(a, "artifacts[%d]" % i, source)
-            if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
-                a.build_machine = dict(bundle.build_machine)
     _check_artifact(art, kinds, "", source)
     return art
 
@@ -225,18 +225,6 @@ def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str
         for name in ("path", "sha256", "ranges", "dtype"):
             if getattr(a, name) is None:
                 _fail(source, at + name, "a value for a built artifact", None)
-
-
-def _fail(source: str, where: str, expected: str, got: Any) -> None:
-    shown = repr(got)
-    raise BundleError("%s is invalid at %s: expected %s, got %s; %s"
-                      % (source, where or "the top level", expected, shown[:80], _REBUILD))
-
-
-def _read(tp: Any, value: Any, where: str, source: str) -> Any:
-    """`value` as type `tp`, or a BundleError naming `where`."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
 
 
 def _check_files(a: Artifact, where: str, source: str) -> None:
@@ -280,6 +268,18 @@ def record_files(root: str | os.PathLike, art: Artifact) -> None:
     art.files = {f.relative_to(root).as_posix(): FileRecord(sha256_file(f), f.stat().st_size) for f in found}
     art.sha256 = files_digest(art)
     art.size = sum(r.size for r in art.files.values())
+
+
+def _fail(source: str, where: str, expected: str, got: Any) -> None:
+    shown = repr(got)
+    raise BundleError("%s is invalid at %s: expected %s, got %s; %s"
+                      % (source, where or "the top level", expected, shown[:80], _REBUILD))
+
+
+def _read(tp: Any, value: Any, where: str, source: str) -> Any:
+    """`value` as type `tp`, or a BundleError naming `where`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
         return value
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
