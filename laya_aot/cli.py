@@ -23,12 +23,12 @@ USAGE = """usage: laya-aot COMMAND [ARGS]
   verify BUNDLE --checkpoint DIR re-check hashes and re-run the numerical verification here
   make-demo DIR [--shape S]      write a demo checkpoint (tiny, tiny-alt, base-512, large-1024, ...)
   serve                          laya's HTTP server, bundled checkpoints loaded from LAYA_AOT_BUNDLES
-
-`laya-aot build --help` lists the config groups and every key."""
   merge OUT BUNDLE...            join partial bundles of one checkpoint (built on several machines)
   pack BUNDLE FILE               write a bundle as one zstd tar (FILE.tar.zst), manifest first
   unpack FILE DIR                extract a pack, checking every file against its manifest
   fetch SPEC [--device D]        fetch what this machine can use: hf://ORG/REPO[/PATH][@REV], a pack, a dir of packs
+
+`laya-aot build --help` lists the config groups and every key."""
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -90,6 +90,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as serve_main
 
         return serve_main(rest, START)
+    if cmd in ("merge", "pack", "unpack", "fetch"):
+        from .distribution import commands as dist
+
+        return getattr(dist, cmd)(rest, START)
     if cmd == "make-demo":
         from .demo import main as demo_main
 
@@ -101,7 +105,3 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-    if cmd in ("merge", "pack", "unpack", "fetch"):
-        from .distribution import commands as dist
-
-        return getattr(dist, cmd)(rest, START)
