@@ -264,7 +264,14 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
             _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
         for p in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700: another user (a service) must read it
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # builds launched together (a multirun) make the same checkpoint at once: the first one wins
+            if _demo_facts(out) != {"seed": seed, "shape": asdict(spec), "format": FORMAT}:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,17 +25,17 @@ log = logging.getLogger(__name__)
 NAME = "exported_program"
 
 
-def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu") -> Tuple[torch.Tensor, ...]:
-    """A batch whose sizes are all distinct and > 1, so the exporter specialises none of them."""
+def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3) -> Tuple[torch.Tensor, ...]:
+    """A batch whose sizes are all > 1 and inside the declared ranges, so the exporter specialises none of them."""
     g = torch.Generator().manual_seed(0)
-    rows, tokens, markers = 3, min(48, max_tokens), 3
+    rows, tokens, markers = min(3, max_rows), min(48, max_tokens), 3
     ids = torch.randint(5, 200, (rows, tokens), generator=g)
     att = torch.ones(rows, tokens, dtype=torch.long)
     att[1, tokens - 5:] = 0
     ids[1, tokens - 5:] = pad_id
     mpos = torch.tensor([[2, 5, 9]] * rows)
     mmask = torch.ones(rows, markers, dtype=torch.bool)
-    qtype = torch.tensor([0, 1, 2])
+    qtype = torch.tensor([0, 1, 2][:rows])
     return tuple(t.to(device) for t in (ids, att, mpos, mmask, qtype))
 
 
@@ -52,7 +52,9 @@ def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max
     if max_tokens < 2 * TOKEN_MULTIPLE or max_tokens % TOKEN_MULTIPLE:
         raise ValueError("export.max_tokens=%d must be a multiple of %d and at least %d"
                          % (max_tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
-    args = example_inputs(max_tokens, pad_id, device)
+    if max_rows < 2:
+        raise ValueError("export.max_rows=%d must be at least 2 (wider requests run in slices of it)" % max_rows)
+    args = example_inputs(max_tokens, pad_id, device, max_rows)
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,
                                    dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers))
