@@ -282,7 +282,8 @@ def test_an_archive_whose_manifest_is_not_first_or_not_ours_is_refused(merged, t
     file = tmp_path / "x.tar.zst"
     with open(file, "wb") as f, zstandard.ZstdCompressor().stream_writer(f) as z, \
             tarfile.open(fileobj=z, mode="w|") as tar:
-        tar.addfile(*_reg("onnx/model.onnx", b"abc"))
+        info, data = _reg("onnx/model.onnx", b"abc")
+        tar.addfile(info, io.BytesIO(data))
     with pytest.raises(BundleError, match="does not start with bundle.json"):
         unpack(file, tmp_path / "b")
     bad = _archive(tmp_path / "y.tar.zst", b'{"schema": "something-else"}', [])
