@@ -14,6 +14,9 @@ import warnings
 from typing import List, Optional
 
 START = time.perf_counter()
+# where each job of `laya-aot build -m ...` writes when output_dir is unset: one partial bundle per
+# checkpoint x target, joined by `laya-aot merge artifacts/NAME artifacts/parts/NAME/*`
+MULTIRUN_OUTPUT = "artifacts/parts/{checkpoint}/{target}"
 COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve", "merge", "pack", "unpack", "fetch")
 USAGE = """usage: laya-aot COMMAND [ARGS]
 
@@ -51,8 +54,18 @@ def _build(argv: List[str]) -> int:
 
     @hydra.main(version_base="1.3", config_path="configs", config_name="build")
     def _main(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
         from .pipeline import BuildError, build
 
+        hc = HydraConfig.get()
+        multirun = hc.mode == RunMode.MULTIRUN
+        # a launcher may run the job in another process (Ray, SLURM): relative paths mean the caller's directory
+        if os.getcwd() != hc.runtime.cwd:
+            os.chdir(hc.runtime.cwd)
+        if multirun and cfg.output_dir is None:  # one partial bundle per job, for `laya-aot merge`
+            cfg.output_dir = MULTIRUN_OUTPUT
         _setup_logging(bool(os.environ.get("LAYA_AOT_VERBOSE")))
         # torch's exporters warn about their own internals (pytree, online softmax); the stage table says
         # what matters. LAYA_AOT_VERBOSE=1 shows them.
@@ -64,6 +77,8 @@ def _build(argv: List[str]) -> int:
                 result = build(cfg, report=rep.update)
             except BuildError as e:
                 rep.console.print("[bold red]build failed:[/] %s" % e)
+                if multirun:  # the launcher runs the other jobs, then reports this one and exits non-zero
+                    raise BuildError(str(e)) from None
                 status["code"] = 2
                 return
         rep.console.print(summary_table(result.bundle, result.output_dir))

@@ -6,13 +6,15 @@ What must agree, else one message per conflict, all listed in one error:
   loader applies the bundle's to artifacts it verifies itself), the exported ranges and the smoke
   record's batch (its eager fp32 reference may differ in the last bits between CPUs: it must agree
   within the fp32 tolerance, and the first bundle's is kept);
-- exported programs of one dtype: torch.export's output is not byte-reproducible (a random
-  serialization id, buffers in another order from one process to the next: two builds of the demo
-  checkpoint gave two sha256), so programs are compared by what they were exported from: checkpoint,
-  ranges, action-head dtype and torch version. Equal: the first is kept; different: a conflict;
+- portable programs (`Kind.interchangeable`: the exported program of one dtype, the ONNX model):
+  torch.export and the ONNX exporter are not byte-reproducible (a random serialization id, buffers in
+  another order from one process to the next: two builds of the demo checkpoint gave two sha256), so
+  they are compared by what they were exported from: checkpoint, ranges, action-head dtype and torch
+  version. Equal: the first is kept (each part verified its own copy against the same eager
+  reference); different: a conflict;
 - artifact names: one name, one content. Identical duplicates (same sha256) are kept once (the first
   bundle's entry, with its verify figures); a failed entry gives way to a built one of the same name;
-  anything else is a conflict (build each artifact in one job only, e.g. `stages.onnx=false` on GPU jobs);
+  anything else is a conflict (build each native artifact in one job only);
 - file paths: two artifacts never write one path with different bytes.
 
 Every file of every input is re-hashed against its manifest before anything is written; each artifact
@@ -95,14 +97,14 @@ def _join(parts: List[Tuple[Path, Bundle]]) -> Tuple[List[Tuple[Path, Artifact]]
                     continue
                 if a.sha256 == a0.sha256:
                     continue
-                if a.kind == kinds.PORTABLE.name:
+                if kinds.get(a.kind).interchangeable:
                     if _portable_facts(a) != _portable_facts(a0):
-                        conflicts.append("%s: different exported programs in %s and %s (dtype, ranges, action head "
-                                         "or torch differ); build every part with the same export.* settings and "
-                                         "torch" % (a.name, p0, path))
-                    continue  # the same export made twice: torch.export is not byte-reproducible, keep the first
+                        conflicts.append("%s: different programs in %s and %s (dtype, ranges, action head or torch "
+                                         "differ); build every part with the same export.* settings and torch"
+                                         % (a.name, p0, path))
+                    continue  # the same export made twice: the exporters are not byte-reproducible, keep the first
                 conflicts.append("artifact %s is in %s and %s with different content (sha256 %s... and %s...); "
-                                 "build each artifact in one part only (e.g. stages.onnx=false on the others)"
+                                 "build each artifact in one part only (switch its stage off in the others)"
                                  % (a.name, p0, path, str(a0.sha256)[:12], str(a.sha256)[:12]))
                 continue
             kept[a.name] = (path, a)

@@ -125,6 +125,9 @@ class Kind:
     serves_dtype_head: bool = True
     # built once, in this dtype, whatever the target's dtypes (ONNX Runtime on the CPU: fp32)
     fixed_dtype: Optional[str] = None
+    # machine-independent, and two builds from one checkpoint with the same export settings are the same
+    # program in different bytes (the exporters are not byte-reproducible): `merge` keeps one of them
+    interchangeable: bool = False
     needs: Callable[[Machine, str], Needs] = native_needs
     variant: Callable[[Machine, str], str] = native_variant
     # why an agent on this device should not use it even when the machine fits (None: it may)

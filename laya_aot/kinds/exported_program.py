@@ -133,4 +133,4 @@ def needs(m: Machine, device: str) -> Needs:
 
 
 KIND = Kind(name=NAME, stage="export", build=build, load=load, order=99, optional=False, serves=False, needs=needs,
-            variant=lambda m, device: "%s-any" % torch_tag(m.torch))
+            variant=lambda m, device: "%s-any" % torch_tag(m.torch), interchangeable=True)

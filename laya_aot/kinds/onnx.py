@@ -97,4 +97,4 @@ def refuse_device(device: str) -> Optional[str]:
 
 KIND = Kind(name=NAME, stage="onnx", build=build, load=load, order=3, serves_dtype_head=False, fixed_dtype="fp32",
             needs=lambda m, device: Needs(device="cpu"), variant=lambda m, device: "onnx-any",
-            refuse_device=refuse_device)
+            refuse_device=refuse_device, interchangeable=True)
