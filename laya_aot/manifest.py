@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -142,6 +143,9 @@ class SmokeRecord:
     inputs: List[Any]
     input_dtypes: List[str]
     reference: List[Any]
+    # sha256 of the three fields above (`smoke_digest`), filled in by `write_manifest`: a record that was
+    # damaged or edited by hand is never run (None in a bundle written before the hash existed)
+    sha256: Optional[str] = None
 
 
 @dataclass
@@ -193,6 +197,14 @@ class Bundle:
             bundle = _read(cls, data, "", source)
         except RecursionError:
             raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (source, _REBUILD)) from None
+        for rel in bundle.checkpoint.fingerprint.files:  # read again in the checkpoint at load: stay inside it
+            why = unsafe_relpath(rel)
+            if why:
+                _fail(source, "checkpoint.fingerprint.files", "file names inside the checkpoint (%s)" % why, rel)
+        if bundle.ranges is not None:
+            _check_ranges(bundle.ranges, "ranges", source)
+        if bundle.smoke is not None:
+            _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
         seen = set()
         for i, a in enumerate(bundle.artifacts):
             _check_artifact(a, kinds, "artifacts[%d]" % i, source)
@@ -225,6 +237,127 @@ def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str
         for name in ("path", "sha256", "ranges", "dtype"):
             if getattr(a, name) is None:
                 _fail(source, at + name, "a value for a built artifact", None)
+    if a.path is not None:
+        why = unsafe_relpath(a.path)
+        if why:
+            _fail(source, at + "path", "a path inside the bundle (%s)" % why, a.path)
+    if a.ranges is not None:
+        _check_ranges(a.ranges, at + "ranges", source)
+    # files an artifact's details name (TileLang kernels and their metadata) live in the artifact's directory
+    kernels = a.details.get("kernels")
+    if kernels is not None:
+        if not isinstance(kernels, list):
+            _fail(source, at + "details.kernels", "a list", kernels)
+        for j, entry in enumerate(kernels):
+            if not isinstance(entry, dict):
+                _fail(source, "%sdetails.kernels[%d]" % (at, j), "an object", entry)
+            for key in ("path", "meta_path"):
+                rel = entry.get(key)
+                why = "a file name" if rel is not None and not isinstance(rel, str) else unsafe_relpath(rel) if rel \
+                    else None
+                if why:
+                    _fail(source, "%sdetails.kernels[%d].%s" % (at, j, key), "a path inside the artifact (%s)" % why,
+                          rel)
+
+
+# what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
+_MAX_EXTENT = {"rows": 1 << 16, "tokens": 1 << 20, "markers": 1 << 12}
+MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
+
+
+def _check_ranges(r: Ranges, where: str, source: str) -> None:
+    for what, limit in _MAX_EXTENT.items():
+        lo, hi = getattr(r, "min_" + what), getattr(r, "max_" + what)
+        if not 1 <= lo <= hi <= limit:
+            _fail(source, "%s.min_%s/max_%s" % (where, what, what), "1 <= min <= max <= %d" % limit, (lo, hi))
+    if r.min_markers < 2:  # laya's head always has the two marker columns of a yes/no question
+        _fail(source, where + ".min_markers", "at least 2", r.min_markers)
+    if not 1 <= r.token_multiple <= r.max_tokens:
+        _fail(source, where + ".token_multiple", "between 1 and max_tokens", r.token_multiple)
+
+
+SMOKE_INPUTS = (("input_ids", "int64", 2), ("attention_mask", "int64", 2), ("marker_pos", "int64", 2),
+                ("marker_mask", "bool", 2), ("qtype", "int64", 1))
+_MAX_SMOKE_ROWS, _MAX_SMOKE_TOKENS, _MAX_SMOKE_MARKERS = 64, 4096, 512
+
+
+def _shape(value: Any, depth: int, leaf: Any, where: str, source: str) -> tuple:
+    """The shape of a rectangular nested list whose leaves are `leaf` (a type or tuple of types)."""
+    if depth == 0:
+        ok = isinstance(value, leaf) and not (isinstance(value, bool) and bool not in (leaf if isinstance(leaf, tuple)
+                                                                                        else (leaf,)))
+        if not ok:
+            _fail(source, where, "a %s" % getattr(leaf, "__name__", "number"), value)
+        return ()
+    if not isinstance(value, list) or not value:
+        _fail(source, where, "a non-empty list", value)
+    inner = [_shape(v, depth - 1, leaf, "%s[%d]" % (where, i), source) for i, v in enumerate(value)]
+    if any(x != inner[0] for x in inner):
+        _fail(source, where, "rows of one length", [len(v) if isinstance(v, list) else v for v in value][:8])
+    return (len(value),) + inner[0]
+
+
+def _check_smoke(rec: SmokeRecord, n_actions: int, source: str) -> None:
+    """The smoke batch is fed to native code: dtypes, shapes and index ranges that need no model are checked
+    here (token ids below the vocabulary, which needs the checkpoint, are checked by the loader)."""
+    import math
+
+    if len(rec.inputs) != len(SMOKE_INPUTS) or rec.input_dtypes != [d for _, d, _ in SMOKE_INPUTS]:
+        _fail(source, "smoke.input_dtypes", "%d inputs typed %s" % (len(SMOKE_INPUTS),
+                                                                   [d for _, d, _ in SMOKE_INPUTS]),
+              rec.input_dtypes)
+    shapes = {}
+    for (name, dtype, dims), value in zip(SMOKE_INPUTS, rec.inputs):
+        shapes[name] = _shape(value, dims, bool if dtype == "bool" else int, "smoke.inputs.%s" % name, source)
+    n, t = shapes["input_ids"]
+    k = shapes["marker_pos"][1]
+    expected = {"attention_mask": (n, t), "marker_pos": (n, k), "marker_mask": (n, k), "qtype": (n,)}
+    for name, want in expected.items():
+        if shapes[name] != want:
+            _fail(source, "smoke.inputs.%s" % name, "shape %s (input_ids is %dx%d)" % (want, n, t), shapes[name])
+    if not (n <= _MAX_SMOKE_ROWS and t <= _MAX_SMOKE_TOKENS and 2 <= k <= min(t, _MAX_SMOKE_MARKERS)):
+        _fail(source, "smoke.inputs", "at most %d rows, %d tokens and between 2 and the token count of markers"
+              % (_MAX_SMOKE_ROWS, _MAX_SMOKE_TOKENS), (n, t, k))
+    ids, att, mpos, _, qtype = rec.inputs
+    if any(x < 0 for row in ids for x in row):
+        _fail(source, "smoke.inputs.input_ids", "token ids >= 0", min(min(row) for row in ids))
+    if any(x not in (0, 1) for row in att for x in row):
+        _fail(source, "smoke.inputs.attention_mask", "0 or 1", sorted({x for row in att for x in row})[:4])
+    if any(not 0 <= x < t for row in mpos for x in row):
+        _fail(source, "smoke.inputs.marker_pos", "positions inside the %d tokens" % t,
+              [x for row in mpos for x in row if not 0 <= x < t][:4])
+    if any(not 0 <= x < QUESTION_TYPES for x in qtype):
+        _fail(source, "smoke.inputs.qtype", "question types 0..%d" % (QUESTION_TYPES - 1), qtype[:8])
+    if len(rec.reference) != 2:
+        _fail(source, "smoke.reference", "two outputs (option logits, action logits)", len(rec.reference))
+    for name, value, want in (("logits", rec.reference[0], (n, k)), ("act_logits", rec.reference[1], (n, n_actions))):
+        got = _shape(value, 2, (int, float), "smoke.reference.%s" % name, source)
+        if got != want:
+            _fail(source, "smoke.reference.%s" % name, "shape %s" % (want,), got)
+        if not all(math.isfinite(x) for row in value for x in row):
+            _fail(source, "smoke.reference.%s" % name, "finite numbers", "NaN or infinity")
+
+
+QUESTION_TYPES = 3  # laya's choice, score and noul (laya.common.QTYPES); an embedding index beyond it crashes
+
+
+def smoke_digest(rec: SmokeRecord) -> str:
+    """sha256 of a smoke record's batch and reference, in a canonical JSON form."""
+    blob = json.dumps([rec.inputs, rec.input_dtypes, rec.reference], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def unsafe_relpath(rel: Any) -> Optional[str]:
+    """Why `rel` is not a plain relative path that stays below its base (None: it is)."""
+    if not isinstance(rel, str) or not rel:
+        return "an empty name"
+    if "\0" in rel or "\\" in rel:
+        return "a NUL byte or a backslash"
+    if rel.startswith("/") or os.path.isabs(rel):
+        return "an absolute path"
+    if any(part == ".." for part in rel.split("/")):
+        return "a '..' component"
+    return None
 
 
 def _check_files(a: Artifact, where: str, source: str) -> None:
@@ -276,10 +409,24 @@ def _fail(source: str, where: str, expected: str, got: Any) -> None:
                       % (source, where or "the top level", expected, shown[:80], _REBUILD))
 
 
+def _bounded(value: Any, where: str, source: str) -> None:
+    """Refuse a free-form value nested deeper than MAX_DEPTH (it would overflow the stack of later readers)."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            _fail(source, where, "at most %d levels of nesting" % MAX_DEPTH, "deeper")
+        if isinstance(v, dict):
+            todo.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            todo.extend((x, depth + 1) for x in v)
+
+
 def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     """`value` as type `tp`, or a BundleError naming `where`."""
     origin = typing.get_origin(tp)
     if tp is Any:
+        _bounded(value, where, source)
         return value
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -333,61 +480,155 @@ def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     raise TypeError("no reader for %r" % (tp,))  # a field type this module does not handle: a bug here
 
 
-def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
-    """The manifest as plain JSON, after the checks that need no schema (exists, parses, is ours)."""
-    bundle = Path(bundle)
+def bundle_sha256(bundle: str | os.PathLike) -> str:
+    """The bundle's own hash: sha256 of its bundle.json bytes. The manifest lists every file's sha256
+    (and the smoke record's), so this one value pins every byte a load can use."""
+    return hashlib.sha256(_manifest_bytes(Path(bundle))).hexdigest()
+
+
+def _manifest_bytes(bundle: Path) -> bytes:
+    """bundle.json's bytes, read once: it must be a regular file in a directory (not a link to one elsewhere)."""
     path = bundle / MANIFEST
-    if not bundle.is_dir():
+    try:
+        is_dir = bundle.is_dir()
+    except OSError:
+        is_dir = False
+    if not is_dir:
         raise BundleError("bundle %s does not exist or is not a directory; build one with "
                           "`laya-aot build checkpoint.path=DIR output_dir=%s`" % (bundle, bundle))
-    if not path.is_file():
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         partial = any(bundle.parent.glob(".%s.partial-*" % bundle.name))
         raise BundleError("%s has no %s: it is not a complete laya-aot bundle%s; rebuild it with `laya-aot build`"
-                          % (bundle, MANIFEST, " (a build was interrupted)" if partial else ""))
+                          % (bundle, MANIFEST, " (a build was interrupted)" if partial else "")) from None
+    except OSError as e:
+        raise BundleError("%s is unreadable (%s); check the bundle's permissions" % (path, e)) from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise BundleError("%s is %s, not a regular file: a bundle's files must be its own (no links); "
+                          "copy the bundle with its files, or rebuild it with `laya-aot build`"
+                          % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a file"))
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise BundleError("%s is %d bytes, more than a laya-aot manifest ever is (%d); %s"
+                          % (path, st.st_size, MAX_MANIFEST_BYTES, _REBUILD))
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise BundleError("%s is unreadable (%s); check the bundle's permissions (a bundle is built readable "
+                          "by everyone: 0644 files, 0755 directories)" % (path, e)) from None
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def _parse(raw: bytes, path: Path) -> Dict[str, Any]:
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (path, _REBUILD)) from None
-    except (OSError, ValueError) as e:
-        raise BundleError("%s is unreadable (%s); rebuild the bundle with `laya-aot build`" % (path, e)) from e
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BundleError("%s is unreadable (%s); rebuild the bundle with `laya-aot build`"
+                          % (path, str(e)[:200])) from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
-                          "`laya-aot build`" % (path, data.get("schema") if isinstance(data, dict) else None))
+                          "`laya-aot build`" % (path, str(data.get("schema"))[:80] if isinstance(data, dict)
+                                                else None))
     return data
 
 
-def read_bundle(bundle: str | os.PathLike, kinds: Collection[str]) -> Bundle:
-    """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix."""
-    return Bundle.from_dict(read_manifest(bundle), kinds, str(Path(bundle) / MANIFEST))
+def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
+    """The manifest as plain JSON, after the checks that need no schema (a regular file, parses, is ours)."""
+    bundle = Path(bundle)
+    return _parse(_manifest_bytes(bundle), bundle / MANIFEST)
+
+
+def read_bundle(bundle: str | os.PathLike, kinds: Collection[str], sha256: Optional[str] = None) -> Bundle:
+    """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix.
+
+    `sha256` pins the bundle (`bundle_sha256`): the manifest's bytes must hash to it, checked on the very
+    bytes that are then parsed."""
+    bundle = Path(bundle)
+    raw = _manifest_bytes(bundle)
+    if sha256 is not None:
+        want = str(sha256).strip().lower()
+        got = hashlib.sha256(raw).hexdigest()
+        if got != want:
+            raise BundleError("%s is not the pinned bundle: its sha256 is %s, the pin (bundle_sha256 or "
+                              "LAYA_AOT_BUNDLE_SHA256) says %s; deploy the bundle that was pinned, or pin this one "
+                              "after checking where it came from (`laya-aot inspect %s` prints its sha256)"
+                              % (bundle / MANIFEST, got, want[:64], bundle))
+    return Bundle.from_dict(_parse(raw, bundle / MANIFEST), kinds, str(bundle / MANIFEST))
 
 
 def write_manifest(directory: str | os.PathLike, bundle: Bundle) -> None:
+    if bundle.smoke is not None:
+        bundle.smoke.sha256 = smoke_digest(bundle.smoke)
     write_json_atomic(Path(directory) / MANIFEST, bundle.to_dict())
 
 
-def artifact_path(bundle: str | os.PathLike, art: Artifact) -> Path:
-    """The file an artifact names, refusing paths that escape the bundle."""
-    bundle = Path(bundle).resolve()
-    rel = str(art.path or "")
-    p = (bundle / rel).resolve()
-    if not rel or bundle not in p.parents:
-        raise BundleError("artifact %r names a path outside the bundle (%r); the manifest was tampered with "
-                          "or hand-edited: rebuild the bundle" % (art.name, rel))
+def bundle_file(bundle: str | os.PathLike, rel: str, what: str) -> Path:
+    """`bundle/rel`, refusing a name that is absolute or has `..`, and any symbolic link on the way: a
+    bundle's files are its own, so what is hashed is what is loaded, and nothing outside it is read."""
+    why = unsafe_relpath(rel)
+    if why:
+        raise BundleError("%s names %r, %s; only paths inside the bundle are allowed: the manifest was damaged "
+                          "or hand-edited: rebuild the bundle" % (what, rel, why))
+    root = Path(bundle)
+    p = root
+    for part in [x for x in rel.split("/") if x not in ("", ".")]:
+        p = p / part
+        try:
+            if stat.S_ISLNK(os.lstat(p).st_mode):
+                raise BundleError("%s: %s is a symbolic link; a bundle's files must be its own (copy the files "
+                                  "in, or rebuild the bundle)" % (what, p))
+        except FileNotFoundError:
+            break  # the caller reports a missing file
     return p
 
 
+def artifact_path(bundle: str | os.PathLike, art: Artifact) -> Path:
+    """The file or directory an artifact names, refusing paths that escape the bundle or pass a link."""
+    if not art.path:
+        raise BundleError("artifact %r names no path; the manifest was damaged or hand-edited: rebuild the bundle"
+                          % art.name)
+    return bundle_file(bundle, art.path, "artifact %r" % art.name)
+
+
+def _links_in(root: Path) -> Optional[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                return p
+    return None
+
+
 def check_artifact_hash(bundle: str | os.PathLike, art: Artifact) -> Optional[str]:
-    """None when the artifact's bytes match the manifest, else the reason (missing file, changed bytes)."""
+    """None when the artifact's bytes match the manifest, else the reason (missing file, link, changed bytes)."""
     try:
         p = artifact_path(bundle, art)
+        if not p.exists():
+            return "file %s is missing; the bundle is incomplete: rebuild it" % art.path
+        if p.is_dir():
+            link = _links_in(p)
+            if link is not None:
+                return ("%s is a symbolic link; a bundle's files must be its own (copy the files in, or rebuild "
+                        "the bundle)" % link)
+            # digests are reused while a file's size, mtime, ctime and inode are unchanged (as for the checkpoint
+            # fingerprint): re-hashing a 440 MB frozen package cost 0.75 s of every start on the CPU
+            actual = sha256_tree(p, cached_sha256)
+        elif p.is_file():
+            actual = cached_sha256(p)
+        else:
+            return "%s is not a regular file or directory; rebuild the bundle" % art.path
     except BundleError as e:
         return str(e)
-    if not p.exists():
-        return "file %s is missing; the bundle is incomplete: rebuild it" % art.path
-    # digests are reused while a file's size, mtime, ctime and inode are unchanged (as for the checkpoint
-    # fingerprint): re-hashing a 440 MB frozen package cost 0.75 s of every start on the CPU
-    actual = sha256_tree(p, cached_sha256) if p.is_dir() else cached_sha256(p)
+    except OSError as e:
+        return ("its files cannot be read here (%s: %s); a bundle must be readable by the service's user "
+                "(laya-aot writes 0644 files and 0755 directories): fix the permissions or rebuild it"
+                % (type(e).__name__, e))
     if actual != art.sha256:
         return ("sha256 of %s is %s..., the manifest says %s...: the file was changed after the build; "
                 "rebuild the bundle" % (art.path, actual[:12], str(art.sha256)[:12]))

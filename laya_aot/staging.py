@@ -81,7 +81,13 @@ def publish(staging: Path, out: Path) -> None:
         os.replace(staging, out)
         shutil.rmtree(old, ignore_errors=True)
         return
-    os.replace(staging, out)
+    try:
+        os.replace(staging, out)
+    except OSError:
+        # another build into the same output published a moment ago: replace it, as a later build would
+        if not (out.exists() and _exchange(staging, out)):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def discard(staging: Path) -> None:

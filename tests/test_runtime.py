@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import threading
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -300,12 +301,66 @@ def test_an_artifact_that_disagrees_with_the_builds_reference_is_refused(bundle_
     m = json.loads((bundle_copy / MANIFEST).read_text())
     logits = m["smoke"]["reference"][0]
     m["smoke"]["reference"][0] = [row[::-1] for row in logits]   # what a wrongly loaded artifact would answer
+    _rehash_smoke(m)   # a record whose hash matches: the check itself must catch the disagreement
     write_json_atomic(bundle_copy / MANIFEST, m)
     agent = _load_expect_eager(demo_ckpt, bundle_copy, "disagrees with the build's eager fp32 reference",
                                prefer="aoti")
     reasons = dict(agent.backend_object.rejected)
     assert {n for n in reasons if n.startswith("aoti")} == {"aoti-cpu", "aoti-cpu-frozen"}
     assert all("disagrees" in why for n, why in reasons.items() if n.startswith("aoti"))
+
+
+def _rehash_smoke(m):
+    from laya_aot.manifest import SmokeRecord, smoke_digest
+
+    rec = m["smoke"]
+    rec["sha256"] = smoke_digest(SmokeRecord(rec["inputs"], rec["input_dtypes"], rec["reference"]))
+
+
+def test_a_smoke_record_changed_after_the_build_is_not_run(bundle_copy, demo_ckpt, monkeypatch):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    assert m["smoke"]["sha256"]
+    m["smoke"]["reference"][0][0][0] += 1.0       # damage, with the hash left as the build wrote it
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    fed = _watch_records(monkeypatch)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", prefer="aoti", strict=True)
+    assert agent.backend == "aot:aoti" and not fed   # checked against eager on a batch made here instead
+
+
+def _watch_records(monkeypatch):
+    from laya_aot import verification
+
+    fed, real = [], verification.smoke_from_record
+    monkeypatch.setattr(verification, "smoke_from_record", lambda r: fed.append(r) or real(r))
+    return fed
+
+
+@pytest.mark.parametrize("where,value,why", [
+    (("inputs", 0, 0, 0), 10 ** 6, "not below the checkpoint's vocabulary"),      # an id past the embedding
+    (("inputs", 0, 0, 0), -1, "token ids >= 0"),
+    (("inputs", 2, 0, 0), 10 ** 4, "positions inside the"),                       # a marker past the tokens
+    (("inputs", 4, 0), 7, "question types"),
+    (("input_dtypes", 3), "float32", "smoke.input_dtypes"),
+])
+def test_a_smoke_record_that_would_crash_native_code_is_never_fed_to_it(bundle_copy, demo_ckpt, where, value, why,
+                                                                       monkeypatch):
+    m = json.loads((bundle_copy / MANIFEST).read_text())
+    node = m["smoke"]
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value
+    _rehash_smoke(m)   # as a careful attacker would: the hash matches, the validation must refuse it
+    write_json_atomic(bundle_copy / MANIFEST, m)
+    fed = _watch_records(monkeypatch)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", prefer="aoti")
+    if why == "not below the checkpoint's vocabulary":   # needs the checkpoint: the loader checks it, then uses eager's
+        assert agent.backend == "aot:aoti"
+    else:   # structure: the manifest is refused as a whole, naming the field
+        assert agent.backend == "eager"
+        assert why in dict(agent.backend_object.rejected)["bundle"]
+    assert not fed
 
 
 def test_a_bundle_without_a_smoke_reference_is_checked_against_eager(bundle_copy, demo_ckpt):

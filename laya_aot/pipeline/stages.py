@@ -23,7 +23,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, precision, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
-from ..files import sha256_file, sha256_tree
+from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Kind, Skip, model_tensors
 from ..manifest import (
     SCHEMA,
@@ -52,6 +52,7 @@ from ..verification import (
     smoke_record,
     verify_runner,
 )
+from .children import ChildGuard
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,13 @@ def _refuse_foreign_output(out: Path) -> None:
                          "directory, so choose another output_dir or remove it first" % out) from None
 
 
+def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
+    """Where a build writes: `output_dir` with `{checkpoint}` and `{target}` filled in (so one multirun
+    pattern names every job's partial bundle), or artifacts/<checkpoint> when unset."""
+    pattern = output_dir or os.path.join("artifacts", "{checkpoint}")
+    return pattern.replace("{checkpoint}", checkpoint).replace("{target}", target)
+
+
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
     try:
@@ -298,8 +306,11 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
         info = ckpt_mod.describe(ckpt, cfg.checkpoint)
     except ckpt_mod.CheckpointError as e:
         raise BuildError(str(e)) from e
-    out = Path(cfg.output_dir or os.path.join("artifacts", info["name"]))
-    _refuse_foreign_output(out)
+    out = Path(output_path(cfg.output_dir, info["name"], str(cfg.target.name)))
+    try:
+        _refuse_foreign_output(out)
+    except OSError as e:
+        raise BuildError(_unwritable(out, e)) from None
     device = str(cfg.target.device)
     if device not in ("cpu", "cuda"):
         raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)
@@ -308,7 +319,11 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
                                         list(cfg.target.dtypes or []))
     except ValueError as e:
         raise BuildError(str(e)) from e
-    stage_dir = staging.new_staging(out)
+    try:
+        stage_dir = staging.new_staging(out)
+    except OSError as e:
+        raise BuildError(_unwritable(out, e)) from None
+    guard = ChildGuard()  # compiler processes die with the build, even a build killed with SIGKILL
     ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
                        device=device, dtypes=dtypes)
     try:
@@ -323,12 +338,20 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
             raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
         _hash_artifacts(ctx)
         bundle = bundle_of(ctx)
+        make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
         write_manifest(stage_dir, bundle)
         staging.publish(stage_dir, out)
     except BaseException:
         staging.discard(stage_dir)
         raise
+    finally:
+        guard.close()
     return BuildResult(bundle, out)
+
+
+def _unwritable(out: Path, e: OSError) -> str:
+    return ("cannot write output_dir %s (%s); choose an output_dir you can write to (output_dir=DIR) or fix the "
+            "permissions of %s" % (out, e.strerror or e, out.parent if not out.exists() else out))
 
 
 __all__ = ["BuildError", "BuildResult", "Ranges", "build"]

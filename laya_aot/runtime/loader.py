@@ -32,6 +32,7 @@ import torch
 from .. import checkpoint as ckpt_mod
 from .. import kinds, precision
 from .. import laya_internals as laya_api
+from ..distribution.fetch import resolve_for_load
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
 from ..tolerance import Agreement, rule_for
 from ..variant import current_machine
@@ -53,20 +54,22 @@ class _Early:
     nobody took.
     """
 
-    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]):
+    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
+                 pin: Optional[str] = None):
         self.pending = None
         self.device: Optional[str] = None
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
         self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin), daemon=True,
                                         name="laya-aot-early-probe")
         self._thread.start()
 
-    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str]) -> None:
+    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
+             pin: Optional[str]) -> None:
         from ..probe import start
 
         try:
-            manifest = read_bundle(bundle, kinds.NAMES)
+            manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
             if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
                 return                                                                       # or tokenizer
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -128,11 +131,17 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
     if bound is None:
         return "its manifest entry records no verified tolerance; rebuild the bundle with `laya-aot build`"
     record = manifest.smoke
+    vocab = laya_api.vocab(agent)
+    why = smoke_record_problem(record, vocab, art) if record else None
+    if why:  # not run: a batch made here, against the eager forward, checks the artifact instead
+        (log.info if record.sha256 is None else log.warning)("laya-aot: the bundle's smoke record is not used: %s",
+                                                             why)
+        record = None
     with torch.no_grad():
         if record:
             batch, ref = smoke_from_record(record)
         else:
-            batch = smoke_batch(art.ranges, laya_api.vocab(agent), backend.pad_id)
+            batch = smoke_batch(art.ranges, vocab, backend.pad_id)
             ref = backend.stock_forward(*(x.to(dev) for x in batch))
             # this reference runs in the agent's own precision: it may itself be that far from fp32
             if art.verify.eager_in_dtype is not None:
@@ -145,6 +154,28 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
     if not worst <= bound:
         return "it loaded but disagrees with the %s by %.3g (tolerance %.3g)" % (
             "build's eager fp32 reference" if record else "eager forward here", worst, bound)
+    return None
+
+
+def smoke_record_problem(record, vocab: int, art: Artifact) -> Optional[str]:
+    """Why the manifest's smoke record must not be fed to the artifact (None: it may).
+
+    Its structure (dtypes, shapes, marker positions inside the tokens, question types) was checked when
+    the manifest was read; here: its hash (a record damaged or edited after the build, or written before
+    records were hashed), token ids below this checkpoint's vocabulary, and the artifact's ranges."""
+    from ..manifest import smoke_digest
+
+    if record.sha256 is None:
+        return "it has no sha256 (a bundle written before smoke records were hashed)"
+    if smoke_digest(record) != record.sha256:
+        return "its sha256 does not match its contents (damaged or edited after the build)"
+    ids = record.inputs[0]
+    top = max(max(row) for row in ids)
+    if top >= vocab:
+        return "token id %d is not below the checkpoint's vocabulary (%d)" % (top, vocab)
+    r = art.ranges
+    if r is None or r.out_of_range(len(ids[0]), len(record.inputs[2][0])):
+        return "its batch is outside the artifact's exported ranges"
     return None
 
 
@@ -201,15 +232,17 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
     return stats["cuda_graphs"]
 
 
-def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = None, prefer: Optional[str] = None,
-         strict: bool = False, probe: bool = True, smoke_check: bool = True, cuda_graphs: bool = True,
-         **agent_kwargs: Any):
+def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
+         prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
+         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
     process probe of native artifacts (only for machines where they are known to load).
     `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (kinds.graphs),
-    where the probe child captured one without trouble. Other keyword arguments go to `laya.load`.
+    where the probe child captured one without trouble. `bundle_sha256` (or $LAYA_AOT_BUNDLE_SHA256) pins
+    the bundle: the sha256 of its bundle.json, which lists every file's sha256 (`laya-aot inspect` prints
+    it); another bundle is refused like any unusable one. Other keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
@@ -217,18 +250,34 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
     import laya
 
     t0 = time.perf_counter()
+    if prefer is not None and prefer not in kinds.RUNTIME_ORDER:  # the caller's mistake, not the bundle's
+        raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
     ckpt = ckpt_mod.locate(str(checkpoint))
-    early = _Early(ckpt, Path(bundle), device, prefer) if probe else None
+    pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
+    bundle, not_fetched = resolve_for_load(bundle, device, ckpt)  # hf://, a pack, a dir of packs -> a local dir
+    rejected: List[Tuple[str, str]] = [("bundle", not_fetched)] if not_fetched else []
+    if bundle is None or not str(bundle):
+        rejected.append(("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a directory written by "
+                                   "`laya-aot build`" % (bundle,)))
+    elif pin is not None and not _is_sha256(pin):
+        rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
+                                   "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % pin[:80]))
+    usable = not rejected
+    early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
     try:
         agent = laya.load(str(ckpt), device=device, **agent_kwargs)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3)}
-        rejected: List[Tuple[str, str]] = []
         chosen = None
         try:
-            chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
-                             cuda_graphs)
+            if usable:
+                chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
+                                 cuda_graphs, pin)
         except BundleError as e:
             rejected.append(("bundle", str(e)))
+        except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
+            log.warning("laya-aot: internal error while choosing an artifact of %s", bundle, exc_info=True)
+            rejected.append(("bundle", "internal error in laya-aot (%s: %s); the bundle is not used, please "
+                                       "report this" % (type(e).__name__, str(e)[:300])))
     finally:
         if early is not None:
             early.close()
@@ -246,13 +295,19 @@ def load(checkpoint: str, bundle: str | os.PathLike, device: Optional[str] = Non
     return agent
 
 
+def _is_sha256(value: str) -> bool:
+    v = str(value).strip().lower()
+    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
-            early: Optional[_Early] = None, cuda_graphs: bool = True) -> Optional[AOTBackend]:
+            early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None
+            ) -> Optional[AOTBackend]:
     from ..probe import finish
     from ..probe import probe as run_probe
 
-    manifest = read_bundle(bundle, kinds.NAMES)
+    manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
     device = agent.device.type
     machine = current_machine(str(agent.device))
     if laya_api.parallel_options(agent):

@@ -1,0 +1,142 @@
+"""Builds killed with SIGKILL at random moments, and two builds into one output directory at once.
+
+After each kill: the output directory holds nothing or a complete bundle whose every hash matches, no
+process the build started is still running (compilers included), and the next build cleans up.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+from laya_aot import kinds
+from laya_aot.manifest import BundleError, check_artifact_hash, read_bundle
+
+CHEAP = ["stages.onnx=false", "aoti.cpu_frozen=false"]   # one AOTInductor package: the compiler still runs
+
+
+def _cmd(ckpt: Path, out: Path, *extra: str) -> List[str]:
+    return [sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt, "output_dir=%s" % out,
+            *CHEAP, *extra]
+
+
+def _table() -> Dict[int, tuple]:
+    """pid -> (ppid, name) of every process now."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as f:
+                    s = f.read()
+                name = s[s.index("(") + 1:s.rindex(")")]
+                rest = s[s.rindex(")") + 2:].split()
+                out[int(d)] = (int(rest[1]), name, rest[0])
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _descendants(pid: int) -> Set[int]:
+    table = _table()
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for c, (pp, _, _) in table.items():
+            if pp == p and c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def _alive(pids: Set[int]) -> Set[int]:
+    table = _table()
+    return {p for p in pids if p in table and table[p][2] != "Z"}
+
+
+def _bundle_state(out: Path) -> str:
+    if not out.exists():
+        return "absent"
+    try:
+        m = read_bundle(out, kinds.NAMES)
+    except BundleError as e:
+        return "BROKEN: %s" % e
+    bad = [a.name for a in m.artifacts if a.built and check_artifact_hash(out, a)]
+    return "BROKEN hashes %s" % bad if bad else "complete"
+
+
+def _kill_at(ckpt: Path, out: Path, when: float, env: Dict[str, str], wait_for_compiler: bool = False) -> dict:
+    p = subprocess.Popen(_cmd(ckpt, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    seen: Set[int] = set()
+    compiler = False
+    while p.poll() is None and time.time() - t0 < (180 if wait_for_compiler else when):
+        seen |= _descendants(p.pid)
+        names = {_table().get(c, (0, ""))[1] for c in seen}
+        if wait_for_compiler and names & {"cc1plus", "g++", "c++", "as", "ld"}:
+            compiler = True
+            break
+        time.sleep(0.05)
+    finished = p.poll() is not None
+    seen |= _descendants(p.pid)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    at = time.time() - t0
+    deadline = time.time() + 10
+    while _alive(seen) and time.time() < deadline:
+        time.sleep(0.1)
+    watchdogs = {c for c in seen if "python" in _table().get(c, (0, "python"))[1]}
+    return {"at": round(at, 1), "finished_before_kill": finished, "children_seen": len(seen),
+            "compiler_running": compiler, "left_running": sorted(_alive(seen) - watchdogs),
+            "state": _bundle_state(out)}
+
+
+def _kills(demo_ckpt, tmp_path, times, compiler_kills):
+    out = tmp_path / "out"
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [_kill_at(demo_ckpt, out, 0, env, wait_for_compiler=True) for _ in range(compiler_kills)]
+    runs += [_kill_at(demo_ckpt, out, t, env) for t in times]
+    for r in runs:
+        print("killed at %(at)5.1f s: children %(children_seen)d, compiler running %(compiler_running)s, "
+              "left running %(left_running)s, output %(state)s" % r)
+    assert all(r["state"] in ("absent", "complete") for r in runs), runs
+    assert not [r for r in runs if r["left_running"]], runs
+    assert all(r["compiler_running"] for r in runs[:compiler_kills]), runs[:compiler_kills]
+    # the next build cleans up what the killed ones left and publishes a complete bundle
+    done = subprocess.run(_cmd(demo_ckpt, out), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _bundle_state(out) == "complete"
+    assert not list(tmp_path.glob(".out.partial-*")) and not list(tmp_path.glob(".out.old-*"))
+    return runs
+
+
+def test_builds_killed_mid_compile_leave_nothing_running_and_nothing_half_written(demo_ckpt, tmp_path):
+    _kills(demo_ckpt, tmp_path, [random.uniform(1.0, 8.0)], compiler_kills=1)
+
+
+@pytest.mark.heavy
+def test_twenty_builds_killed_at_random_moments(demo_ckpt, tmp_path):
+    rng = random.Random(int(os.environ.get("LAYA_AOT_KILL_SEED", "14")))
+    runs = _kills(demo_ckpt, tmp_path, [rng.uniform(0.5, 30.0) for _ in range(18)], compiler_kills=2)
+    assert len(runs) == 20
+
+
+def test_two_builds_into_one_output_at_once(demo_ckpt, tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))
+    # the race is in staging and publishing, not compiling: ONNX only
+    cmd = _cmd(demo_ckpt, out, "stages.aoti=false", "stages.onnx=true")
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (so, se) in zip(procs, outs):
+        assert "Traceback" not in so + se, se[-3000:]
+        assert p.returncode == 0, se[-2000:]
+    assert _bundle_state(out) == "complete"
+    assert not list(tmp_path.glob(".out.partial-*")) and not list(tmp_path.glob(".out.old-*"))

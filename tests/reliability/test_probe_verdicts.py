@@ -1,0 +1,123 @@
+"""Probe verdicts: keyed by the whole entry and the machine; a child killed from outside is retried once
+and never cached as the artifact's fault; concurrent writers never leave a half-written verdict."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from laya_aot import kinds, probe
+from laya_aot.manifest import read_bundle
+from laya_aot.variant import current_machine
+
+
+@pytest.fixture
+def aoti(demo_bundle):
+    return read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
+
+
+def test_entries_that_differ_in_anything_do_not_share_a_verdict(aoti):
+    machine = current_machine("cpu")
+    twin = dataclasses.replace(aoti, ranges=dataclasses.replace(aoti.ranges, max_tokens=4096))  # same sha256
+    assert probe.verdict_path(aoti, machine, "cpu") != probe.verdict_path(twin, machine, "cpu")
+    assert probe.verdict_path(aoti, machine, "cpu") == probe.verdict_path(dataclasses.replace(aoti), machine, "cpu")
+
+
+def _kill_soon(pending, sig):
+    deadline = time.time() + 30
+    while pending.proc.poll() is None and time.time() < deadline:
+        try:
+            os.kill(pending.proc.pid, sig)
+            return
+        except ProcessLookupError:
+            return
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_probe_killed_from_outside_is_retried_and_its_verdict_is_the_retrys(demo_bundle, demo_ckpt, aoti, sig,
+                                                                               tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    machine = current_machine("cpu")
+    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    _kill_soon(pending, sig)      # as the out-of-memory killer or a shutdown would
+    stats = {}
+    assert probe.finish(pending, stats) is None          # the second child ran it
+    assert stats["probe_retried_after"] == sig.name
+    cached = json.loads(probe.verdict_path(aoti, machine, "cpu").read_text())
+    assert cached["reason"] is None
+
+
+def test_a_probe_killed_twice_is_not_cached(demo_bundle, demo_ckpt, aoti, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    machine = current_machine("cpu")
+    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    relaunch = pending.relaunch
+
+    def relaunch_and_kill():
+        relaunch()
+        _kill_soon(pending, signal.SIGKILL)
+    pending.relaunch = relaunch_and_kill
+    _kill_soon(pending, signal.SIGKILL)
+    why = probe.finish(pending, {})
+    assert "killed from outside (SIGKILL) twice" in why and "not cached" in why
+    assert not probe.verdict_path(aoti, machine, "cpu").exists()
+
+
+def test_a_crash_of_the_artifact_itself_is_cached(demo_bundle, demo_ckpt, aoti, tmp_path, monkeypatch):
+    # SIGABRT is what a broken package does (std::terminate): that is the artifact's fault, remembered
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    machine = current_machine("cpu")
+    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    _kill_soon(pending, signal.SIGABRT)
+    assert probe.finish(pending, {}) == "loading it crashed a probe process: SIGABRT"
+    assert json.loads(probe.verdict_path(aoti, machine, "cpu").read_text())["reason"].endswith("SIGABRT")
+
+
+def _writer(args):
+    """Write and read verdict-sized JSON at one path as fast as possible; count failures and torn reads."""
+    from laya_aot.files import write_json_atomic
+
+    path, seconds, me = args
+    failed = torn = n = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            write_json_atomic(path, {"writer": me, "pad": "x" * 4000, "n": n})
+        except OSError:
+            failed += 1
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError:
+            torn += 1
+        except OSError:
+            pass
+        n += 1
+    return failed, torn, n
+
+
+def _race(tmp_path, procs, seconds):
+    path = tmp_path / "verdict.json"
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        res = pool.map(_writer, [(path, seconds, i) for i in range(procs)])
+    failed, torn, n = (sum(r[i] for r in res) for i in range(3))
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "verdict.json"]
+    return failed, torn, n, leftovers
+
+
+def test_four_processes_writing_one_verdict_at_once(tmp_path):
+    failed, torn, n, leftovers = _race(tmp_path, 4, 3.0)
+    print("\ncache race: %d writes+reads, %d failed writes, %d torn reads" % (n, failed, torn))
+    assert n > 200 and failed == 0 and torn == 0 and not leftovers
+
+
+@pytest.mark.heavy
+def test_four_processes_writing_one_verdict_at_once_heavy(tmp_path):
+    failed, torn, n, leftovers = _race(tmp_path, 4, 60.0)
+    print("\ncache race (heavy): %d writes+reads, %d failed writes, %d torn reads" % (n, failed, torn))
+    assert n > 10000 and failed == 0 and torn == 0 and not leftovers
