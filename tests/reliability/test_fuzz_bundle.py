@@ -57,10 +57,13 @@ def _aimed(m):
     for i in range(5):
         out.append(("smoke", "inputs", i, 0, 0) if i < 4 else ("smoke", "inputs", 4, 0))
     out += [("smoke", "inputs", 0, 1, 3), ("smoke", "inputs", 2, 1, 1), ("smoke", "input_dtypes", 0)]
-    for j, a in enumerate(m["artifacts"]):
-        out += [("artifacts", j, "ranges", f) for f in (a.get("ranges") or {})]
+    arts = m.get("artifacts") if isinstance(m.get("artifacts"), list) else []
+    for j, a in enumerate(arts):   # an earlier edit may have made any of these another type
+        ranges = a.get("ranges") if isinstance(a, dict) else None
+        out += [("artifacts", j, "ranges", f) for f in (ranges if isinstance(ranges, dict) else {})]
         out += [("artifacts", j, f) for f in ("path", "kind", "dtype", "status", "needs", "device", "name")]
-    out += [("ranges", f) for f in (m.get("ranges") or {})]
+    ranges = m.get("ranges")
+    out += [("ranges", f) for f in (ranges if isinstance(ranges, dict) else {})]
     out += [("checkpoint", "n_actions"), ("checkpoint", "fingerprint", "files")]
     return [p for p in out if _exists(m, p)] or [("schema",)]
 
