@@ -15,7 +15,7 @@ import torch
 from questions import assert_same_answers, question_suite, state_text
 
 import laya_aot
-from laya_aot.files import sha256_tree, write_json_atomic
+from laya_aot.files import write_json_atomic
 from laya_aot.manifest import MANIFEST, read_manifest
 from laya_aot.runtime.loader import NoArtifactError
 
@@ -236,13 +236,16 @@ def _crashing_bundle(bundle: Path, tmp: Path) -> None:
             z.writestr(info, data)
     old.close()
     shutil.copy(out, pkg)
-    m = json.loads((bundle / MANIFEST).read_text())
-    for a in m["artifacts"]:
-        if a["kind"] == "aoti":
-            a["sha256"] = sha256_tree(bundle / a["path"])   # a genuine, correctly hashed, crashing artifact
-            if a["name"] == "aoti-cpu":
-                a["latency_ms"] = {"cpu": {"1x128x4": 1e-3}}     # ranked first, so it is tried first
-    write_json_atomic(bundle / MANIFEST, m)
+    from laya_aot import kinds
+    from laya_aot.manifest import read_bundle, record_files, write_manifest
+
+    m = read_bundle(bundle, kinds.NAMES)
+    for a in m.artifacts:
+        if a.kind == "aoti":
+            record_files(bundle, a)   # a genuine, correctly hashed (file by file), crashing artifact
+            if a.name == "aoti-cpu":
+                a.latency_ms = {"cpu": {"1x128x4": 1e-3}}     # ranked first, so it is tried first
+    write_manifest(bundle, m)
 
 
 def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ckpt, tmp_path, monkeypatch):

@@ -50,6 +50,8 @@ def _opened(secret: Path):
 
 def _all_three(bundle: Path, ckpt: Path, secret: Path, expect: str):
     """load (fallback with the reason), inspect and verify (one message, no traceback) refuse it."""
+    if (bundle / MANIFEST).is_file() and not (bundle / MANIFEST).is_symlink():   # aoti-cpu is tried first
+        _edit(bundle, lambda m: _aoti(m).update(latency_ms={"cpu": {"1x128x4": 1e-3}}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         agent = laya_aot.load(str(ckpt), bundle=str(bundle), device="cpu", prefer="aoti", probe=False)
@@ -63,7 +65,8 @@ def _all_three(bundle: Path, ckpt: Path, secret: Path, expect: str):
             rc = getattr(commands, name)(argv, 0.0)
         text = out.getvalue() + err.getvalue()
         assert "Traceback" not in text and "internal error" not in text, text
-        assert expect in text, (name, text[-2000:])
+        flat = "".join(ch for ch in text if ch.isalnum())   # a table folds long reasons across lines
+        assert "".join(ch for ch in expect if ch.isalnum()) in flat, (name, text[-2000:])
         assert rc in (1, 2) or (name == "inspect" and rc == 0), (name, rc)
     assert not _opened(secret), _opened(secret)
 
