@@ -172,9 +172,26 @@ def answers(port: int, bodies: List[bytes]) -> List[dict]:
     return out
 
 
+def _decision(a: dict):
+    """What the caller acts on: the chosen criterion, the most probable score level, the noul verdict."""
+    if "noul" in a:
+        return a["noul"] > 0.5
+    probs = a.get("probabilities") or {}
+    return max(probs, key=probs.get) if probs else a.get("choice")
+
+
+def _margin(a: dict) -> float:
+    """How far the answer is from flipping: top-two probability gap, or the noul verdict's distance from 0.5."""
+    if "noul" in a:
+        return abs(a["noul"] - 0.5)
+    top = sorted((a.get("probabilities") or {}).values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else 1.0
+
+
 def compare(a: List[dict], b: List[dict]) -> Dict[str, Any]:
-    worst, same = 0.0, 0
-    total = 0
+    """Bundle answers `a` against eager answers `b`: the largest probability difference, decisions equal, and
+    eager's margin wherever a decision differs (a near-tie flips between two reduced-precision computations)."""
+    worst, same, total, differ = 0.0, 0, 0, []
     for x, y in zip(a, b):
         for qid in y:
             total += 1
@@ -184,9 +201,11 @@ def compare(a: List[dict], b: List[dict]) -> Dict[str, Any]:
             if "noul" in y[qid]:
                 worst = max(worst, abs(x[qid]["noul"] - y[qid]["noul"]))
             worst = max(worst, abs(x[qid]["action"]["act_probability"] - y[qid]["action"]["act_probability"]))
-            key = "choice" if "choice" in y[qid] else "score" if "score" in y[qid] else "noul"
-            same += (x[qid][key] == y[qid][key]) if key != "noul" else ((x[qid]["noul"] > .5) == (y[qid]["noul"] > .5))
-    return {"max_abs_diff": round(worst, 6), "same_decisions": same, "decisions": total}
+            if _decision(x[qid]) == _decision(y[qid]):
+                same += 1
+            else:
+                differ.append({"question": qid, "eager_margin": round(_margin(y[qid]), 6)})
+    return {"max_abs_diff": round(worst, 6), "same_decisions": same, "decisions": total, "differing": differ}
 
 
 def summarise(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -315,6 +334,7 @@ def main() -> int:
         pass
     if "eager" in modes and "bundle" in modes:
         result["bundle_vs_eager"] = compare(modes["bundle"]["answers"], modes["eager"]["answers"])
+        result["answers"] = {m: modes[m]["answers"] for m in ("eager", "bundle")}
     for m in modes.values():
         m.pop("answers", None)
         for run in m["runs"]:
@@ -340,8 +360,10 @@ def markdown(r: Dict[str, Any]) -> str:
                                     len(r["questions"])), ""]
     if "bundle_vs_eager" in r:
         c = r["bundle_vs_eager"]
-        lines += ["Answers, bundle against eager over HTTP: max |difference| %.6f, %d of %d decisions equal." % (
-            c["max_abs_diff"], c["same_decisions"], c["decisions"]), ""]
+        lines += ["Answers, bundle against eager over HTTP: max |difference| %.6f, %d of %d decisions equal%s." % (
+            c["max_abs_diff"], c["same_decisions"], c["decisions"],
+            "; eager's margin where they differ: %s" % ", ".join("%.3g" % d["eager_margin"] for d in c["differing"])
+            if c.get("differing") else ""), ""]
     for line in r["modes"].get("bundle", {}).get("load_lines") or []:
         lines += ["Bundle server's log (first round): `%s`" % line]
     rounds = len(next(iter(r["modes"].values()))["runs"])

@@ -208,6 +208,7 @@ def _verify(a: argparse.Namespace) -> int:
     from . import laya_internals as laya_api
     from .manifest import artifact_path
     from .tolerance import rule_for
+    from .variant import current_machine, mismatch
     from .verification import EagerFigures, cases, reference_outputs, verify_runner
 
     con = _console()
@@ -241,6 +242,7 @@ def _verify(a: argparse.Namespace) -> int:
     seed = a.seed if a.seed is not None else int(time.time())
     checked: Dict[Any, Any] = {}  # per export range: the cases, their fp32 outputs, laya eager's figures
     failed = 0
+    machines: Dict[str, Any] = {}
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
     for col in ("artifact", "hash", "result"):
         t.add_column(col, overflow="fold")
@@ -259,6 +261,15 @@ def _verify(a: argparse.Namespace) -> int:
             continue
         if not kind.reverify:
             t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
+            continue
+        if e.status == "failed_verification":  # the manifest already says it serves nothing
+            t.add_row(e.name, "ok", "not run: failed verification at build (%s)" % (e.error or "see inspect"))
+            continue
+        if e.device not in machines:
+            machines[e.device] = current_machine(e.device)
+        misfit = mismatch(e.needs, machines[e.device])
+        if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
+            t.add_row(e.name, "ok", "not run here: %s" % misfit)
             continue
         r = e.ranges
         try:
