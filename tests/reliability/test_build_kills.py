@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -85,7 +84,7 @@ def _kill_at(ckpt: Path, out: Path, when: float, env: Dict[str, str], wait_for_c
         time.sleep(0.05)
     finished = p.poll() is not None
     seen |= _descendants(p.pid)
-    os.kill(p.pid, signal.SIGKILL)
+    p.kill()  # SIGKILL; nothing when the build already ended (its pid may be reaped and gone)
     p.wait()
     at = time.time() - t0
     deadline = time.time() + 10
