@@ -11,6 +11,7 @@ Both are hashed. A kernel that fails records the compiler's message and the rest
 Compilation runs in threads: nvcc is a subprocess and TileLang's lowering releases the GIL
 (TileLang's own `par_compile` relies on the same), and a thread pool keeps one import of
 TileLang for all jobs. Elaboration (building the PrimFuncs) runs first, in this thread.
+`ast.parse` is serialised while the pool runs (see `astlock`: a CPython 3.11 race).
 TileLang's kernel and nvcc-binary caches are disabled for the build so every kernel really
 compiles (timings are honest) and nothing leaks into ~/.tilelang.
 """
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from .astlock import serial_ast_parse
 from .catalogue import KernelSpec, catalogue
 
 log = logging.getLogger(__name__)
@@ -271,7 +273,7 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
         except Exception as e:  # recorded per kernel by _run_one
             funcs.append(e)
     results: Dict[str, Dict[str, Any]] = {}
-    with _build_env(), ThreadPoolExecutor(jobs, thread_name_prefix="tl-aot") as pool, \
+    with _build_env(), serial_ast_parse(), ThreadPoolExecutor(jobs, thread_name_prefix="tl-aot") as pool, \
             tqdm(total=len(specs), desc="tilelang %s" % arch, unit="kernel", disable=not progress) as bar:
         futures = {pool.submit(_run_one, s, f, arch, out_dir, cache): s for s, f in zip(specs, funcs)}
         for fut in as_completed(futures):
