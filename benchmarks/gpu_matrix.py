@@ -11,7 +11,10 @@ nvcc off PATH) with `prefer=KIND, strict=True`, and in the same process laya's e
 in the same dtype). It records: the dtype laya serves in, the artifact's verify figures and laya eager-in-
 dtype's from the manifest, compile attempts (TileLang/nvcc entry points) and Inductor compiles (Dynamo
 graphs, FX-graph misses) after loading, and, over 60 typed questions x 3 states, how many decisions equal
-laya eager's and the largest probability difference. Writes gpu_matrix.json/.md and the build logs to --out.
+laya eager's and the largest probability difference. The near-tie guard (runtime/backend.py) is on, as
+`load` leaves it; the same agent then answers again with it off, for the artifact's own decisions, and both
+are timed (predict_batch of the 3 states x 60 questions, median of 5, twice each). Writes
+gpu_matrix.json/.md and the build logs to --out.
 """
 from __future__ import annotations
 
@@ -105,6 +108,25 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                 pa, pb = _probs(a), _probs(b)
                 worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
         bo = agent.backend_object
+        stats_on = {k: val for k, val in bo.stats.items() if k != "cuda_graphs"}
+        # the same agent with the near-tie guard off: what the artifact decides on its own, and what the guard costs
+        bo.near_ties = False
+        got_off = agent.predict_batch(states, qs)
+        same_off = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
+                       for g, r in zip(got_off, ref) for q in r["answers"])
+        predict_ms = {}
+        for flag in (True, False, True, False):
+            bo.near_ties = flag
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                agent.predict_batch(states, qs)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t1) * 1e3)
+            key = "near_ties_on" if flag else "near_ties_off"
+            predict_ms.setdefault(key, []).append(round(float(np.median(times)), 2))
+        bo.near_ties = True
         art = bo.artifact
         v = art.verify
         res = {"kind": kind, "backend": agent.backend, "artifact": art.name, "artifact_dtype": art.dtype,
@@ -117,7 +139,9 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                           "argmax_agreement": v.argmax_agreement, "tolerance": v.tolerance, "rule": v.rule,
                           "eager_in_dtype": v.eager_in_dtype.__dict__ if v.eager_in_dtype else None,
                           "status": art.status},
-               "stats": {k: val for k, val in bo.stats.items() if k != "cuda_graphs"},
+               "tie_margin": bo.tie_margin, "stats_first_two_calls": stats_on,
+               "decisions_equal_without_near_tie_guard": same_off,
+               "predict_batch_ms_3_states_x_60_questions": predict_ms,
                "cuda_graphs": bo.stats.get("cuda_graphs"), "load_stats": bo.load_stats}
         print(MARK + json.dumps(res, default=str), flush=True)
 
@@ -232,9 +256,10 @@ def markdown(r: dict) -> str:
     lines = ["Command: `%s`" % r["command"], "",
              "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
              "laya eager-in-dtype dp opt/act | decisions = eager | = fp32: artifact / eager | "
-             "eager margin where differ | max prob diff | TileLang/nvcc | Dynamo graphs / "
+             "eager margin where differ | max prob diff | tie margin | near-tie rows (2 calls) | "
+             "decisions = eager, guard off | predict_batch ms guard on / off | TileLang/nvcc | Dynamo graphs / "
              "FX misses | graph replays |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in r["checkpoints"].items():
         for kind, s in c["serving"].items():
             if "failed" in s or "skipped" in s:
@@ -242,15 +267,21 @@ def markdown(r: dict) -> str:
                 continue
             v, e, comp = s["verify"], s["verify"]["eager_in_dtype"] or {}, s["compiles_after_load"]
             g = s.get("cuda_graphs") or {}
-            lines.append(("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %s / %s | %s | %.3g | %d "
-                          "| %d / %d | %s |") % (
+            st, ms = s.get("stats_first_two_calls", {}), s.get("predict_batch_ms_3_states_x_60_questions", {})
+            lines.append(("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %s / %s | %s | %.3g | %s | %s "
+                          "| %s | %s | %d | %d / %d | %s |") % (
                 n, c["amp_dtype"], kind, s["agent_serves"], s["artifact_dtype"], v["max_abs_option_prob"],
                 v["max_abs_action_prob"], v["tolerance"],
                 "%.3g / %.3g" % (e["max_abs_option_prob"], e["max_abs_action_prob"]) if e else "-",
                 s["decisions_equal"], s["decisions"], s["decisions_equal_fp32"]["artifact"],
                 s["decisions_equal_fp32"]["eager_in_dtype"],
                 ", ".join("%.3g" % d["eager_margin"] for d in s["differing_decisions"]) or "-",
-                s["max_prob_diff_vs_eager"], comp["tilelang_nvcc_attempts"],
+                s["max_prob_diff_vs_eager"], "%.3g" % s["tie_margin"] if s.get("tie_margin") is not None else "-",
+                "%d of %d" % (st.get("near_tie_rows", 0), 2 * s["decisions"]) if st else "-",
+                "%d/%d" % (s["decisions_equal_without_near_tie_guard"], s["decisions"])
+                if "decisions_equal_without_near_tie_guard" in s else "-",
+                " / ".join("%.1f" % min(ms.get(k, [float("nan")])) for k in ("near_ties_on", "near_ties_off")) if ms
+                else "-", comp["tilelang_nvcc_attempts"],
                 comp["dynamo_graphs"], comp["fxgraph_cache_miss"], g.get("replays", "-")))
     lines += ["", "Builds: " + ", ".join("%s %s in %.0f s" % (n, "ok" if c["build_rc"] == 0 else "FAILED", c["build_s"])
                                        for n, c in r["checkpoints"].items()), "Wall: %.0f s" % r["wall_s"]]

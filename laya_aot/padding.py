@@ -84,3 +84,13 @@ def option_probs(logits: torch.Tensor, n_markers: int) -> torch.Tensor:
 
 def action_probs(act_logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(act_logits.float(), -1)
+
+
+def near_tie_rows(logits: torch.Tensor, marker_mask: torch.Tensor, margin: float) -> torch.Tensor:
+    """Indices of rows with two or more options whose top two option probabilities are within `margin`."""
+    k = logits.shape[1]
+    if k < 2:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
+    mask = marker_mask[:, :k].to(logits.device)
+    top2 = option_probs(logits, k).topk(2, dim=-1).values
+    return torch.nonzero((mask.sum(-1) >= 2) & (top2[:, 0] - top2[:, 1] <= margin)).flatten()

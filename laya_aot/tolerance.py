@@ -81,3 +81,18 @@ def rule_for(dtype: str, tolerance: Tolerance, eager_in_dtype: Optional[Agreemen
              "%.1f%%, margin %.1f%%" % (dtype, floor, tolerance.relative, dtype, eager_in_dtype.worst, dtype,
                                         100 * eager_in_dtype.argmax_agreement, 100 * tolerance.argmax_margin))
     return Rule(max_abs, share, basis)
+
+
+def tie_margin(artifact: Agreement, eager_in_dtype: Optional[Agreement] = None) -> float:
+    """The top-two option gap below which an artifact and laya's eager forward in the same dtype may choose
+    differently, from the figures the artifact was verified with.
+
+    On the verification cases the artifact's option probabilities were within `artifact` of fp32 and laya's
+    eager forward in its dtype within `eager_in_dtype` (none for fp32: eager fp32 is the reference), so the
+    two are within d, the sum, of each other; a row whose top two options are more than 2d apart has the
+    same top option in both (softmax at temperature 1; laya's temperatures do not move the top option).
+    The runtime hands rows inside the margin to laya's eager forward, so a decision on a near-tie is laya's
+    own. Only option probabilities count: decisions are made on options, not on the action head.
+    """
+    d = artifact.max_abs_option_prob + (eager_in_dtype.max_abs_option_prob if eager_in_dtype is not None else 0.0)
+    return 2.0 * d

@@ -71,3 +71,79 @@ def test_backend_runs_eager_outside_the_export_and_counts_why():
     be.forward(*_batch(n=2, t=20, k=7))
     be.forward(*_batch(n=2, t=20), position_ids=torch.zeros(2, 20), option_ids=torch.zeros(2, 20))
     assert be.stats == {"eager_calls": 3, "eager_tokens": 1, "eager_markers": 1, "eager_parallel_layout": 1}
+
+
+def test_near_tie_rows_are_rows_with_two_options_closer_than_the_margin():
+    from laya_aot.padding import near_tie_rows
+
+    logits = torch.tensor([[2.0, 2.01, -1e4],     # a near-tie
+                           [5.0, 0.0, -1e4],      # decisive
+                           [3.0, -1e4, -1e4],     # one option: nothing to decide
+                           [-1e4, -1e4, -1e4],    # laya's padding row: no options at all
+                           [1.0, 0.0, 1.0]])      # an exact tie between the first and third option
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    assert near_tie_rows(logits, mask, 0.05).tolist() == [0, 4]
+    assert near_tie_rows(logits, mask, 0.0).tolist() == [4]
+    assert near_tie_rows(logits[:, :1], mask[:, :1], 1.0).tolist() == []
+
+
+def test_tie_margin_is_twice_the_artifact_and_eager_bounds():
+    from laya_aot.tolerance import Agreement, tie_margin
+
+    art = Agreement(0.02, 0.5, 1.0)
+    assert tie_margin(art) == 0.04                                      # fp32: eager is the reference
+    assert abs(tie_margin(art, Agreement(0.01, 0.3, 0.99)) - 0.06) < 1e-12   # the action head does not count
+
+
+class _TieModel(torch.nn.Module):
+    """laya's eager forward in this test: row i prefers option 1 by 0.004 in probability."""
+
+    def forward(self, ids, att, mpos, mmask, qt, detach_encoder=False, **kw):
+        self.rows = getattr(self, "rows", []) + [ids[:, 0].tolist()]
+        lo = torch.zeros(mpos.shape)
+        lo[:, 1] = 0.016
+        return lo, torch.full((ids.shape[0], 3), 7.0)
+
+
+class _FlippedRunner(_Runner):
+    """The artifact: rounds row 0 the other way (option 0 by 0.004) and row 1 decisively to option 0."""
+
+    def __call__(self, ids, att, mpos, mmask, qt):
+        lo = torch.full(mpos.shape, -1e4)
+        lo[:, 0], lo[:, 1] = 0.016, 0.0
+        lo[1:, 0] = 4.0
+        return lo, torch.ones(ids.shape[0], 3)
+
+
+def _tie_backend(near_ties=True):
+    from laya_aot.manifest import VerifyResult
+    from laya_aot.tolerance import Agreement
+
+    agent = _Agent()
+    agent.model = _TieModel()
+    verify = VerifyResult(passed=True, tolerance=0.05, max_abs_option_prob=0.02, max_abs_action_prob=0.04,
+                          argmax_agreement=1.0, eager_in_dtype=Agreement(0.01, 0.01, 1.0))
+    entry = Artifact(name="x", kind="aoti", status="verified", device="cpu", needs=Needs(device="cpu"), ranges=R,
+                     variant="v", verify=verify)
+    return AOTBackend(agent, _FlippedRunner(), entry, pad_id=0, near_ties=near_ties), agent.model
+
+
+def test_near_ties_are_laya_eagers_own_decisions_and_only_those_rows_rerun():
+    be, model = _tie_backend()
+    assert abs(be.tie_margin - 0.06) < 1e-12
+    ids, att, mpos, mmask, qt = _batch(n=3, t=37, k=2)
+    ids[:, 0] = torch.tensor([10, 11, 12])
+    logits, act = be.forward(ids, att, mpos, mmask, qt)
+    assert logits.argmax(-1).tolist() == [1, 0, 0]           # row 0: eager's choice; rows 1-2: the artifact's
+    assert (act[0] == 7).all() and (act[1:] == 1).all()
+    assert model.rows == [[10]]                              # eager ran the near-tie row only
+    assert be.stats == {"artifact_calls": 1, "chunks": 1, "near_tie_calls": 1, "near_tie_rows": 1}
+    # what the smoke check compares is the artifact's own output
+    assert be.artifact_forward(ids, att, mpos, mmask, qt)[0].argmax(-1).tolist() == [0, 0, 0]
+
+
+def test_near_ties_off_leaves_every_row_to_the_artifact():
+    be, model = _tie_backend(near_ties=False)
+    assert be.tie_margin is None
+    logits, _ = be.forward(*_batch(n=3, t=37, k=2))
+    assert logits.argmax(-1).tolist() == [0, 0, 0] and not hasattr(model, "rows")

@@ -136,20 +136,51 @@ def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, 
     assert ep["verify"]["tolerance"] >= 0.02 and want in ep["verify"]["rule"]
 
 
-def test_the_loader_serves_only_the_agents_dtype(demo_ckpt, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def bf16_bundle(demo_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16") / "b"
+    build_bundle(demo_ckpt, out, "target.dtypes=[bf16]", "aoti.cpu_frozen=false", "stages.onnx=false")
+    return out
+
+
+def test_the_loader_serves_only_the_agents_dtype(demo_ckpt, bf16_bundle, monkeypatch):
     """On the CPU laya serves fp32, or bf16 with LAYA_CPU_AMP=bf16: each agent gets the artifact in its own
     dtype, and an artifact in another one is refused with the fix."""
     import laya_aot
 
-    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[bf16]", "aoti.cpu_frozen=false", "stages.onnx=false")
     monkeypatch.delenv("LAYA_CPU_AMP", raising=False)
     with pytest.warns(RuntimeWarning, match=r"computes in bf16 and this agent serves in fp32.*target.dtypes=\[fp32\]"):
-        agent = laya_aot.load(str(demo_ckpt), bundle=str(tmp_path / "b"), device="cpu")
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(bf16_bundle), device="cpu")
     assert agent.backend == "eager"
     monkeypatch.setenv("LAYA_CPU_AMP", "bf16")
-    agent = laya_aot.load(str(demo_ckpt), bundle=str(tmp_path / "b"), device="cpu", strict=True)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bf16_bundle), device="cpu", strict=True)
     assert agent.backend == "aot:aoti" and agent.backend_object.artifact.dtype == "bf16"
     assert agent.backend_object.load_stats["serving_dtype"] == "bf16"
+
+
+def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, monkeypatch):
+    """A bf16 artifact and laya's eager bf16 forward round differently, so near-ties can fall either way;
+    the backend hands the rows inside the tie margin to laya's eager forward, and every decision is laya's.
+    The margin comes from the verify figures, so only a share of the rows is recomputed."""
+    import laya
+    import numpy as np
+    from questions import _answer_key, question_suite, state_text
+
+    import laya_aot
+
+    monkeypatch.setenv("LAYA_CPU_AMP", "bf16")
+    rng = np.random.default_rng(1)
+    states = [state_text(rng, n) for n in (4, 30, 120, 200, 60, 10)]
+    qs = question_suite()
+    ref = laya.load(str(demo_ckpt), device="cpu").predict_batch(states, qs)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bf16_bundle), device="cpu", strict=True)
+    assert agent.backend == "aot:aoti"
+    got = agent.predict_batch(states, qs)
+    keys = [(g["answers"][q], r["answers"][q]) for g, r in zip(got, ref) for q in r["answers"]]
+    assert len(keys) >= 300
+    assert all(_answer_key(a) == _answer_key(b) for a, b in keys)
+    stats = agent.backend_object.stats
+    assert stats["artifact_calls"] >= 1 and 0 < stats["near_tie_rows"] < len(keys) / 2, stats
 
 
 def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):

@@ -5,6 +5,11 @@ collated batch and returns `(logits, act_logits)` with the stock forward's shape
 to what the artifact accepts (`laya_aot.padding`), splits rows beyond the exported maximum into
 chunks, and runs anything the artifact cannot take (the parallel option layout, more tokens or
 markers than were exported) through laya's eager forward, counting each such call in `stats`.
+
+Near-ties go to laya too: a row whose top two options are closer than `tolerance.tie_margin` (where the
+artifact and laya's eager forward in the same dtype may round to different choices) is recomputed by
+laya's eager forward, so every decision either provably matches laya's or is laya's own. Only those
+rows are recomputed; `stats` counts them (`near_tie_rows`). `near_ties=False` turns it off.
 """
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ import torch
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
-from ..padding import Ranges, chunks, pad_batch
+from ..padding import Ranges, chunks, near_tie_rows, pad_batch
+from ..tolerance import Agreement, tie_margin
 
 
 class AOTBackend(Backend):
     """An artifact from a laya-aot bundle installed as the agent's forward."""
 
     def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
-                 rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None):
+                 rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None,
+                 near_ties: bool = True):
         super().__init__(agent)
         self.name = "aot:%s" % art.kind
         self.runner = runner
@@ -37,6 +44,16 @@ class AOTBackend(Backend):
         self.load_stats = dict(load_stats or {})
         self._counts: Counter = Counter()
         self._lock = threading.Lock()
+        self.near_ties = near_ties
+
+    @property
+    def tie_margin(self) -> Optional[float]:
+        """Rows whose top two option probabilities are closer than this go to laya's eager forward (None: off)."""
+        v = self.verify
+        if not self.near_ties or v is None or v.max_abs_option_prob is None:
+            return None
+        return tie_margin(Agreement(v.max_abs_option_prob, v.max_abs_action_prob or 0.0, v.argmax_agreement or 0.0),
+                          v.eager_in_dtype)
 
     @property
     def stats(self) -> Dict[str, Any]:
@@ -58,16 +75,43 @@ class AOTBackend(Backend):
             self._counts.update(kw)
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False, **extra):
+        out, by_artifact = self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder,
+                                         **extra)
+        margin = self.tie_margin
+        if not by_artifact or margin is None:
+            return out
+        rows = near_tie_rows(out[0], marker_mask, margin)
+        if rows.numel() == 0:
+            return out
+        rows = rows.to(input_ids.device)
+        lo, ac = self.stock_forward(input_ids[rows], attention_mask[rows], marker_pos[rows], marker_mask[rows],
+                                    qtype[rows], detach_encoder)
+        # copies: the artifact's outputs may be views of a CUDA graph's static buffers
+        logits = out[0].to(torch.promote_types(out[0].dtype, lo.dtype), copy=True)
+        acts = out[1].to(torch.promote_types(out[1].dtype, ac.dtype), copy=True)
+        logits[rows] = lo.to(logits.dtype)
+        acts[rows] = ac.to(acts.dtype)
+        self._count(near_tie_calls=1, near_tie_rows=int(rows.numel()))
+        return logits, acts
+
+    def artifact_forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False,
+                         **extra):
+        """The artifact's own outputs for the batch, near-ties included (laya's eager forward where the
+        artifact cannot take the batch at all): what the loader's smoke check compares."""
+        return self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder, **extra)[0]
+
+    def _forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder, **extra):
+        """(outputs, whether the artifact computed them)."""
         if extra:  # position_ids / option_ids: the parallel option layout only the eager forward reads
             self._count(eager_calls=1, eager_parallel_layout=1)
             return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype,
-                                      detach_encoder, **extra)
+                                      detach_encoder, **extra), False
         n, t = input_ids.shape
         k = marker_pos.shape[1]
         why = self.ranges.out_of_range(t, k)
         if why:
             self._count(**{"eager_calls": 1, "eager_" + why.split(">")[0]: 1})
-            return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder)
+            return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder), False
         batch = pad_batch((input_ids, attention_mask, marker_pos, marker_mask, qtype), self.ranges, self.pad_id)
         dev = self.runner.device
         logits, acts = [], []
@@ -81,7 +125,7 @@ class AOTBackend(Backend):
         out_dev = input_ids.device
         logits_t = logits[0] if n_chunks == 1 else torch.cat(logits)
         acts_t = acts[0] if n_chunks == 1 else torch.cat(acts)
-        return logits_t.to(out_dev), acts_t.to(out_dev)
+        return (logits_t.to(out_dev), acts_t.to(out_dev)), True
 
     def __repr__(self) -> str:
         return "AOTBackend(%s, variant=%s, installed=%s)" % (self.artifact.name, self.variant, self.installed)

@@ -146,7 +146,7 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
             # this reference runs in the agent's own precision: it may itself be that far from fp32
             if art.verify.eager_in_dtype is not None:
                 bound += art.verify.eager_in_dtype.worst
-        got = backend.forward(*(x.to(dev) for x in batch))
+        got = backend.artifact_forward(*(x.to(dev) for x in batch))
     c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
                 batch, 0)
     backend.reset_stats()  # the smoke batch is not traffic
@@ -234,7 +234,8 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
-         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, **agent_kwargs: Any):
+         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool = True,
+         **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
@@ -242,7 +243,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (kinds.graphs),
     where the probe child captured one without trouble. `bundle_sha256` (or $LAYA_AOT_BUNDLE_SHA256) pins
     the bundle: the sha256 of its bundle.json, which lists every file's sha256 (`laya-aot inspect` prints
-    it); another bundle is refused like any unusable one. Other keyword arguments go to `laya.load`.
+    it); another bundle is refused like any unusable one. `near_ties` recomputes, with laya's eager forward,
+    the rows whose top two options are too close for the artifact's verified precision to decide (see
+    `tolerance.tie_margin`), so decisions are laya's own there. Other keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
@@ -271,7 +274,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
         try:
             if usable:
                 chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
-                                 cuda_graphs, pin)
+                                 cuda_graphs, pin, near_ties)
         except BundleError as e:
             rejected.append(("bundle", str(e)))
         except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
@@ -302,8 +305,8 @@ def _is_sha256(value: str) -> bool:
 
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
-            early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None
-            ) -> Optional[AOTBackend]:
+            early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None,
+            near_ties: bool = True) -> Optional[AOTBackend]:
     from ..probe import finish
     from ..probe import probe as run_probe
 
@@ -358,7 +361,7 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             t1 = time.perf_counter()
             runner = kind.load(artifact_path(bundle, art), art, env)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
-            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats))
+            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats), near_ties)
             if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
                 here = _verify_here(agent, runner, art, manifest, machine, stats)
                 why = None if here.passed else "verified on this machine and failed: %s" % here.reason
