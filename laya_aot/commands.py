@@ -160,6 +160,7 @@ def _inspect(a: argparse.Namespace) -> int:
                      "argmax_agreement": v.argmax_agreement if v else None,
                      "tolerance": v.tolerance if v else None, "rule": v.rule if v else None,
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
+                     "tie_margin": v.tie_margin() if v else None,
                      "here": _usable_here(Path(a.bundle), e, dev_type, machine, serving)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
@@ -169,7 +170,7 @@ def _inspect(a: argparse.Namespace) -> int:
     t = Table(title="%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
               % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
     for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
-                "allowed", "argmax", "on this machine"):
+                "allowed", "argmax", "near-tie margin", "on this machine"):
         t.add_column(col, overflow="fold")
     for r in rows:
         diff = ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
@@ -181,9 +182,12 @@ def _inspect(a: argparse.Namespace) -> int:
                                                   100 * eager["argmax_agreement"]) if eager else "-",
                   "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
                   "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
+                  "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
                   "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
     con = _console()
     con.print(t)
+    con.print("near-tie margin: a row whose top two option probabilities are closer than this is answered by "
+              "laya's eager forward (laya_aot.load(..., near_ties=False) turns it off)", soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
     return 0

@@ -20,7 +20,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
 from .padding import Ranges
-from .tolerance import Agreement, Tolerance
+from .tolerance import Agreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
 # 2: per-artifact `files` (path, sha256, size of every file: what unpack and fetch check) and `build_machine`
@@ -75,6 +75,14 @@ class VerifyResult:
     # the rule applied, in words, and (16-bit artifacts) laya's eager forward in the same dtype on the same cases
     rule: Optional[str] = None
     eager_in_dtype: Optional[Agreement] = None
+
+    def tie_margin(self) -> Optional[float]:
+        """`tolerance.tie_margin` from these figures: the top-two option gap below which the runtime leaves a
+        decision to laya's eager forward (None when the option figure is missing)."""
+        if self.max_abs_option_prob is None:
+            return None
+        return tie_margin(Agreement(self.max_abs_option_prob, self.max_abs_action_prob or 0.0,
+                                    self.argmax_agreement or 0.0), self.eager_in_dtype)
 
 
 @dataclass

@@ -37,6 +37,7 @@ ENV_BUNDLES = "LAYA_AOT_BUNDLES"
 ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
 ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
+ENV_NEAR_TIES = "LAYA_AOT_NEAR_TIES"
 HF_PREFIX = "hf://"
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -50,6 +51,7 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BUNDLES         JSON object: model name -> bundle directory, e.g. %s
   LAYA_AOT_STRICT          1: a bundle that cannot serve its checkpoint fails that load (at start: no start)
   LAYA_AOT_BUNDLE_SHA256S  JSON object: model name -> sha256 of the bundle's bundle.json (a pin)
+  LAYA_AOT_NEAR_TIES       0: near-ties are decided by the artifact too, not by laya's eager forward (default 1)
 
 Checkpoints without a bundle load exactly as in `laya serve`.""" % _EXAMPLE
 
@@ -76,6 +78,7 @@ class BundleSpec:
 class ServeConfig:
     bundles: Dict[str, BundleSpec] = field(default_factory=dict)
     strict: bool = False
+    near_ties: bool = True
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
@@ -136,7 +139,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
-    """Read and check LAYA_AOT_BUNDLES, LAYA_AOT_STRICT and LAYA_AOT_BUNDLE_SHA256S, before anything loads."""
+    """Read and check the LAYA_AOT_* settings (bundles, strict, pins, near-ties) before anything loads."""
     from laya.router import canonical_name
 
     from .manifest import MANIFEST
@@ -188,7 +191,8 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
         raise ServeConfigError("%s pins one bundle, and this server loads %d (%s); pin each with %s='{\"%s\": "
                                "\"<sha256>\", ...}' and unset %s" % (ENV_PIN, len(bundles), ", ".join(sorted(bundles)),
                                                                    ENV_PINS, sorted(bundles)[0], ENV_PIN))
-    return ServeConfig(bundles=bundles, strict=strict)
+    near_ties = _flag(env, ENV_NEAR_TIES) if env.get(ENV_NEAR_TIES, "").strip() else True
+    return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties)
 
 
 def _require_load_parameter(name: str, setting: str) -> None:
@@ -227,6 +231,7 @@ def describe(agent: Any) -> Dict[str, Any]:
     if art is not None:
         out["artifact"] = art.name
         out["variant"] = getattr(backend, "variant", None)
+        out["near_tie_margin"] = getattr(backend, "tie_margin", None)
     rejected = getattr(backend, "rejected", None)
     if rejected is not None and art is None:
         out["fallback"] = ["%s: %s" % (name, why) for name, why in rejected]
@@ -255,7 +260,8 @@ class BundleLoads:
             n = self.loads[key]
         t0 = time.perf_counter()
         try:
-            agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict, **kwargs)
+            agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict,
+                         near_ties=self.config.near_ties, **kwargs)
         except Exception as e:
             log.error("%r load #%d from bundle %s failed%s: %s", key, n, spec.bundle,
                       " (LAYA_AOT_STRICT=1)" if self.config.strict else "", e)

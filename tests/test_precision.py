@@ -197,5 +197,8 @@ def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
         assert r["rule"]
         if name.endswith("bf16"):
             assert r["eager_in_dtype"]["max_abs_option_prob"] >= 0 and r["tolerance"] >= 0.02
+            assert r["tie_margin"] == pytest.approx(2 * (r["max_abs_option_prob"]
+                                                         + r["eager_in_dtype"]["max_abs_option_prob"]))
         else:
             assert r["eager_in_dtype"] is None and r["tolerance"] == 1e-4
+            assert r["tie_margin"] == pytest.approx(2 * r["max_abs_option_prob"])

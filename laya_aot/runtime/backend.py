@@ -23,7 +23,6 @@ from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
 from ..padding import Ranges, chunks, near_tie_rows, pad_batch
-from ..tolerance import Agreement, tie_margin
 
 
 class AOTBackend(Backend):
@@ -49,11 +48,9 @@ class AOTBackend(Backend):
     @property
     def tie_margin(self) -> Optional[float]:
         """Rows whose top two option probabilities are closer than this go to laya's eager forward (None: off)."""
-        v = self.verify
-        if not self.near_ties or v is None or v.max_abs_option_prob is None:
+        if not self.near_ties or self.verify is None:
             return None
-        return tie_margin(Agreement(v.max_abs_option_prob, v.max_abs_action_prob or 0.0, v.argmax_agreement or 0.0),
-                          v.eager_in_dtype)
+        return self.verify.tie_margin()
 
     @property
     def stats(self) -> Dict[str, Any]:

@@ -381,6 +381,9 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         stats.update(getattr(runner, "stats", None) or {})
         backend.load_stats.update(stats)
         laya_api.install_backend(agent, backend)
-        log.info("laya-aot: %s runs %s (%s)", ckpt, art.name, art.variant)
+        margin = backend.tie_margin
+        log.info("laya-aot: %s runs %s (%s); %s", ckpt, art.name, art.variant,
+                 "near-ties off" if margin is None else
+                 "rows whose top two options are within %.3g go to laya's eager forward" % margin)
         return backend
     return None
