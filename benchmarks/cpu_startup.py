@@ -52,7 +52,7 @@ def child(mode: str, ckpt: str, bundle: str, latency: bool) -> None:
     res = agent.predict_batch([STATE], QUESTIONS)
     t_first = time.time()
     out = {"mode": mode, "backend": agent.backend, "t_import": t_import, "t_loaded": t_loaded,
-           "artifact": (getattr(agent.backend_object, "artifact", None) or {}).get("name"),
+           "artifact": getattr(getattr(agent.backend_object, "artifact", None), "name", None),
            "t_first": t_first, "answer": res[0]["answers"]["team"]["choice"],
            "load_stats": getattr(agent.backend_object, "load_stats", None)}
     if latency:
