@@ -44,13 +44,17 @@ class AOTBackend(Backend):
         self._counts: Counter = Counter()
         self._lock = threading.Lock()
         self.near_ties = near_ties
+        self._margin: Optional[Tuple[VerifyResult, Optional[float]]] = None
 
     @property
     def tie_margin(self) -> Optional[float]:
         """Rows whose top two option probabilities are closer than this go to laya's eager forward (None: off)."""
         if not self.near_ties or self.verify is None:
             return None
-        return self.verify.tie_margin()
+        cached = self._margin
+        if cached is None or cached[0] is not self.verify:  # the loader may replace verify (verified here)
+            cached = self._margin = (self.verify, self.verify.tie_margin())
+        return cached[1]
 
     @property
     def stats(self) -> Dict[str, Any]:
