@@ -4,9 +4,9 @@ CPython 3.11 keeps one AST-construction recursion counter per interpreter, share
 thread. When the garbage collector runs a finaliser in the middle of one thread's `ast.parse`,
 another thread can parse too, and the first one fails with `SystemError: AST constructor
 recursion depth mismatch`. TileLang's lowering parses macro sources (`_gemm_ssr` and others),
-so a thread pool of TileLang compiles hit this at random: a kernel failed to build about once in
-a few CI runs. Holding one lock around `ast.parse` for the duration of the pool removes the race;
-parsing is a small part of a kernel's compile time, and nvcc still runs in parallel.
+so a thread pool of TileLang compiles can hit this at random (a CI run lost a kernel to it once).
+Holding one lock around `ast.parse` for the duration of the pool removes the race; parsing is a
+small part of a kernel's compile time, and nvcc still runs in parallel.
 """
 from __future__ import annotations
 
