@@ -51,7 +51,9 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BUNDLES         JSON object: model name -> bundle directory, e.g. %s
   LAYA_AOT_STRICT          1: a bundle that cannot serve its checkpoint fails that load (at start: no start)
   LAYA_AOT_BUNDLE_SHA256S  JSON object: model name -> sha256 of the bundle's bundle.json (a pin)
-  LAYA_AOT_NEAR_TIES       0: near-ties are decided by the artifact too, not by laya's eager forward (default 1)
+  LAYA_AOT_NEAR_TIES       who decides near-ties: rows (default; laya's eager forward recomputes those rows),
+                           call (it recomputes the whole call: laya's own outputs for that batch), or
+                           0 (the artifact decides them too)
 
 Checkpoints without a bundle load exactly as in `laya serve`.""" % _EXAMPLE
 
@@ -78,7 +80,7 @@ class BundleSpec:
 class ServeConfig:
     bundles: Dict[str, BundleSpec] = field(default_factory=dict)
     strict: bool = False
-    near_ties: bool = True
+    near_ties: str = "rows"
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
@@ -138,6 +140,21 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ServeConfigError("invalid %s %r: use 1 (on) or 0 (off)" % (name, env.get(name)))
 
 
+def _near_ties(env: Mapping[str, str]) -> str:
+    """LAYA_AOT_NEAR_TIES as a mode of runtime/backend.NEAR_TIE_MODES (1/0 read as rows/off)."""
+    from .runtime.backend import NEAR_TIE_MODES
+
+    raw = env.get(ENV_NEAR_TIES, "").strip().lower()
+    if raw in NEAR_TIE_MODES:
+        return raw
+    if raw in _TRUE or not raw:
+        return "rows"
+    if raw in _FALSE:
+        return "off"
+    raise ServeConfigError("invalid %s %r: use rows (the default), call, or 0 (off)"
+                           % (ENV_NEAR_TIES, env.get(ENV_NEAR_TIES)))
+
+
 def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
     """Read and check the LAYA_AOT_* settings (bundles, strict, pins, near-ties) before anything loads."""
     from laya.router import canonical_name
@@ -191,7 +208,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
         raise ServeConfigError("%s pins one bundle, and this server loads %d (%s); pin each with %s='{\"%s\": "
                                "\"<sha256>\", ...}' and unset %s" % (ENV_PIN, len(bundles), ", ".join(sorted(bundles)),
                                                                    ENV_PINS, sorted(bundles)[0], ENV_PIN))
-    near_ties = _flag(env, ENV_NEAR_TIES) if env.get(ENV_NEAR_TIES, "").strip() else True
+    near_ties = _near_ties(env)
     return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties)
 
 
@@ -232,6 +249,7 @@ def describe(agent: Any) -> Dict[str, Any]:
         out["artifact"] = art.name
         out["variant"] = getattr(backend, "variant", None)
         out["near_tie_margin"] = getattr(backend, "tie_margin", None)
+        out["near_ties"] = getattr(backend, "near_ties", None)
     rejected = getattr(backend, "rejected", None)
     if rejected is not None and art is None:
         out["fallback"] = ["%s: %s" % (name, why) for name, why in rejected]

@@ -1,6 +1,7 @@
 """Padding and the backend's per-call routing, with a fake runner (no artifact needed)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from laya_aot.manifest import Artifact, Needs
@@ -147,3 +148,43 @@ def test_near_ties_off_leaves_every_row_to_the_artifact():
     assert be.tie_margin is None
     logits, _ = be.forward(*_batch(n=3, t=37, k=2))
     assert logits.argmax(-1).tolist() == [0, 0, 0] and not hasattr(model, "rows")
+
+
+def test_near_ties_call_mode_returns_laya_eagers_outputs_for_the_whole_batch():
+    be, model = _tie_backend(near_ties="call")
+    ids, att, mpos, mmask, qt = _batch(n=3, t=37, k=2)
+    ids[:, 0] = torch.tensor([10, 11, 12])
+    logits, act = be.forward(ids, att, mpos, mmask, qt)
+    ref_logits, ref_act = _TieModel()(ids, att, mpos, mmask, qt)
+    assert torch.equal(logits, ref_logits) and torch.equal(act, ref_act)   # every row, not only the near-tie
+    assert model.rows == [[10, 11, 12]]                                    # one eager call on the same batch
+    assert be.stats == {"artifact_calls": 1, "chunks": 1, "near_tie_calls": 1, "near_tie_rows": 1,
+                        "near_tie_whole_calls": 1}
+    # a call without a near-tie stays the artifact's
+    ids2, att2, mpos2, mmask2, qt2 = _batch(n=2, t=37, k=2)
+    be.near_ties = "call"
+    be.runner = _DecisiveRunner()
+    logits2, _ = be.forward(ids2, att2, mpos2, mmask2, qt2)
+    assert logits2.argmax(-1).tolist() == [0, 0] and model.rows == [[10, 11, 12]]
+
+
+class _DecisiveRunner(_Runner):
+    def __call__(self, ids, att, mpos, mmask, qt):
+        lo = torch.full(mpos.shape, -1e4)
+        lo[:, 0], lo[:, 1] = 4.0, 0.0
+        return lo, torch.ones(ids.shape[0], 3)
+
+
+def test_near_tie_modes_are_checked_where_they_are_given():
+    from laya_aot.runtime.backend import near_tie_mode
+    from laya_aot.runtime.loader import load
+
+    assert [near_tie_mode(v) for v in (True, False, "rows", "call", "off")] == ["rows", "off", "rows", "call", "off"]
+    with pytest.raises(ValueError, match="near_ties='exact' is not a near-tie mode; use 'rows', 'call', 'off'"):
+        near_tie_mode("exact")
+    with pytest.raises(ValueError, match="near_ties=1 is not a near-tie mode"):
+        load("/nonexistent", bundle=None, near_ties=1)   # the caller's mistake: raised before anything loads
+    be, _ = _tie_backend()
+    with pytest.raises(ValueError, match="not a near-tie mode"):
+        be.near_ties = "sometimes"
+    assert be.near_ties == "rows"

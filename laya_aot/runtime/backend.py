@@ -8,8 +8,12 @@ markers than were exported) through laya's eager forward, counting each such cal
 
 Near-ties go to laya too: a row whose top two options are closer than `tolerance.tie_margin` (where the
 artifact and laya's eager forward in the same dtype may round to different choices) is recomputed by
-laya's eager forward, so every decision either provably matches laya's or is laya's own. Only those
-rows are recomputed; `stats` counts them (`near_tie_rows`). `near_ties=False` turns it off.
+laya's eager forward, so every decision either provably matches laya's or is laya's own. `near_ties`:
+"rows" (the default) recomputes only those rows, in a batch of their own; "call" recomputes the whole
+call, so the outputs are bitwise laya's for that same batch (16-bit GPU kernels round a row differently
+when the batch around it changes, so a row recomputed alone can still land on the other side of a true
+tie; benchmarks/eager_batch_noise.py measures it); "off" leaves every row to the artifact. `stats`
+counts the rows (`near_tie_rows`) and the calls recomputed whole (`near_tie_whole_calls`).
 """
 from __future__ import annotations
 
@@ -24,13 +28,25 @@ from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
 from ..padding import Ranges, chunks, near_tie_rows, pad_batch
 
+NEAR_TIE_MODES = ("rows", "call", "off")
+
+
+def near_tie_mode(value: Any) -> str:
+    """One of NEAR_TIE_MODES; True/False are "rows"/"off" (the switch's first form)."""
+    if value is True or value is False:
+        return "rows" if value else "off"
+    if isinstance(value, str) and value in NEAR_TIE_MODES:
+        return value
+    raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
+                     % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
+
 
 class AOTBackend(Backend):
     """An artifact from a laya-aot bundle installed as the agent's forward."""
 
     def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
                  rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None,
-                 near_ties: bool = True):
+                 near_ties: Any = "rows"):
         super().__init__(agent)
         self.name = "aot:%s" % art.kind
         self.runner = runner
@@ -43,13 +59,22 @@ class AOTBackend(Backend):
         self.load_stats = dict(load_stats or {})
         self._counts: Counter = Counter()
         self._lock = threading.Lock()
-        self.near_ties = near_ties
+        self._near_ties = near_tie_mode(near_ties)
         self._margin: Optional[Tuple[VerifyResult, Optional[float]]] = None
+
+    @property
+    def near_ties(self) -> str:
+        """Who decides near-ties: "rows", "call" or "off" (see the module's docstring)."""
+        return self._near_ties
+
+    @near_ties.setter
+    def near_ties(self, value: Any) -> None:
+        self._near_ties = near_tie_mode(value)
 
     @property
     def tie_margin(self) -> Optional[float]:
         """Rows whose top two option probabilities are closer than this go to laya's eager forward (None: off)."""
-        if not self.near_ties or self.verify is None:
+        if self._near_ties == "off" or self.verify is None:
             return None
         cached = self._margin
         if cached is None or cached[0] is not self.verify:  # the loader may replace verify (verified here)
@@ -84,6 +109,9 @@ class AOTBackend(Backend):
         rows = near_tie_rows(out[0], marker_mask, margin)
         if rows.numel() == 0:
             return out
+        if self._near_ties == "call":  # laya's own outputs for the whole batch, as laya would have run it
+            self._count(near_tie_calls=1, near_tie_rows=int(rows.numel()), near_tie_whole_calls=1)
+            return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder)
         rows = rows.to(input_ids.device)
         lo, ac = self.stock_forward(input_ids[rows], attention_mask[rows], marker_pos[rows], marker_mask[rows],
                                     qtype[rows], detach_encoder)

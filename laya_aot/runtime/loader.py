@@ -36,7 +36,7 @@ from ..distribution.fetch import resolve_for_load
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
 from ..tolerance import Agreement, rule_for
 from ..variant import current_machine
-from .backend import AOTBackend, EagerFallback
+from .backend import AOTBackend, EagerFallback, near_tie_mode
 from .select import rank, reject_reason
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
-         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool = True,
+         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool | str = "rows",
          **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
@@ -245,7 +245,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     the bundle: the sha256 of its bundle.json, which lists every file's sha256 (`laya-aot inspect` prints
     it); another bundle is refused like any unusable one. `near_ties` recomputes, with laya's eager forward,
     the rows whose top two options are too close for the artifact's verified precision to decide (see
-    `tolerance.tie_margin`), so decisions are laya's own there. Other keyword arguments go to `laya.load`.
+    `tolerance.tie_margin`), so decisions are laya's own there: "rows" recomputes those rows, "call" the whole
+    call (bitwise laya's outputs for that batch), "off" (or False) neither (runtime/backend.py). Other
+    keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
@@ -255,6 +257,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     t0 = time.perf_counter()
     if prefer is not None and prefer not in kinds.RUNTIME_ORDER:  # the caller's mistake, not the bundle's
         raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
+    near_ties = near_tie_mode(near_ties)
     ckpt = ckpt_mod.locate(str(checkpoint))
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, not_fetched = resolve_for_load(bundle, device, ckpt)  # hf://, a pack, a dir of packs -> a local dir
@@ -306,7 +309,7 @@ def _is_sha256(value: str) -> bool:
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
             early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None,
-            near_ties: bool = True) -> Optional[AOTBackend]:
+            near_ties: str = "rows") -> Optional[AOTBackend]:
     from ..probe import finish
     from ..probe import probe as run_probe
 
