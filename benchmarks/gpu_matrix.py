@@ -11,9 +11,12 @@ nvcc off PATH) with `prefer=KIND, strict=True`, and in the same process laya's e
 in the same dtype). It records: the dtype laya serves in, the artifact's verify figures and laya eager-in-
 dtype's from the manifest, compile attempts (TileLang/nvcc entry points) and Inductor compiles (Dynamo
 graphs, FX-graph misses) after loading, and, over 60 typed questions x 3 states, how many decisions equal
-laya eager's and the largest probability difference. The near-tie guard (runtime/backend.py) is on, as
-`load` leaves it; the same agent then answers again with it off, for the artifact's own decisions, and both
-are timed (predict_batch of the 3 states x 60 questions, median of 5, twice each). Writes
+laya eager's and the largest probability difference; for each differing decision, laya eager's decision
+for that question asked on its own (laya's 16-bit GPU arithmetic changes with the batch). The near-tie
+guard (runtime/backend.py) is on as `load` leaves it ("rows"); the same agent then answers with
+near_ties="call" (whole calls recomputed: laya's outputs for the same batch) and "off" (the artifact's own
+decisions), and each mode and laya eager are timed (predict_batch of the 3 states x 60 questions, median
+of 5, twice each). Writes
 gpu_matrix.json/.md and the build logs to --out.
 """
 from __future__ import annotations
@@ -93,7 +96,7 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
         same = total = art_eq_fp32 = eager_eq_fp32 = 0
         worst = 0.0
         differing = []
-        for g, r, f in zip(got, ref, ref32):
+        for i, (g, r, f) in enumerate(zip(got, ref, ref32)):
             for qid in r["answers"]:
                 a, b, c = g["answers"][qid], r["answers"][qid], f["answers"][qid]
                 total += 1
@@ -104,19 +107,26 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                     differing.append({"question": qid, "type": b["type"], "eager_margin": round(_margin(b), 5),
                                       "fp32_margin": round(_margin(c), 5),
                                       "artifact_equals_fp32": _decision(a) == _decision(c),
-                                      "eager_equals_fp32": _decision(b) == _decision(c)})
+                                      "eager_equals_fp32": _decision(b) == _decision(c),
+                                      # laya eager asked this question on its own: does laya agree with itself?
+                                      "eager_alone_equals_artifact": _decision(
+                                          eager.predict_batch([states[i]], {qid: qs[qid]})[0]["answers"][qid])
+                                      == _decision(a)})
                 pa, pb = _probs(a), _probs(b)
                 worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
         bo = agent.backend_object
         stats_on = {k: val for k, val in bo.stats.items() if k != "cuda_graphs"}
-        # the same agent with the near-tie guard off: what the artifact decides on its own, and what the guard costs
-        bo.near_ties = False
-        got_off = agent.predict_batch(states, qs)
-        same_off = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
-                       for g, r in zip(got_off, ref) for q in r["answers"])
+        # the same agent with near-ties recomputed as whole calls (laya's own outputs for the batch), and with the
+        # guard off (what the artifact decides on its own); then what each costs
+        same_mode = {}
+        for mode in ("call", "off"):
+            bo.near_ties = mode
+            got_mode = agent.predict_batch(states, qs)
+            same_mode[mode] = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
+                                  for g, r in zip(got_mode, ref) for q in r["answers"])
         predict_ms = {}
-        for flag in (True, False, True, False):
-            bo.near_ties = flag
+        for mode in ("rows", "call", "off") * 2:
+            bo.near_ties = mode
             times = []
             for _ in range(5):
                 torch.cuda.synchronize()
@@ -124,9 +134,35 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                 agent.predict_batch(states, qs)
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t1) * 1e3)
-            key = "near_ties_on" if flag else "near_ties_off"
-            predict_ms.setdefault(key, []).append(round(float(np.median(times)), 2))
-        bo.near_ties = True
+            predict_ms.setdefault("near_ties_" + mode, []).append(round(float(np.median(times)), 2))
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            eager.predict_batch(states, qs)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t1) * 1e3)
+        predict_ms["laya_eager"] = [round(float(np.median(times)), 2)]
+        # single-question calls, as a service gets them: every (state, question) pair once per mode, in order;
+        # the mean includes the calls whose near-tie laya recomputed
+        pairs = [(s_, q) for s_ in states for q in qs]
+        single = {}
+        for mode in ("eager", "rows", "call", "off"):
+            who = eager if mode == "eager" else agent
+            if mode != "eager":
+                bo.near_ties = mode
+                bo.reset_stats()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            dec = [_decision(who.predict_batch([s_], {q: qs[q]})[0]["answers"][q]) for s_, q in pairs]
+            torch.cuda.synchronize()
+            single[mode] = {"mean_ms": round((time.perf_counter() - t1) * 1e3 / len(pairs), 3), "decisions": dec,
+                            "near_tie_calls": bo.stats.get("near_tie_calls", 0) if mode != "eager" else None}
+        single_calls = {m: {"mean_ms": x["mean_ms"], "near_tie_calls": x["near_tie_calls"],
+                            "decisions_equal_eager": sum(a_ == b_ for a_, b_ in zip(x["decisions"],
+                                                                                  single["eager"]["decisions"]))}
+                        for m, x in single.items()}
+        bo.near_ties = "rows"
         art = bo.artifact
         v = art.verify
         res = {"kind": kind, "backend": agent.backend, "artifact": art.name, "artifact_dtype": art.dtype,
@@ -140,7 +176,9 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                           "eager_in_dtype": v.eager_in_dtype.__dict__ if v.eager_in_dtype else None,
                           "status": art.status},
                "tie_margin": bo.tie_margin, "stats_first_two_calls": stats_on,
-               "decisions_equal_without_near_tie_guard": same_off,
+               "decisions_equal_without_near_tie_guard": same_mode["off"],
+               "decisions_equal_near_ties_whole_call": same_mode["call"],
+               "single_question_calls": single_calls,
                "predict_batch_ms_3_states_x_60_questions": predict_ms,
                "cuda_graphs": bo.stats.get("cuda_graphs"), "load_stats": bo.load_stats}
         print(MARK + json.dumps(res, default=str), flush=True)
@@ -166,6 +204,8 @@ def main() -> int:
     p.add_argument("--names", default=",".join(DEFAULT))
     p.add_argument("--kernel-cache", default=None, help="a TileLang kernel cache cross-compiled elsewhere")
     p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--serve-parallel", type=int, default=None, help="serving processes at once (default: --parallel;"
+                   " 1 for timings without other processes on the GPU)")
     p.add_argument("--max-rows", type=int, default=16, help="export.max_rows (fewer TileLang row buckets)")
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--child", nargs=3, metavar=("CKPT", "BUNDLE", "KIND"))
@@ -241,7 +281,7 @@ def main() -> int:
 
     save()
     todo = [(n, k) for n in names if report["checkpoints"][n]["build_rc"] == 0 for k in KINDS]
-    with ThreadPoolExecutor(a.parallel) as pool:
+    with ThreadPoolExecutor(a.serve_parallel or a.parallel) as pool:
         for n, kind, res in pool.map(serve, todo):
             report["checkpoints"][n]["serving"][kind] = res
             save()
@@ -257,8 +297,8 @@ def markdown(r: dict) -> str:
              "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
              "laya eager-in-dtype dp opt/act | decisions = eager | = fp32: artifact / eager | "
              "eager margin where differ | max prob diff | tie margin | near-tie rows (2 calls) | "
-             "decisions = eager, guard off | predict_batch ms guard on / off | TileLang/nvcc | Dynamo graphs / "
-             "FX misses | graph replays |",
+             "decisions = eager: whole call / guard off | predict_batch ms: rows / call / off / laya eager | "
+             "TileLang/nvcc | Dynamo graphs / FX misses | graph replays |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in r["checkpoints"].items():
         for kind, s in c["serving"].items():
@@ -275,14 +315,31 @@ def markdown(r: dict) -> str:
                 "%.3g / %.3g" % (e["max_abs_option_prob"], e["max_abs_action_prob"]) if e else "-",
                 s["decisions_equal"], s["decisions"], s["decisions_equal_fp32"]["artifact"],
                 s["decisions_equal_fp32"]["eager_in_dtype"],
-                ", ".join("%.3g" % d["eager_margin"] for d in s["differing_decisions"]) or "-",
+                ", ".join("%.3g%s" % (d["eager_margin"], " (laya alone: %s)" % (
+                    "same as artifact" if d["eager_alone_equals_artifact"] else "same as laya")
+                    if "eager_alone_equals_artifact" in d else "") for d in s["differing_decisions"]) or "-",
                 s["max_prob_diff_vs_eager"], "%.3g" % s["tie_margin"] if s.get("tie_margin") is not None else "-",
                 "%d of %d" % (st.get("near_tie_rows", 0), 2 * s["decisions"]) if st else "-",
-                "%d/%d" % (s["decisions_equal_without_near_tie_guard"], s["decisions"])
-                if "decisions_equal_without_near_tie_guard" in s else "-",
-                " / ".join("%.1f" % min(ms.get(k, [float("nan")])) for k in ("near_ties_on", "near_ties_off")) if ms
-                else "-", comp["tilelang_nvcc_attempts"],
+                "%s / %s" % tuple("%d/%d" % (s[k], s["decisions"]) if k in s else "-" for k in (
+                    "decisions_equal_near_ties_whole_call", "decisions_equal_without_near_tie_guard")),
+                " / ".join("%.1f" % min(ms[k]) if k in ms else "-" for k in (
+                    "near_ties_rows", "near_ties_call", "near_ties_off", "laya_eager")) if ms else "-",
+                comp["tilelang_nvcc_attempts"],
                 comp["dynamo_graphs"], comp["fxgraph_cache_miss"], g.get("replays", "-")))
+    lines += ["", "Single-question calls (each of the 180 (state, question) pairs once, in order): mean ms per call, "
+              "calls with a near-tie, decisions equal to laya eager asked the same single question", "",
+              "| checkpoint | kind | laya eager ms | rows: ms, near-tie calls, = eager | call: same "
+              "| off: ms, = eager |",
+              "|---|---|---|---|---|---|"]
+    for n, c in r["checkpoints"].items():
+        for kind, s in c["serving"].items():
+            sq = s.get("single_question_calls")
+            if not sq:
+                continue
+            lines.append("| %s | %s | %.2f | %.2f, %d, %d/180 | %.2f, %d, %d/180 | %.2f, %d/180 |" % (
+                n, kind, sq["eager"]["mean_ms"], sq["rows"]["mean_ms"], sq["rows"]["near_tie_calls"],
+                sq["rows"]["decisions_equal_eager"], sq["call"]["mean_ms"], sq["call"]["near_tie_calls"],
+                sq["call"]["decisions_equal_eager"], sq["off"]["mean_ms"], sq["off"]["decisions_equal_eager"]))
     lines += ["", "Builds: " + ", ".join("%s %s in %.0f s" % (n, "ok" if c["build_rc"] == 0 else "FAILED", c["build_s"])
                                        for n, c in r["checkpoints"].items()), "Wall: %.0f s" % r["wall_s"]]
     return "\n".join(lines) + "\n"
