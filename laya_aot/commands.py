@@ -187,8 +187,8 @@ def _inspect(a: argparse.Namespace) -> int:
     con = _console()
     con.print(t)
     con.print("near-tie margin: a row whose top two option probabilities are closer than this is answered by "
-              "laya's eager forward (laya_aot.load(..., near_ties=\"call\") recomputes the whole call, "
-              "near_ties=\"off\" neither)", soft_wrap=True)
+              "laya's eager forward: the whole call by default, near_ties=\"rows\" only those rows, "
+              "near_ties=\"off\" neither", soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
     return 0

@@ -116,7 +116,7 @@ class _FlippedRunner(_Runner):
         return lo, torch.ones(ids.shape[0], 3)
 
 
-def _tie_backend(near_ties=True):
+def _tie_backend(near_ties="rows"):
     from laya_aot.manifest import VerifyResult
     from laya_aot.tolerance import Agreement
 
@@ -179,8 +179,8 @@ def test_near_tie_modes_are_checked_where_they_are_given():
     from laya_aot.runtime.backend import near_tie_mode
     from laya_aot.runtime.loader import load
 
-    assert [near_tie_mode(v) for v in (True, False, "rows", "call", "off")] == ["rows", "off", "rows", "call", "off"]
-    with pytest.raises(ValueError, match="near_ties='exact' is not a near-tie mode; use 'rows', 'call', 'off'"):
+    assert [near_tie_mode(v) for v in (True, False, "rows", "call", "off")] == ["call", "off", "rows", "call", "off"]
+    with pytest.raises(ValueError, match="near_ties='exact' is not a near-tie mode; use 'call', 'rows', 'off'"):
         near_tie_mode("exact")
     with pytest.raises(ValueError, match="near_ties=1 is not a near-tie mode"):
         load("/nonexistent", bundle=None, near_ties=1)   # the caller's mistake: raised before anything loads
@@ -188,3 +188,4 @@ def test_near_tie_modes_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="not a near-tie mode"):
         be.near_ties = "sometimes"
     assert be.near_ties == "rows"
+    assert AOTBackend(be.agent, _FlippedRunner(), be.artifact, pad_id=0).near_ties == "call"   # the default

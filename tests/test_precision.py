@@ -158,10 +158,12 @@ def test_the_loader_serves_only_the_agents_dtype(demo_ckpt, bf16_bundle, monkeyp
     assert agent.backend_object.load_stats["serving_dtype"] == "bf16"
 
 
-def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, monkeypatch):
+@pytest.mark.parametrize("mode", ["call", "rows"])
+def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, monkeypatch, mode):
     """A bf16 artifact and laya's eager bf16 forward round differently, so near-ties can fall either way;
-    the backend hands the rows inside the tie margin to laya's eager forward, and every decision is laya's.
-    The margin comes from the verify figures, so only a share of the rows is recomputed."""
+    the backend hands the calls (or only the rows) with a row inside the tie margin to laya's eager forward,
+    and every decision is laya's. The margin comes from the verify figures, so only a share of the rows is
+    near a tie; "call" answers those calls exactly as laya does, probabilities included."""
     import laya
     import numpy as np
     from questions import _answer_key, question_suite, state_text
@@ -173,7 +175,7 @@ def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, mo
     states = [state_text(rng, n) for n in (4, 30, 120, 200, 60, 10)]
     qs = question_suite()
     ref = laya.load(str(demo_ckpt), device="cpu").predict_batch(states, qs)
-    agent = laya_aot.load(str(demo_ckpt), bundle=str(bf16_bundle), device="cpu", strict=True)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bf16_bundle), device="cpu", strict=True, near_ties=mode)
     assert agent.backend == "aot:aoti"
     got = agent.predict_batch(states, qs)
     keys = [(g["answers"][q], r["answers"][q]) for g, r in zip(got, ref) for q in r["answers"]]
@@ -181,6 +183,11 @@ def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, mo
     assert all(_answer_key(a) == _answer_key(b) for a, b in keys)
     stats = agent.backend_object.stats
     assert stats["artifact_calls"] >= 1 and 0 < stats["near_tie_rows"] < len(keys) / 2, stats
+    if mode == "call":   # one forward for the batch, with near-ties in it: laya's own answers, every figure
+        assert stats["near_tie_whole_calls"] == stats["artifact_calls"] == 1, stats
+        assert got == ref
+    else:
+        assert "near_tie_whole_calls" not in stats
 
 
 def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):

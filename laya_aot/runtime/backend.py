@@ -9,10 +9,11 @@ markers than were exported) through laya's eager forward, counting each such cal
 Near-ties go to laya too: a row whose top two options are closer than `tolerance.tie_margin` (where the
 artifact and laya's eager forward in the same dtype may round to different choices) is recomputed by
 laya's eager forward, so every decision either provably matches laya's or is laya's own. `near_ties`:
-"rows" (the default) recomputes only those rows, in a batch of their own; "call" recomputes the whole
-call, so the outputs are bitwise laya's for that same batch (16-bit GPU kernels round a row differently
-when the batch around it changes, so a row recomputed alone can still land on the other side of a true
-tie; benchmarks/eager_batch_noise.py measures it); "off" leaves every row to the artifact. `stats`
+"call" (the default) recomputes the whole call, so the outputs are bitwise laya's for the batch laya
+would have run; "rows" recomputes only those rows, in a batch of their own, which is cheaper for wide
+CPU batches but is laya's arithmetic on another batch: 16-bit GPU kernels round a row differently when
+the batch around it changes, so a true tie can land the other way (benchmarks/eager_batch_noise.py
+measures it); "off" leaves every row to the artifact. `stats`
 counts the rows (`near_tie_rows`) and the calls recomputed whole (`near_tie_whole_calls`).
 """
 from __future__ import annotations
@@ -28,13 +29,13 @@ from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
 from ..padding import Ranges, chunks, near_tie_rows, pad_batch
 
-NEAR_TIE_MODES = ("rows", "call", "off")
+NEAR_TIE_MODES = ("call", "rows", "off")
 
 
 def near_tie_mode(value: Any) -> str:
-    """One of NEAR_TIE_MODES; True/False are "rows"/"off" (the switch's first form)."""
+    """One of NEAR_TIE_MODES; True/False are "call"/"off" (the switch's first form: on or off)."""
     if value is True or value is False:
-        return "rows" if value else "off"
+        return "call" if value else "off"
     if isinstance(value, str) and value in NEAR_TIE_MODES:
         return value
     raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
@@ -46,7 +47,7 @@ class AOTBackend(Backend):
 
     def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
                  rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None,
-                 near_ties: Any = "rows"):
+                 near_ties: Any = "call"):
         super().__init__(agent)
         self.name = "aot:%s" % art.kind
         self.runner = runner
@@ -64,7 +65,7 @@ class AOTBackend(Backend):
 
     @property
     def near_ties(self) -> str:
-        """Who decides near-ties: "rows", "call" or "off" (see the module's docstring)."""
+        """Who decides near-ties: "call", "rows" or "off" (see the module's docstring)."""
         return self._near_ties
 
     @near_ties.setter

@@ -234,7 +234,7 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
-         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool | str = "rows",
+         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool | str = "call",
          **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
@@ -245,8 +245,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     the bundle: the sha256 of its bundle.json, which lists every file's sha256 (`laya-aot inspect` prints
     it); another bundle is refused like any unusable one. `near_ties` recomputes, with laya's eager forward,
     the rows whose top two options are too close for the artifact's verified precision to decide (see
-    `tolerance.tie_margin`), so decisions are laya's own there: "rows" recomputes those rows, "call" the whole
-    call (bitwise laya's outputs for that batch), "off" (or False) neither (runtime/backend.py). Other
+    `tolerance.tie_margin`), so decisions are laya's own there: "call" (the default) recomputes the whole call
+    (bitwise laya's outputs for that batch), "rows" only those rows, "off" (or False) neither
+    (runtime/backend.py). Other
     keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
@@ -309,7 +310,7 @@ def _is_sha256(value: str) -> bool:
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
             early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None,
-            near_ties: str = "rows") -> Optional[AOTBackend]:
+            near_ties: str = "call") -> Optional[AOTBackend]:
     from ..probe import finish
     from ..probe import probe as run_probe
 
