@@ -26,15 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT = ("hd32-absent-decisive", "hd16-1head-ctx128", "hd16-16heads-fp16", "hd16-8heads-fp16-ctx384")
-
-
-def _decision(a):
-    if a["type"] == "choice":
-        return a["choice"]
-    if a["type"] == "score":
-        return max(a["probabilities"], key=a["probabilities"].get)
-    return a["noul"] > 0.5
+from gpu_matrix import DEFAULT, _decision  # the same checkpoints and the same reading of a decision
 
 
 def measure(name: str, work: Path, guard_margin: float, device: str = "cuda") -> dict:

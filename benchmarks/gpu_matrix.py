@@ -124,25 +124,21 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
             got_mode = agent.predict_batch(states, qs)
             same_mode[mode] = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
                                   for g, r in zip(got_mode, ref) for q in r["answers"])
-        predict_ms = {}
-        for mode in ("rows", "call", "off") * 2:
-            bo.near_ties = mode
+        def median_ms(who) -> float:
             times = []
             for _ in range(5):
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
-                agent.predict_batch(states, qs)
+                who.predict_batch(states, qs)
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t1) * 1e3)
-            predict_ms.setdefault("near_ties_" + mode, []).append(round(float(np.median(times)), 2))
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            eager.predict_batch(states, qs)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t1) * 1e3)
-        predict_ms["laya_eager"] = [round(float(np.median(times)), 2)]
+            return round(float(np.median(times)), 2)
+
+        predict_ms = {}
+        for mode in ("rows", "call", "off") * 2:
+            bo.near_ties = mode
+            predict_ms.setdefault("near_ties_" + mode, []).append(median_ms(agent))
+        predict_ms["laya_eager"] = [median_ms(eager)]
         # single-question calls, as a service gets them: every (state, question) pair once per mode, in order,
         # after an untimed pass of every mode; the mean includes the calls whose near-tie laya recomputed
         pairs = [(s_, q) for s_ in states for q in qs]
