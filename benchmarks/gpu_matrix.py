@@ -13,11 +13,11 @@ dtype's from the manifest, compile attempts (TileLang/nvcc entry points) and Ind
 graphs, FX-graph misses) after loading, and, over 60 typed questions x 3 states, how many decisions equal
 laya eager's and the largest probability difference; for each differing decision, laya eager's decision
 for that question asked on its own (laya's 16-bit GPU arithmetic changes with the batch). The near-tie
-guard (runtime/backend.py) is on as `load` leaves it ("rows"); the same agent then answers with
-near_ties="call" (whole calls recomputed: laya's outputs for the same batch) and "off" (the artifact's own
-decisions), and each mode and laya eager are timed (predict_batch of the 3 states x 60 questions, median
-of 5, twice each). Writes
-gpu_matrix.json/.md and the build logs to --out.
+guard (runtime/backend.py) is on as `load` leaves it ("call": whole calls with a near-tie recomputed, laya's
+outputs for the same batch); the same agent then answers with near_ties="rows" (only those rows) and "off"
+(the artifact's own decisions), and each mode and laya eager are timed (predict_batch of the 3 states x 60
+questions, median of 5, twice each), as are single-question calls. Writes gpu_matrix.json/.md and the
+build logs to --out.
 """
 from __future__ import annotations
 
@@ -116,10 +116,13 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                 worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
         bo = agent.backend_object
         stats_on = {k: val for k, val in bo.stats.items() if k != "cuda_graphs"}
-        # the same agent with near-ties recomputed as whole calls (laya's own outputs for the batch), and with the
-        # guard off (what the artifact decides on its own); then what each costs
-        same_mode = {}
-        for mode in ("call", "off"):
+        # the same agent in the other near-tie modes: whole calls recomputed (laya's own outputs for the batch),
+        # only the near-tie rows, or the guard off (what the artifact decides on its own); then what each costs
+        first_mode = bo.near_ties  # what `load` leaves, which answered above
+        same_mode = {first_mode: same}
+        for mode in ("call", "rows", "off"):
+            if mode == first_mode:
+                continue
             bo.near_ties = mode
             got_mode = agent.predict_batch(states, qs)
             same_mode[mode] = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
@@ -158,7 +161,7 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                             "decisions_equal_eager": sum(a_ == b_ for a_, b_ in zip(x["decisions"],
                                                                                   single["eager"]["decisions"]))}
                         for m, x in single.items()}
-        bo.near_ties = "rows"
+        bo.near_ties = first_mode
         art = bo.artifact
         v = art.verify
         res = {"kind": kind, "backend": agent.backend, "artifact": art.name, "artifact_dtype": art.dtype,
@@ -172,8 +175,7 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                           "eager_in_dtype": v.eager_in_dtype.__dict__ if v.eager_in_dtype else None,
                           "status": art.status},
                "tie_margin": bo.tie_margin, "stats_first_two_calls": stats_on,
-               "decisions_equal_without_near_tie_guard": same_mode["off"],
-               "decisions_equal_near_ties_whole_call": same_mode["call"],
+               "near_ties_mode": first_mode, "decisions_equal_by_near_tie_mode": same_mode,
                "single_question_calls": single_calls,
                "predict_batch_ms_3_states_x_60_questions": predict_ms,
                "cuda_graphs": bo.stats.get("cuda_graphs"), "load_stats": bo.load_stats}
@@ -291,9 +293,9 @@ def main() -> int:
 def markdown(r: dict) -> str:
     lines = ["Command: `%s`" % r["command"], "",
              "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
-             "laya eager-in-dtype dp opt/act | decisions = eager | = fp32: artifact / eager | "
+             "laya eager-in-dtype dp opt/act | decisions = eager (as loaded) | = fp32: artifact / eager | "
              "eager margin where differ | max prob diff | tie margin | near-tie rows (2 calls) | "
-             "decisions = eager: whole call / guard off | predict_batch ms: rows / call / off / laya eager | "
+             "decisions = eager: call / rows / off | predict_batch ms: rows / call / off / laya eager | "
              "TileLang/nvcc | Dynamo graphs / FX misses | graph replays |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in r["checkpoints"].items():
@@ -304,6 +306,7 @@ def markdown(r: dict) -> str:
             v, e, comp = s["verify"], s["verify"]["eager_in_dtype"] or {}, s["compiles_after_load"]
             g = s.get("cuda_graphs") or {}
             st, ms = s.get("stats_first_two_calls", {}), s.get("predict_batch_ms_3_states_x_60_questions", {})
+            by_mode = s.get("decisions_equal_by_near_tie_mode", {})
             lines.append(("| %s | %s | %s | %s | %s | %.3g / %.3g (%.3g) | %s | %d/%d | %s / %s | %s | %.3g | %s | %s "
                           "| %s | %s | %d | %d / %d | %s |") % (
                 n, c["amp_dtype"], kind, s["agent_serves"], s["artifact_dtype"], v["max_abs_option_prob"],
@@ -316,8 +319,8 @@ def markdown(r: dict) -> str:
                     if "eager_alone_equals_artifact" in d else "") for d in s["differing_decisions"]) or "-",
                 s["max_prob_diff_vs_eager"], "%.3g" % s["tie_margin"] if s.get("tie_margin") is not None else "-",
                 "%d of %d" % (st.get("near_tie_rows", 0), 2 * s["decisions"]) if st else "-",
-                "%s / %s" % tuple("%d/%d" % (s[k], s["decisions"]) if k in s else "-" for k in (
-                    "decisions_equal_near_ties_whole_call", "decisions_equal_without_near_tie_guard")),
+                " / ".join("%d/%d" % (by_mode[m], s["decisions"]) if m in by_mode else "-"
+                           for m in ("call", "rows", "off")),
                 " / ".join("%.1f" % min(ms[k]) if k in ms else "-" for k in (
                     "near_ties_rows", "near_ties_call", "near_ties_off", "laya_eager")) if ms else "-",
                 comp["tilelang_nvcc_attempts"],
