@@ -21,16 +21,17 @@ HERE = Path(__file__).resolve().parent
 class Worker:
     """`worker.py` in a child process; restarted after it dies, counting each death."""
 
-    def __init__(self, checkpoint: Path, env: Dict[str, str]):
-        self.checkpoint, self.env = checkpoint, env
+    def __init__(self, checkpoint: Path, env: Dict[str, str], stderr_path: Path):
+        self.checkpoint, self.env, self.stderr_path = checkpoint, env, stderr_path
         self.deaths: list = []
         self.proc: Optional[subprocess.Popen] = None
         self._start()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(self.checkpoint)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=self.env)
+        with open(self.stderr_path, "wb") as err:  # a fresh log per worker: what a death leaves is its own
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(self.checkpoint)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         text=True, env=self.env)
         ready = self.proc.stdout.readline()
         assert json.loads(ready)["ready"], ready
 
@@ -45,7 +46,8 @@ class Worker:
         if line:
             return json.loads(line)
         rc = self.proc.wait()
-        self.deaths.append({"returncode": rc, "manifest": manifest_text})
+        tail = self.stderr_path.read_bytes()[-3000:].decode(errors="replace")
+        self.deaths.append({"returncode": rc, "manifest": manifest_text, "stderr_tail": tail})
         self._start()
         return None
 
@@ -58,7 +60,7 @@ class Worker:
 @pytest.fixture(scope="module")
 def worker(demo_ckpt, tmp_path_factory):
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path_factory.mktemp("worker-cache")))
-    w = Worker(demo_ckpt, env)
+    w = Worker(demo_ckpt, env, tmp_path_factory.mktemp("worker-log") / "stderr.txt")
     yield w
     w.close()
 

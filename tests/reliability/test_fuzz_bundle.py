@@ -51,6 +51,16 @@ def _at(data, keys):
     return node, keys[-1]
 
 
+def _value(data, keys):
+    """The value at `keys`, or "<absent>"."""
+    try:
+        for k in keys:
+            data = data[k]
+        return data
+    except (KeyError, IndexError, TypeError):
+        return "<absent>"
+
+
 def _aimed(m):
     """Paths that feed native code or the file system: the ones worth most of the budget."""
     out = []
@@ -134,11 +144,17 @@ def _one(worker, fuzz_bundle, m, verify):
         print("fuzz progress: %s" % {k: v for k, v in TALLY.items() if not k.startswith("first")}, flush=True)
 
 
-def _report(n):
+def _report(n, worker, base):
     deaths = TALLY["deaths"]
     print("\nfuzz: %d examples, %d worker deaths, %s" % (n, deaths, dict(TALLY)))
+    for d in worker.deaths:  # what killed it: the return code, the worker's last words, the edited fields
+        m = json.loads(d["manifest"]) if d["manifest"] else {}
+        edits = {"/".join(map(str, k)): _value(m, k) for k in _paths(m)
+                 if _value(base, k) != _value(m, k) and not isinstance(_value(m, k), (dict, list))}
+        print("worker death: returncode %s\nedits: %s\nstderr tail:\n%s"
+              % (d["returncode"], json.dumps(edits, default=str)[:4000], d["stderr_tail"]))
     assert TALLY["examples"] + deaths >= n
-    assert deaths == 0, TALLY
+    assert deaths == 0, (TALLY, worker.deaths)
     for key in ("load_exc", "inspect_internal", "verify_internal", "load_internal"):
         assert TALLY[key] == 0, (key, TALLY.get("first " + key))
     # a fuzzer that never got past the manifest reader proves little: some examples must load an artifact
@@ -165,8 +181,9 @@ def _run(worker, fuzz_bundle, base, n, verify_every, seed_name):
         TALLY["drawn"] += 1
         _one(worker, fuzz_bundle, m, verify=TALLY["drawn"] % verify_every == 0)
 
+    worker.deaths.clear()
     one()
-    _report(n)
+    _report(n, worker, base)
 
 
 def test_fuzzed_manifests_never_kill_or_escape(worker, fuzz_bundle, base):
