@@ -281,7 +281,7 @@ def _verify(a: argparse.Namespace) -> int:
             runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
                                                                               model=reference))
             if r not in checked:
-                case_list = cases(seed, r, vocab, pad_id)
+                case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
                 references = reference_outputs(reference, case_list)
                 checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
             case_list, references, figures = checked[r]

@@ -86,6 +86,11 @@ def vocab(agent: Any) -> int:
     return min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
 
 
+def context_len(agent: Any) -> int:
+    """The most tokens laya puts in one row for this checkpoint: its max_len (laya's default 512)."""
+    return int(agent.cfg.get("max_len", 512))
+
+
 def parallel_options(agent: Any) -> bool:
     return bool(getattr(agent, "parallel_options", False))
 

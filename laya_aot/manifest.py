@@ -209,13 +209,18 @@ class Bundle:
             why = unsafe_relpath(rel)
             if why:
                 _fail(source, "checkpoint.fingerprint.files", "file names inside the checkpoint (%s)" % why, rel)
+        context = bundle.checkpoint.max_len
+        if not 1 <= context <= _MAX_EXTENT["tokens"]:
+            _fail(source, "checkpoint.max_len", "between 1 and %d" % _MAX_EXTENT["tokens"], context)
         if bundle.ranges is not None:
-            _check_ranges(bundle.ranges, "ranges", source)
+            _check_ranges(bundle.ranges, "ranges", source, context)
         if bundle.smoke is not None:
             _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
         seen = set()
         for i, a in enumerate(bundle.artifacts):
             _check_artifact(a, kinds, "artifacts[%d]" % i, source)
+            if a.ranges is not None:
+                _check_ranges(a.ranges, "artifacts[%d].ranges" % i, source, context)
             if version >= 2:
                 _check_files(a, "artifacts[%d]" % i, source)
             if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
@@ -273,7 +278,9 @@ _MAX_EXTENT = {"rows": 1 << 16, "tokens": 1 << 20, "markers": 1 << 12}
 MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
 
 
-def _check_ranges(r: Ranges, where: str, source: str) -> None:
+def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = None) -> None:
+    """Sane extents; within a bundle also no more tokens than the checkpoint's context (laya sends no
+    longer row, the build never exports one, and verification builds cases up to max_tokens)."""
     for what, limit in _MAX_EXTENT.items():
         lo, hi = getattr(r, "min_" + what), getattr(r, "max_" + what)
         if not 1 <= lo <= hi <= limit:
@@ -282,6 +289,9 @@ def _check_ranges(r: Ranges, where: str, source: str) -> None:
         _fail(source, where + ".min_markers", "at least 2", r.min_markers)
     if not 1 <= r.token_multiple <= r.max_tokens:
         _fail(source, where + ".token_multiple", "between 1 and max_tokens", r.token_multiple)
+    if context is not None and r.max_tokens > context:
+        _fail(source, where + ".max_tokens", "at most checkpoint.max_len (%d), the checkpoint's context" % context,
+              r.max_tokens)
 
 
 SMOKE_INPUTS = (("input_ids", "int64", 2), ("attention_mask", "int64", 2), ("marker_pos", "int64", 2),

@@ -53,12 +53,13 @@ def random_rows(g: torch.Generator, lengths: List[int], markers: List[int], voca
     return ids, att, mpos, mmask, qtype
 
 
-def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int) -> List[Case]:
-    """Fresh seeded inputs of several shapes inside the artifact's ranges."""
+def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int, context: Optional[int] = None) -> List[Case]:
+    """Fresh seeded inputs of several shapes inside the artifact's ranges and, when given, the checkpoint's
+    context: laya never sends a longer row, and a manifest's ranges must not decide how much memory this takes."""
     from .laya_internals import pad_batch as laya_pad_batch
 
     g = torch.Generator().manual_seed(seed)
-    tmax, kmax = ranges.max_tokens, ranges.max_markers
+    tmax, kmax = min(ranges.max_tokens, context or ranges.max_tokens), ranges.max_markers
 
     def r(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=g))

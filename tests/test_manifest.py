@@ -95,6 +95,10 @@ def test_what_the_fuzzer_must_refuse_is_refused(manifest):
         "artifacts[0].kind": lambda m: m["artifacts"][0].update(kind="tensorrt"),
         "artifacts[2].status": lambda m: m["artifacts"][2].update(status="ok"),
         "artifacts[0].ranges.max_rows": lambda m: m["artifacts"][0]["ranges"].update(max_rows="64"),
+        # more tokens than the checkpoint's context: verification would build cases that long (a fuzzed
+        # 50256 once had the worker killed for memory)
+        "artifacts[0].ranges.max_tokens": lambda m: m["artifacts"][0]["ranges"].update(max_tokens=50256),
+        "checkpoint.max_len": lambda m: m["checkpoint"].update(max_len=0),
         "artifacts[1].sha256": lambda m: m["artifacts"][1].update(sha256=None),
         "checkpoint.fingerprint.sha256": lambda m: m["checkpoint"]["fingerprint"].pop("sha256"),
         "tolerance.fp32": lambda m: m["tolerance"].pop("fp32"),

@@ -189,3 +189,15 @@ def test_near_tie_modes_are_checked_where_they_are_given():
         be.near_ties = "sometimes"
     assert be.near_ties == "rows"
     assert AOTBackend(be.agent, _FlippedRunner(), be.artifact, pad_id=0).near_ties == "call"   # the default
+
+
+def test_verification_cases_stay_inside_the_checkpoints_context():
+    """A manifest's max_tokens must not decide how long the verify cases are: laya never sends a row longer
+    than the checkpoint's context, and a forward of 50256 tokens had a worker killed for memory."""
+    from laya_aot.verification import cases
+
+    wide = Ranges(1, 8, 16, 50256, 2, 64)
+    assert max(c.batch[0].shape[1] for c in cases(3, wide, 100, 0)) == 50256     # what the bound prevents
+    bounded = cases(3, wide, 100, 0, context=256)
+    assert max(c.batch[0].shape[1] for c in bounded) == 256
+    assert [c.name for c in bounded] == [c.name for c in cases(3, R, 100, 0)]   # the same cases, only shorter

@@ -200,7 +200,7 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
     r = art.ranges
     pad_id = laya_api.pad_id(agent)
     t0 = time.perf_counter()
-    case_list = cases(int(time.time()), r, laya_api.vocab(agent), pad_id)
+    case_list = cases(int(time.time()), r, laya_api.vocab(agent), pad_id, laya_api.context_len(agent))
     with torch.no_grad(), torch.autocast(agent.device.type, enabled=False):
         references = reference_outputs(agent.model, case_list)
         eager = eager_in_dtype(agent.model, art.dtype, case_list, references) if art.dtype != "fp32" else None
