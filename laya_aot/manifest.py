@@ -218,9 +218,7 @@ class Bundle:
             _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
         seen = set()
         for i, a in enumerate(bundle.artifacts):
-            _check_artifact(a, kinds, "artifacts[%d]" % i, source)
-            if a.ranges is not None:
-                _check_ranges(a.ranges, "artifacts[%d].ranges" % i, source, context)
+            _check_artifact(a, kinds, "artifacts[%d]" % i, source, context)
             if version >= 2:
                 _check_files(a, "artifacts[%d]" % i, source)
             if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
@@ -241,7 +239,8 @@ def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
     return art
 
 
-def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str) -> None:
+def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str,
+                    context: Optional[int] = None) -> None:
     """What the field types cannot say: a known kind, and a built artifact's path, hash, ranges and dtype."""
     at = (where + ".") if where else ""
     if a.kind not in kinds:
@@ -255,7 +254,7 @@ def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str
         if why:
             _fail(source, at + "path", "a path inside the bundle (%s)" % why, a.path)
     if a.ranges is not None:
-        _check_ranges(a.ranges, at + "ranges", source)
+        _check_ranges(a.ranges, at + "ranges", source, context)
     # files an artifact's details name (TileLang kernels and their metadata) live in the artifact's directory
     kernels = a.details.get("kernels")
     if kernels is not None:

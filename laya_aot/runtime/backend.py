@@ -13,8 +13,8 @@ laya's eager forward, so every decision either provably matches laya's or is lay
 would have run; "rows" recomputes only those rows, in a batch of their own, which is cheaper for wide
 CPU batches but is laya's arithmetic on another batch: 16-bit GPU kernels round a row differently when
 the batch around it changes, so a true tie can land the other way (benchmarks/eager_batch_noise.py
-measures it); "off" leaves every row to the artifact. `stats`
-counts the rows (`near_tie_rows`) and the calls recomputed whole (`near_tie_whole_calls`).
+measures it); "off" leaves every row to the artifact. `stats` counts the rows (`near_tie_rows`) and
+the calls recomputed whole (`near_tie_whole_calls`).
 """
 from __future__ import annotations
 

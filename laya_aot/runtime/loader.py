@@ -247,8 +247,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     the rows whose top two options are too close for the artifact's verified precision to decide (see
     `tolerance.tie_margin`), so decisions are laya's own there: "call" (the default) recomputes the whole call
     (bitwise laya's outputs for that batch), "rows" only those rows, "off" (or False) neither
-    (runtime/backend.py). Other
-    keyword arguments go to `laya.load`.
+    (runtime/backend.py). Other keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
