@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 from .files import cached_sha256
 from .manifest import BundleError, read_manifest
@@ -57,6 +57,32 @@ def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_b
         except OSError:
             return False
     return True
+
+
+class Weights(Mapping):
+    """The checkpoint's tensors by name, read from model.safetensors when asked for (memory-mapped, one at a
+    time): what an artifact's constants are made from without building laya's module first, so each weight
+    goes from the file to the device once, converted there."""
+
+    def __init__(self, ckpt: str | os.PathLike):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt")
+        self._keys = frozenset(self._file.keys())
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def check_layout(ckpt: Path) -> None:

@@ -31,6 +31,7 @@ MODULE_NAMES: Tuple[Tuple[str, str], ...] = (
     ("laya.backends.base", "bucket_rows"),
     ("laya.backends.base", "bucket_tokens"),
     ("laya.common", "build_model"),
+    ("laya.agent", "build_model"),       # the thin agent builds laya's model on the meta device
     ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
     ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
     # laya-aot serve: laya's app and settings, and the Router's one Agent construction
@@ -177,3 +178,106 @@ def serve_settings() -> Tuple[str, int, str]:
 __all__ = ["Backend", "BackendUnavailable", "aot_router_class", "bucket_rows", "bucket_tokens", "build_router",
            "check", "install_backend", "pad_batch", "pad_id", "parallel_options", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "vocab"]
+
+
+# ---------------------------------------------------------------------------------------- the thin agent
+# laya's Agent.__init__ builds the whole eager DecisionModel (fp32, on the CPU), reads every weight into it and
+# moves it to the device: 7-8 s of a large checkpoint's start, all of it replaced when an artifact serves.
+# `thin_agent` runs that same __init__ (tokenizer, config, temperatures, calibration, device and autocast
+# policy: everything but the forward stays laya's) with the model built on the meta device and the weights
+# read as shapes only. `Agent.__init__` looks up `build_model` in laya.agent and `load_file` in
+# safetensors.torch at call time; both are wrapped once, and the wrappers change nothing unless the calling
+# thread is inside `thin_agent`.
+_THIN = threading.local()
+_HOOKS_LOCK = threading.Lock()
+
+
+def _meta_weights(filename: Any, device: Any = "cpu") -> Dict[str, torch.Tensor]:
+    """The checkpoint's tensors as meta tensors of their shapes and dtypes: its header, not its bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(filename), framework="pt") as f:
+        out = {}
+        for key in f.keys():
+            s = f.get_slice(key)
+            dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                                    "I32": "int32", "F64": "float64", "BOOL": "bool", "U8": "uint8",
+                                    "I8": "int8", "I16": "int16"}.get(s.get_dtype(), "float32"))
+            out[key] = torch.empty(s.get_shape(), dtype=dtype, device="meta")
+    return out
+
+
+def _install_thin_hooks() -> None:
+    import laya.agent
+    import safetensors.torch
+
+    with _HOOKS_LOCK:
+        if getattr(laya.agent.build_model, "_laya_aot_thin", False):
+            return
+        build_original = laya.agent.build_model
+        load_original = safetensors.torch.load_file
+
+        def build_model(*args: Any, **kwargs: Any):
+            if not getattr(_THIN, "on", False):
+                return build_original(*args, **kwargs)
+            with torch.device("meta"):
+                model = build_original(*args, **kwargs)
+            model.to(device="meta")  # laya materialises its small head on the CPU, empty: a shell needs none
+            # laya places the model with .to(device): a meta shell has nothing to place
+            model.__dict__["to"] = lambda *a, **k: model
+            return model
+
+        def load_file(filename: Any, device: Any = "cpu"):
+            if not getattr(_THIN, "on", False):
+                return load_original(filename, device)
+            return _meta_weights(filename)
+
+        build_model._laya_aot_thin = True  # type: ignore[attr-defined]
+        laya.agent.build_model = build_model
+        safetensors.torch.load_file = load_file
+
+
+def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
+    """A `laya.Agent` made by laya's own constructor whose model is a meta-device shell (no weights read).
+
+    Its forward must be replaced (an artifact's backend) before any call; `build_eager_module` makes the
+    real module when laya's eager forward is needed."""
+    import laya
+
+    _install_thin_hooks()
+    _THIN.on = True
+    try:
+        agent = laya.load(checkpoint, **kwargs)
+    finally:
+        _THIN.on = False
+    agent.model.__dict__.pop("to", None)
+    return agent
+
+
+def is_thin(agent: Any) -> bool:
+    """Whether the agent's model is a meta-device shell (made by `thin_agent`)."""
+    p = next(iter(agent.model.parameters()), None)
+    return p is not None and p.device.type == "meta"
+
+
+def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
+    """laya's eager DecisionModel for `agent`, as `Agent.__init__` builds and places it."""
+    import os
+
+    from laya.common import build_model
+    from safetensors.torch import load_file
+
+    enc_dir = os.path.join(checkpoint, "encoder")
+    model = build_model(agent.cfg, encoder_dir=enc_dir if os.path.exists(enc_dir) else None, pretrained=False)
+    model.load_state_dict(load_file(os.path.join(checkpoint, "model.safetensors")), strict=True)
+    try:
+        model.encoder.config.reference_compile = False
+    except Exception:  # noqa: BLE001 - laya itself treats this setting as best effort
+        pass
+    return model.to(agent.device).eval()
+
+
+def set_model(agent: Any, model: torch.nn.Module) -> None:
+    """Make `model` the agent's module (no backend may be installed yet), under laya's write lock."""
+    with agent._gate.write_lock():
+        agent.model = model

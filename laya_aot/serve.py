@@ -51,9 +51,10 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BUNDLES         JSON object: model name -> bundle directory, e.g. %s
   LAYA_AOT_STRICT          1: a bundle that cannot serve its checkpoint fails that load (at start: no start)
   LAYA_AOT_BUNDLE_SHA256S  JSON object: model name -> sha256 of the bundle's bundle.json (a pin)
-  LAYA_AOT_NEAR_TIES       who decides near-ties: call (default; laya's eager forward recomputes a call with a
-                           near-tie: laya's own outputs for that batch), rows (it recomputes those rows
-                           only), or 0 (the artifact decides them too)
+  LAYA_AOT_NEAR_TIES       who decides near-ties: 0 / off (default: the artifact, whose agreement with fp32
+                           was measured against laya's own), call (laya's eager forward recomputes a call
+                           with a near-tie: laya's bitwise outputs, at an eager forward's cost), rows (it
+                           recomputes those rows only)
 
 Checkpoints without a bundle load exactly as in `laya serve`.""" % _EXAMPLE
 
@@ -80,7 +81,7 @@ class BundleSpec:
 class ServeConfig:
     bundles: Dict[str, BundleSpec] = field(default_factory=dict)
     strict: bool = False
-    near_ties: str = "call"
+    near_ties: str = "off"  # runtime/backend.DEFAULT_NEAR_TIES (not imported here: torch loads lazily)
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
@@ -142,16 +143,18 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 def _near_ties(env: Mapping[str, str]) -> str:
     """LAYA_AOT_NEAR_TIES as a mode of runtime/backend.NEAR_TIE_MODES (1/0 read as call/off)."""
-    from .runtime.backend import NEAR_TIE_MODES
+    from .runtime.backend import DEFAULT_NEAR_TIES, NEAR_TIE_MODES
 
     raw = env.get(ENV_NEAR_TIES, "").strip().lower()
     if raw in NEAR_TIE_MODES:
         return raw
-    if raw in _TRUE or not raw:
+    if not raw:
+        return DEFAULT_NEAR_TIES
+    if raw in _TRUE:
         return "call"
     if raw in _FALSE:
         return "off"
-    raise ServeConfigError("invalid %s %r: use call (the default), rows, or 0 (off)"
+    raise ServeConfigError("invalid %s %r: use 0 (off, the default), call or rows"
                            % (ENV_NEAR_TIES, env.get(ENV_NEAR_TIES)))
 
 

@@ -188,7 +188,7 @@ def test_near_tie_modes_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="not a near-tie mode"):
         be.near_ties = "sometimes"
     assert be.near_ties == "rows"
-    assert AOTBackend(be.agent, _FlippedRunner(), be.artifact, pad_id=0).near_ties == "call"   # the default
+    assert AOTBackend(be.agent, _FlippedRunner(), be.artifact, pad_id=0).near_ties == "off"   # the default
 
 
 def test_verification_cases_stay_inside_the_checkpoints_context():

@@ -159,7 +159,7 @@ def test_answers_over_http_equal_laya_serves_eager_answers(servers):
     assert health["backends"]["demo"].startswith("aot:"), health
     assert health["aot"]["demo"]["artifact"] and "fallback" not in health["aot"]["demo"]
     assert 0 <= health["aot"]["demo"]["near_tie_margin"] < 1e-3   # an fp32 artifact: near-ties are float noise
-    assert health["aot"]["demo"]["near_ties"] == "call"
+    assert health["aot"]["demo"]["near_ties"] == "off"   # the default: every answer is the artifact's
     assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
 
 
@@ -290,10 +290,11 @@ def test_strict_and_pins_are_checked(demo_ckpt, demo_bundle):
     assert cfg.strict and cfg.bundles["demo"].checkpoint == demo_ckpt
     with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_STRICT 'maybe': use 1"):
         config_from_env(dict(base, LAYA_AOT_STRICT="maybe"))
-    assert cfg.near_ties == "call" and config_from_env(dict(base, LAYA_AOT_NEAR_TIES="0")).near_ties == "off"
+    assert cfg.near_ties == "off" and config_from_env(dict(base, LAYA_AOT_NEAR_TIES="0")).near_ties == "off"
     assert [config_from_env(dict(base, LAYA_AOT_NEAR_TIES=v)).near_ties for v in ("1", "Rows", "off")] == \
         ["call", "rows", "off"]
-    with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_NEAR_TIES 'some': use call"):
+    with pytest.raises(ServeConfigError,
+                       match="invalid LAYA_AOT_NEAR_TIES .some.: use 0 \\(off, the default\\), call or rows"):
         config_from_env(dict(base, LAYA_AOT_NEAR_TIES="some"))
     pins = dict(base, LAYA_AOT_BUNDLE_SHA256S=json.dumps({"english": "a" * 64}))
     if "bundle_sha256" in inspect.signature(load).parameters:

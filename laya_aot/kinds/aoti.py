@@ -152,7 +152,9 @@ class AOTIRunner(Runner):
                 t = extra[fqn]
             # .to() returns the tensor itself when dtype and device already match: no second copy of
             # the weights for an fp32 CPU artifact
-            consts[fqn] = t.detach().to(device=self.device, dtype=dtype).contiguous()
+            # moved, then converted on the device: a checkpoint tensor read from disk crosses to the GPU in
+            # its stored dtype, once
+            consts[fqn] = t.detach().to(device=self.device).to(dtype=dtype).contiguous()
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
         self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
         self.stats["constants_s"] = round(time.perf_counter() - t0, 3)

@@ -132,6 +132,8 @@ class Kind:
     variant: Callable[[Machine, str], str] = native_variant
     # why an agent on this device should not use it even when the machine fits (None: it may)
     refuse_device: Callable[[str], Optional[str]] = lambda device: None
+    # runs laya's own module (its weights, its forward): the loader builds laya's eager module first
+    needs_module: bool = False
     # what a probe child loads it with (stand-in weights, or laya's agent); only for native kinds
     probe_env: Optional[Callable[[Path, Artifact, Path, str], LoadEnv]] = None
 

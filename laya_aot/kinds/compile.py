@@ -242,7 +242,7 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
 
 # not native: Python plus Triton kernels; a child probe would run its whole torch.compile a second time,
 # so it is loaded in-process, where a failure is an exception the loader catches like any other
-KIND = Kind(name=NAME, stage="inductor_cache", build=build, load=load, order=2, reverify=False)
+KIND = Kind(name=NAME, stage="inductor_cache", build=build, load=load, order=2, reverify=False, needs_module=True)
 
 
 if __name__ == "__main__":

@@ -80,4 +80,4 @@ def variant(m: Machine, device: str) -> str:
 
 
 KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
-            reverify=False, needs=needs, variant=variant, probe_env=probe_env)
+            reverify=False, needs_module=True, needs=needs, variant=variant, probe_env=probe_env)

@@ -6,15 +6,19 @@ to what the artifact accepts (`laya_aot.padding`), splits rows beyond the export
 chunks, and runs anything the artifact cannot take (the parallel option layout, more tokens or
 markers than were exported) through laya's eager forward, counting each such call in `stats`.
 
-Near-ties go to laya too: a row whose top two options are closer than `tolerance.tie_margin` (where the
-artifact and laya's eager forward in the same dtype may round to different choices) is recomputed by
-laya's eager forward, so every decision either provably matches laya's or is laya's own. `near_ties`:
-"call" (the default) recomputes the whole call, so the outputs are bitwise laya's for the batch laya
-would have run; "rows" recomputes only those rows, in a batch of their own, which is cheaper for wide
-CPU batches but is laya's arithmetic on another batch: 16-bit GPU kernels round a row differently when
-the batch around it changes, so a true tie can land the other way (benchmarks/eager_batch_noise.py
-measures it); "off" leaves every row to the artifact. `stats` counts the rows (`near_tie_rows`) and
-the calls recomputed whole (`near_tie_whole_calls`).
+Near-ties: by default ("off") every row is the artifact's own answer. Its faithfulness is a measured,
+stored statement instead (`tolerance.decision_statement`: its decisions agree with fp32 at least as often
+as laya's eager forward in the same dtype). For audits that need laya's bitwise outputs, a row whose top
+two options are closer than `tolerance.tie_margin` can go to laya's eager forward: "call" recomputes the
+whole call (bitwise laya's outputs for that batch), "rows" only those rows, in a batch of their own (laya's
+arithmetic on another batch: 16-bit GPU kernels round a row differently when the batch around it changes,
+benchmarks/eager_batch_noise.py). Both cost an eager forward on most realistic batches, where some row is
+always inside a 16-bit margin. `stats` counts the rows (`near_tie_rows`) and the calls recomputed whole
+(`near_tie_whole_calls`).
+
+The agent's eager module may not exist yet (the thin loader builds it only when needed,
+`runtime/eager_module.py`): every path to laya's eager forward goes through `stock_forward`, which
+materialises it first.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from ..padding import Ranges, chunks, near_tie_rows, pad_batch
 NEAR_TIE_MODES = ("call", "rows", "off")
 
 
+DEFAULT_NEAR_TIES = "off"
+
+
 def near_tie_mode(value: Any) -> str:
     """One of NEAR_TIE_MODES; True/False are "call"/"off" (the switch's first form: on or off)."""
     if value is True or value is False:
@@ -47,7 +54,7 @@ class AOTBackend(Backend):
 
     def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
                  rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None,
-                 near_ties: Any = "call"):
+                 near_ties: Any = DEFAULT_NEAR_TIES, eager_module: Any = None):
         super().__init__(agent)
         self.name = "aot:%s" % art.kind
         self.runner = runner
@@ -62,6 +69,8 @@ class AOTBackend(Backend):
         self._lock = threading.Lock()
         self._near_ties = near_tie_mode(near_ties)
         self._margin: Optional[Tuple[VerifyResult, Optional[float]]] = None
+        # builds laya's eager module on first need when the agent was loaded thin (None: it exists)
+        self.eager_module = eager_module
 
     @property
     def near_ties(self) -> str:
@@ -123,6 +132,12 @@ class AOTBackend(Backend):
         acts[rows] = ac.to(acts.dtype)
         self._count(near_tie_calls=1, near_tie_rows=int(rows.numel()))
         return logits, acts
+
+    def stock_forward(self, *args, **kwargs):
+        """laya's eager forward; for a thin agent, its eager module's (built on this first need)."""
+        if self.eager_module is not None:
+            return self.eager_module.ensure("a call that laya's eager forward answers")(*args, **kwargs)
+        return super().stock_forward(*args, **kwargs)
 
     def artifact_forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False,
                          **extra):

@@ -36,7 +36,8 @@ from ..distribution.fetch import resolve_for_load
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
 from ..tolerance import Agreement, rule_for
 from ..variant import current_machine
-from .backend import AOTBackend, EagerFallback, near_tie_mode
+from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
+from .eager_module import EagerModule
 from .select import rank, reject_reason
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class _Early:
         if self.pending is not None:
             self.pending.cancel()
             self.pending = None
+
+
+# when the loader builds laya's eager module (see `load`)
+EAGER_MODULE_MODES = ("lazy", "background", "now")
 
 
 class NoArtifactError(RuntimeError):
@@ -179,7 +184,8 @@ def smoke_record_problem(record, vocab: int, art: Artifact) -> Optional[str]:
     return None
 
 
-def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats: Dict[str, Any]) -> VerifyResult:
+def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
+                 stats: Dict[str, Any]) -> VerifyResult:
     """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
     TileLang kernels). The verdict (with the bound it met, which the smoke check then applies) is cached
     per artifact and machine like the probe's."""
@@ -202,9 +208,9 @@ def _verify_here(agent, runner, art: Artifact, manifest: Bundle, machine, stats:
     t0 = time.perf_counter()
     case_list = cases(int(time.time()), r, laya_api.vocab(agent), pad_id, laya_api.context_len(agent))
     with torch.no_grad(), torch.autocast(agent.device.type, enabled=False):
-        references = reference_outputs(agent.model, case_list)
-        eager = eager_in_dtype(agent.model, art.dtype, case_list, references) if art.dtype != "fp32" else None
-        res = verify_runner(runner, agent.model, case_list, r, pad_id, runner.device,
+        references = reference_outputs(model, case_list)
+        eager = eager_in_dtype(model, art.dtype, case_list, references) if art.dtype != "fp32" else None
+        res = verify_runner(runner, model, case_list, r, pad_id, runner.device,
                             rule_for(art.dtype, manifest.tolerance, eager), references, eager)
     stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
     try:
@@ -234,8 +240,8 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
-         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None, near_ties: bool | str = "call",
-         **agent_kwargs: Any):
+         cuda_graphs: bool = True, bundle_sha256: Optional[str] = None,
+         near_ties: bool | str = DEFAULT_NEAR_TIES, eager_module: str = "lazy", **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
@@ -243,11 +249,14 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     `cuda_graphs` replays small calls of a CUDA AOTInductor artifact as CUDA graphs (kinds.graphs),
     where the probe child captured one without trouble. `bundle_sha256` (or $LAYA_AOT_BUNDLE_SHA256) pins
     the bundle: the sha256 of its bundle.json, which lists every file's sha256 (`laya-aot inspect` prints
-    it); another bundle is refused like any unusable one. `near_ties` recomputes, with laya's eager forward,
-    the rows whose top two options are too close for the artifact's verified precision to decide (see
-    `tolerance.tie_margin`), so decisions are laya's own there: "call" (the default) recomputes the whole call
-    (bitwise laya's outputs for that batch), "rows" only those rows, "off" (or False) neither
-    (runtime/backend.py). Other keyword arguments go to `laya.load`.
+    it); another bundle is refused like any unusable one. `near_ties` ("off" by default: every answer is the
+    artifact's, whose agreement with fp32 was measured against laya's own in the same dtype) can hand rows
+    whose top two options are within the artifact's tie margin to laya's eager forward, for audits that need
+    laya's bitwise outputs: "call" recomputes the whole call, "rows" only those rows (runtime/backend.py).
+    `eager_module`: when laya's eager DecisionModel is built. "lazy" (default): only when something needs
+    laya's eager forward (a request beyond the export, a near-tie mode, a fallback); "background": in a
+    thread once the artifact serves; "now": as `laya.load` builds it, before anything else (also what
+    `fast=`, `compile=` or `backend=` keyword arguments get). Other keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
@@ -258,6 +267,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     if prefer is not None and prefer not in kinds.RUNTIME_ORDER:  # the caller's mistake, not the bundle's
         raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
     near_ties = near_tie_mode(near_ties)
+    if eager_module not in EAGER_MODULE_MODES:
+        raise ValueError("eager_module=%r is not one of %s" % (eager_module, ", ".join(EAGER_MODULE_MODES)))
     ckpt = ckpt_mod.locate(str(checkpoint))
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, not_fetched = resolve_for_load(bundle, device, ckpt)  # hf://, a pack, a dir of packs -> a local dir
@@ -270,14 +281,21 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
                                    "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % pin[:80]))
     usable = not rejected
     early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
+    # laya's own accelerations replace the forward themselves: those agents are built whole
+    thin = usable and eager_module != "now" and not any(agent_kwargs.get(k) for k in ("fast", "compile", "backend"))
+    eager: Optional[EagerModule] = None
     try:
-        agent = laya.load(str(ckpt), device=device, **agent_kwargs)
-        load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3)}
+        if thin:
+            agent = laya_api.thin_agent(str(ckpt), device=device, **agent_kwargs)
+            eager = EagerModule(agent, ckpt)
+        else:
+            agent = laya.load(str(ckpt), device=device, **agent_kwargs)
+        load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
         chosen = None
         try:
             if usable:
                 chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
-                                 cuda_graphs, pin, near_ties)
+                                 cuda_graphs, pin, near_ties, eager)
         except BundleError as e:
             rejected.append(("bundle", str(e)))
         except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
@@ -290,11 +308,16 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
     if chosen is not None:
         chosen.load_stats.update(load_stats)
+        if chosen.eager_module is not None and (eager_module == "background" or near_ties != "off"):
+            chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (eager_module, near_ties))
         return agent
     if strict:
         raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s" % (bundle, _format(rejected)))
     warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s" % (bundle, _format(rejected)),
                   RuntimeWarning, stacklevel=2)
+    if eager is not None and laya_api.is_thin(agent):
+        eager.install("no artifact of the bundle serves")
+        load_stats.update(eager.stats)
     fallback = EagerFallback(agent, rejected)
     fallback.stats = load_stats
     laya_api.install_backend(agent, fallback)
@@ -309,7 +332,7 @@ def _is_sha256(value: str) -> bool:
 def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
             rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
             early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None,
-            near_ties: str = "call") -> Optional[AOTBackend]:
+            near_ties: str = DEFAULT_NEAR_TIES, eager: Optional[EagerModule] = None) -> Optional[AOTBackend]:
     from ..probe import finish
     from ..probe import probe as run_probe
 
@@ -357,16 +380,22 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
             rejected.append((art.name, why))
             continue
         try:
-            if tensors is None:
-                tensors = kinds.model_tensors(agent.model)
+            thin = laya_api.is_thin(agent)
+            if thin and kind.needs_module and eager is not None:
+                eager.install("artifact %s runs laya's own module" % art.name)
+                thin = False
+            if tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
+                tensors = ckpt_mod.Weights(ckpt) if thin else kinds.model_tensors(agent.model)
             env = kinds.LoadEnv(device=str(agent.device), tensors=tensors, model=agent.model, agent=agent,
                                 cuda_graphs=_graphs_wanted(cuda_graphs, art, agent.device, probe, stats))
             t1 = time.perf_counter()
             runner = kind.load(artifact_path(bundle, art), art, env)
             stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
-            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats), near_ties)
+            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats), near_ties,
+                                 eager if thin else None)
             if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
-                here = _verify_here(agent, runner, art, manifest, machine, stats)
+                model = eager.ensure("verifying %s here" % art.name) if thin and eager else agent.model
+                here = _verify_here(agent, model, runner, art, manifest, machine, stats)
                 why = None if here.passed else "verified on this machine and failed: %s" % here.reason
                 art = dataclasses.replace(art, verify=here)
                 backend.artifact, backend.verify = art, here
@@ -382,11 +411,16 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         # the runner's own load figures, the checks after the backend was made (verify here, smoke check)
         # and, for the compile route, what the smoke check's first call cost
         stats.update(getattr(runner, "stats", None) or {})
+        if eager is not None:
+            stats.update(eager.stats)
         backend.load_stats.update(stats)
         laya_api.install_backend(agent, backend)
         margin = backend.tie_margin
-        log.info("laya-aot: %s runs %s (%s); %s", ckpt, art.name, art.variant,
-                 "near-ties off" if margin is None else
-                 "rows whose top two options are within %.3g go to laya's eager forward" % margin)
+        log.info("laya-aot: %s runs %s (%s); %s; laya's eager module %s", ckpt, art.name, art.variant,
+                 "every answer is the artifact's" if margin is None else
+                 "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
+                 % (margin, near_ties),
+                 "built" if backend.eager_module is None or backend.eager_module.model is not None else
+                 "not built (built on first need)" if margin is None else "building in the background")
         return backend
     return None

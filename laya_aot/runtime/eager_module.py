@@ -1,0 +1,67 @@
+"""laya's eager module for an agent loaded thin: built only when laya's eager forward is needed.
+
+When an artifact serves, laya's own DecisionModel (built in fp32, filled with every weight, moved to the
+device) is work the artifact replaces: seconds of every start for a large checkpoint. The loader makes the
+agent with a meta-device shell instead (`laya_internals.thin_agent`) and hands this object to the backend.
+Whatever needs laya's eager forward (a request beyond the export, a near-tie mode, a smoke check without a
+stored reference, an artifact kind that runs laya's module itself, a fallback) calls `ensure`, which builds
+the module once, says why in the log, and records it in `stats`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from .. import laya_internals as laya_api
+
+log = logging.getLogger(__name__)
+
+
+class EagerModule:
+    """Builds laya's eager DecisionModel for a thin agent, once, on first need or in the background."""
+
+    def __init__(self, agent: Any, checkpoint: Path):
+        self.agent = agent
+        self.checkpoint = Path(checkpoint)
+        self.model: Optional[torch.nn.Module] = None
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.stats: Dict[str, Any] = {"eager_module": "not built"}
+
+    def ensure(self, why: str) -> torch.nn.Module:
+        """The module, built now (blocking the caller) if nothing built it yet."""
+        model = self.model
+        if model is not None:
+            return model
+        with self._lock:
+            if self.model is None:
+                t0 = time.perf_counter()
+                log.info("laya-aot: building laya's eager module for %s (%s)", self.checkpoint, why)
+                self.model = laya_api.build_eager_module(self.agent, str(self.checkpoint))
+                self.stats.update(eager_module="built", eager_module_why=why,
+                                  eager_module_s=round(time.perf_counter() - t0, 3))
+            return self.model
+
+    def start_background(self, why: str) -> None:
+        """Build the module in a thread (after the first answer is possible), so later needs do not wait."""
+        if self.model is not None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._background, args=(why,), daemon=True,
+                                        name="laya-aot-eager-module")
+        self._thread.start()
+
+    def _background(self, why: str) -> None:
+        try:
+            self.ensure(why + ", in the background")
+        except Exception:  # noqa: BLE001 - a later need builds it again and raises there
+            log.warning("laya-aot: building laya's eager module in the background failed", exc_info=True)
+
+    def install(self, why: str) -> None:
+        """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
+        before any backend is installed."""
+        laya_api.set_model(self.agent, self.ensure(why))

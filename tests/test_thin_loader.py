@@ -1,0 +1,74 @@
+"""The thin loader: an artifact serves a laya Agent whose eager module is built only when something needs it."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import laya
+import numpy as np
+import pytest
+from questions import assert_same_answers, question_suite, state_text
+
+import laya_aot
+from laya_aot import laya_internals as laya_api
+
+STATES = [state_text(np.random.default_rng(7), n) for n in (12, 40, 90)]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_ckpt):
+    eager = laya.load(str(demo_ckpt), device="cpu")
+    return eager.predict_batch(STATES, question_suite())
+
+
+def test_the_artifact_serves_a_thin_agent_whose_answers_are_laya_eagers(demo_ckpt, demo_bundle, reference):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    assert agent.backend.startswith("aot:") and laya_api.is_thin(agent)   # laya's eager module was never built
+    assert bo.load_stats["thin_agent"] is True and bo.eager_module.model is None
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert bo.eager_module.model is None and bo.stats.get("eager_calls", 0) == 0   # every answer was the artifact's
+
+
+def test_a_request_beyond_the_export_builds_laya_eagers_module_and_answers_correctly(demo_ckpt, demo_bundle,
+                                                                                     reference):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    # an export that takes at most 2 options: every wider question is beyond it and goes to laya's eager forward
+    bo.ranges = dataclasses.replace(bo.ranges, max_markers=2)
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert bo.stats["eager_calls"] >= 1 and bo.eager_module.model is not None
+    assert bo.eager_module.stats["eager_module"] == "built"
+    assert "laya's eager forward answers" in bo.eager_module.stats["eager_module_why"]
+    assert laya_api.is_thin(agent)   # the agent's own module stays a shell; the backend holds the real one
+
+
+def test_eager_module_modes(demo_ckpt, demo_bundle):
+    now = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", eager_module="now")
+    assert not laya_api.is_thin(now) and now.backend_object.eager_module is None
+    bg = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", eager_module="background")
+    bg.backend_object.eager_module._thread.join(60)
+    assert bg.backend_object.eager_module.stats["eager_module"] == "built"
+    assert "in the background" in bg.backend_object.eager_module.stats["eager_module_why"]
+    with pytest.raises(ValueError, match="eager_module='sometimes' is not one of lazy, background, now"):
+        laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), eager_module="sometimes")
+
+
+def test_a_near_tie_mode_builds_the_eager_module_in_the_background(demo_ckpt, demo_bundle):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", near_ties="call")
+    em = agent.backend_object.eager_module
+    em._thread.join(60)
+    assert em.stats["eager_module"] == "built" and "near_ties='call'" in em.stats["eager_module_why"]
+
+
+def test_no_usable_artifact_falls_back_to_a_whole_laya_agent(demo_ckpt, bundle_copy, reference):
+    (bundle_copy / "bundle.json").write_text("{}", encoding="utf-8")   # no artifact can be trusted
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu")
+    assert agent.backend == "eager" and not laya_api.is_thin(agent)
+    assert agent.backend_object.stats["eager_module"] == "built"
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"], tol=0.0)   # laya's own forward: identical
