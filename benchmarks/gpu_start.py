@@ -1,0 +1,231 @@
+"""Process start to first answer, memory and realistic calls: laya eager against the default bundle (issues 20, 24).
+
+On the GPU host, after the .device-site unpack line:
+
+    python3 benchmarks/gpu_start.py --out $OUT [--shape large-1024] [--starts 3] [--tag _run1]
+
+Makes the checkpoint (laya's trainer format: fp16 weights on disk) and an AOTInductor bundle for the local GPU
+unless they exist. Then:
+- **starts**: each a fresh `python3 -c` exactly as a user's process runs it (import, load, answer one
+  question; nothing else is timed). The parent's clock at spawn to the child's at its first answer.
+  Eager and bundle starts alternate; the bundle's first start has an empty laya-aot cache (the probe child
+  runs), later ones reuse it. After the answer the child prints its `load_stats` (the timeline).
+- **calls**: one process per path (laya eager; the bundle as `load` leaves it) answers three realistic typed
+  calls (1 state x 1 choice question, 20 words; 8 states x 3 questions, 120 words; 32 states x 3 questions,
+  400 words), median of 15 after 3 warm-ups, with decisions compared; memory resident after load and the
+  peak of one 32-row x 1024-token forward.
+Writes start_<shape><tag>.json and .md to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ONE = {"team": {"type": "choice", "instructions": "Which team should handle this?",
+                "criteria": {"billing": "payments, refunds", "technical": "errors, outages", "account": "login"}}}
+THREE = dict(ONE, urgent={"type": "noul", "instructions": "Is this urgent?"},
+             severity={"type": "score", "instructions": "How severe is it?",
+                       "criteria": ["minor", "moderate", "serious", "critical"]})
+START = """
+import time, laya_aot
+agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r})
+agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
+import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t = time.time()
+print("FIRST", t, flush=True)
+print("STATS", __import__("json").dumps(agent.backend_object.load_stats, default=str), flush=True)
+"""
+START_EAGER = """
+import time, laya
+agent = laya.load({ckpt!r}, device={device!r})
+agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
+import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t = time.time()
+print("FIRST", t, flush=True)
+"""
+
+
+def states(n: int, words: int, seed: int):
+    import numpy as np
+
+    from laya_aot.demo import state_text
+
+    rng = np.random.default_rng(seed)
+    return [state_text(rng, words) for _ in range(n)]
+
+
+CALLS = (("1x1q_20w", 1, 20, ONE), ("8x3q_120w", 8, 120, THREE), ("32x3q_400w", 32, 400, THREE))
+
+
+def spawn_start(code: str, env: dict, timeout: float) -> dict:
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    out = {"rc": p.returncode}
+    for line in p.stdout.splitlines():
+        if line.startswith("FIRST "):
+            out["first_answer_s"] = round(float(line.split()[1]) - t0, 3)
+        if line.startswith("STATS "):
+            out["load_stats"] = json.loads(line[6:])
+    if p.returncode:
+        out["stderr"] = p.stderr[-2000:]
+    return out
+
+
+def calls_child(path: str, ckpt: str, bundle: str, device: str = "cuda") -> None:
+    """One process: load, memory after load, realistic calls, a 32x1024 forward's peak."""
+    import torch
+
+    if path == "eager":
+        import laya
+
+        agent = laya.load(ckpt, device=device)
+    else:
+        import laya_aot
+
+        agent = laya_aot.load(ckpt, bundle=bundle, device=device, strict=True)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    resident = torch.cuda.memory_allocated() / 1e9 if cuda else None
+    res = {"path": path, "backend": agent.backend, "resident_after_load_gb": resident, "calls": {}, "decisions": {}}
+    for name, n, words, qs in CALLS:
+        st = states(n, words, seed=n * 1000 + words)
+        for _ in range(3):
+            agent.predict_batch(st, qs)
+        times = []
+        for _ in range(15):
+            sync()
+            t = time.perf_counter()
+            out = agent.predict_batch(st, qs)
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+        res["calls"][name] = round(statistics.median(times), 3)
+        res["decisions"][name] = [[_decision(a) for a in o["answers"].values()] for o in out]
+    if not cuda:
+        print("RESULT " + json.dumps(res, default=str), flush=True)
+        return
+    ids = torch.randint(5, 4000, (32, 1024), device="cuda")
+    att = torch.ones_like(ids)
+    mpos = torch.tensor([[1, 2, 3, 4]] * 32, device="cuda")
+    mmask = torch.ones((32, 4), dtype=torch.bool, device="cuda")
+    qtype = torch.zeros((32,), dtype=torch.long, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad(), torch.autocast("cuda", dtype=agent.dtype, enabled=agent.amp_enabled):
+        agent.model(ids, att, mpos, mmask, qtype)
+    torch.cuda.synchronize()
+    res["peak_32x1024_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    bo = getattr(agent, "backend_object", None)
+    res["stats"] = dict(getattr(bo, "stats", {}) or {}) if bo is not None else {}
+    res["stats"].pop("cuda_graphs", None)
+    print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+def _decision(a: dict):
+    if a["type"] == "choice":
+        return a["choice"]
+    if a["type"] == "score":
+        p = a["probabilities"]
+        return max(p, key=p.get)
+    return a["noul"] > 0.5
+
+
+def run_calls(path: str, ckpt: Path, bundle: Path, env: dict, timeout: float, device: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--calls-child", path, "--ckpt", str(ckpt), "--bundle", str(bundle),
+                        "--device", device],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"path": path, "rc": p.returncode, "stderr": p.stderr[-3000:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls-child")
+    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
+    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
+    ap.add_argument("--shape", default="large-1024")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--build-args", default="target=sm_90 stages.onnx=false stages.tilelang=false "
+                                            "stages.inductor_cache=false")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
+    ap.add_argument("--skip-calls", action="store_true")
+    a = ap.parse_args()
+    if a.calls_child:
+        calls_child(a.calls_child, a.ckpt, a.bundle, a.device)
+        return
+    ckpt, bundle = Path(a.ckpt), Path(a.bundle)
+    res: dict = {"shape": a.shape, "command": " ".join(sys.argv), "starts": [], "calls": {}}
+    t = time.time()
+    if not (ckpt / "model.safetensors").exists():
+        from laya_aot.demo import make_checkpoint
+
+        make_checkpoint(ckpt, a.shape, seed=0)
+    res["make_checkpoint_s"] = round(time.time() - t, 1)
+    if not (bundle / "bundle.json").exists():
+        t = time.time()
+        p = subprocess.run([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
+                            "output_dir=%s" % bundle, *a.build_args.split()], capture_output=True, text=True)
+        res["build_s"] = round(time.time() - t, 1)
+        res["build_tail"] = (p.stdout + p.stderr)[-3000:]
+        print(res["build_tail"], flush=True)
+    cache = Path("/tmp/laya-aot-start-cache")
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+    subprocess.run(["rm", "-rf", str(cache)])
+    q = ONE
+    for i in range(a.starts):  # eager and bundle alternate; the first bundle start has an empty cache
+        for path, code in (("eager", START_EAGER), ("bundle", START)):
+            r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device), env, 300)
+            r.update(path=path, n=i, first_on_machine=(path == "bundle" and i == 0))
+            res["starts"].append(r)
+            print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
+    if not a.skip_calls:
+        for path in ("eager", "bundle"):
+            res["calls"][path] = run_calls(path, ckpt, bundle, env, 400, a.device)
+            print(path, {k: v for k, v in res["calls"][path].items() if k != "decisions"}, flush=True)
+        e, b = res["calls"]["eager"].get("decisions"), res["calls"]["bundle"].get("decisions")
+        if e and b:
+            res["decisions_equal"] = {k: "%d/%d" % (sum(x == y for re, rb in zip(e[k], b[k]) for x, y in zip(re, rb)),
+                                                    sum(len(r) for r in e[k])) for k in e}
+        for v in res["calls"].values():
+            v.pop("decisions", None)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("start_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1, default=str))
+    (out / ("start_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
+    print(markdown(res))
+
+
+def markdown(r: dict) -> str:
+    lines = ["# Starts and realistic calls, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
+             "| path | start | first answer (s) | agent_load_s | select_s | artifact_load_s | constants_s | "
+             "smoke_check_s | probe |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in r["starts"]:
+        ls = s.get("load_stats") or {}
+        lines.append("| %s | %d%s | %s | %s | %s | %s | %s | %s | %s |" % (
+            s["path"], s["n"], " (first on machine)" if s.get("first_on_machine") else "", s.get("first_answer_s"),
+            ls.get("agent_load_s", "-"), ls.get("select_s", "-"), ls.get("artifact_load_s", "-"),
+            ls.get("constants_s", "-"), ls.get("smoke_check_s", "-"), ls.get("probe", "-")))
+    if r.get("calls"):
+        lines += ["", "| path | backend | resident after load GB | peak 32x1024 GB | " +
+                  " | ".join("%s ms" % c[0] for c in CALLS) + " |", "|---" * (4 + len(CALLS)) + "|"]
+        for p, v in r["calls"].items():
+            lines.append("| %s | %s | %s | %s | %s |" % (
+                p, v.get("backend"), _r(v.get("resident_after_load_gb")), _r(v.get("peak_32x1024_gb")),
+                " | ".join(str(v.get("calls", {}).get(c[0], "-")) for c in CALLS)))
+        lines += ["", "Decisions equal (bundle vs eager): %s" % r.get("decisions_equal")]
+    return "\n".join(lines) + "\n"
+
+
+def _r(x):
+    return "-" if x is None else "%.2f" % x
+
+
+if __name__ == "__main__":
+    main()
