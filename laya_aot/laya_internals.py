@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
@@ -83,7 +83,8 @@ def pad_id(agent: Any) -> int:
 
 
 def vocab(agent: Any) -> int:
-    """Token ids that are safe to feed: the encoder's embedding rows that the tokenizer can produce."""
+    """Token ids that are safe to feed: the encoder's embedding rows that the tokenizer can produce (a thin
+    agent's shell carries the encoder's config.json as a namespace)."""
     return min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
 
 
@@ -181,18 +182,22 @@ __all__ = ["Backend", "BackendUnavailable", "aot_router_class", "bucket_rows", "
 
 
 # ---------------------------------------------------------------------------------------- the thin agent
-# laya's Agent.__init__ builds the whole eager DecisionModel (fp32, on the CPU), reads every weight into it and
-# moves it to the device: 7-8 s of a large checkpoint's start, all of it replaced when an artifact serves.
-# `thin_agent` runs that same __init__ (tokenizer, config, temperatures, calibration, device and autocast
-# policy: everything but the forward stays laya's) with the model built on the meta device and the weights
-# read as shapes only. `Agent.__init__` looks up `build_model` in laya.agent and `load_file` in
+# laya's Agent.__init__ builds the whole eager DecisionModel (importing transformers' modelling code, building the
+# encoder in fp32), reads every weight into it and moves it to the device: 7-8 s of a large checkpoint's start on
+# the H200, all of it replaced when an artifact serves. `thin_agent` runs that same __init__ (tokenizer, config,
+# temperatures, calibration, device and autocast policy: everything but the forward stays laya's) with the model
+# a shell: a module tree of meta tensors named and shaped as the checkpoint's weights, read from the
+# safetensors header. `Agent.__init__` looks up `build_model` in laya.agent and `load_file` in
 # safetensors.torch at call time; both are wrapped once, and the wrappers change nothing unless the calling
 # thread is inside `thin_agent`.
 _THIN = threading.local()
 _HOOKS_LOCK = threading.Lock()
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _meta_weights(filename: Any, device: Any = "cpu") -> Dict[str, torch.Tensor]:
+def _meta_weights(filename: Any) -> Dict[str, torch.Tensor]:
     """The checkpoint's tensors as meta tensors of their shapes and dtypes: its header, not its bytes."""
     from safetensors import safe_open
 
@@ -200,11 +205,36 @@ def _meta_weights(filename: Any, device: Any = "cpu") -> Dict[str, torch.Tensor]
         out = {}
         for key in f.keys():
             s = f.get_slice(key)
-            dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                                    "I32": "int32", "F64": "float64", "BOOL": "bool", "U8": "uint8",
-                                    "I8": "int8", "I16": "int16"}.get(s.get_dtype(), "float32"))
-            out[key] = torch.empty(s.get_shape(), dtype=dtype, device="meta")
+            out[key] = torch.empty(s.get_shape(), dtype=_SAFETENSORS_DTYPES.get(s.get_dtype(), torch.float32),
+                                   device="meta")
     return out
+
+
+def _shell(weights: Dict[str, torch.Tensor], encoder_dir: Optional[str]) -> torch.nn.Module:
+    """A module tree whose parameters are `weights` (meta tensors) under their names; `encoder.config` holds the
+    encoder's config.json. laya checks it against the checkpoint and places it; only the artifact computes."""
+    import json
+    import os
+    import types
+
+    root = torch.nn.Module()
+    for name, t in weights.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    config: Dict[str, Any] = {}
+    if encoder_dir and os.path.exists(os.path.join(encoder_dir, "config.json")):
+        with open(os.path.join(encoder_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    if "encoder" in root._modules:
+        root._modules["encoder"].config = types.SimpleNamespace(**config)
+    # laya places the model with .to(device): a shell has nothing to place
+    root.__dict__["to"] = lambda *a, **k: root
+    return root
 
 
 def _install_thin_hooks() -> None:
@@ -217,15 +247,10 @@ def _install_thin_hooks() -> None:
         build_original = laya.agent.build_model
         load_original = safetensors.torch.load_file
 
-        def build_model(*args: Any, **kwargs: Any):
+        def build_model(cfg: Any, encoder_dir: Optional[str] = None, *args: Any, **kwargs: Any):
             if not getattr(_THIN, "on", False):
-                return build_original(*args, **kwargs)
-            with torch.device("meta"):
-                model = build_original(*args, **kwargs)
-            model.to(device="meta")  # laya materialises its small head on the CPU, empty: a shell needs none
-            # laya places the model with .to(device): a meta shell has nothing to place
-            model.__dict__["to"] = lambda *a, **k: model
-            return model
+                return build_original(cfg, encoder_dir, *args, **kwargs)
+            return _shell(_meta_weights(_THIN.weights), encoder_dir)
 
         def load_file(filename: Any, device: Any = "cpu"):
             if not getattr(_THIN, "on", False):
@@ -238,14 +263,16 @@ def _install_thin_hooks() -> None:
 
 
 def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
-    """A `laya.Agent` made by laya's own constructor whose model is a meta-device shell (no weights read).
+    """A `laya.Agent` made by laya's own constructor whose model is a shell of meta tensors (no weights read).
 
     Its forward must be replaced (an artifact's backend) before any call; `build_eager_module` makes the
     real module when laya's eager forward is needed."""
+    import os
+
     import laya
 
     _install_thin_hooks()
-    _THIN.on = True
+    _THIN.on, _THIN.weights = True, os.path.join(checkpoint, "model.safetensors")
     try:
         agent = laya.load(checkpoint, **kwargs)
     finally:
@@ -255,7 +282,7 @@ def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
 
 
 def is_thin(agent: Any) -> bool:
-    """Whether the agent's model is a meta-device shell (made by `thin_agent`)."""
+    """Whether the agent's model is a shell of meta tensors (made by `thin_agent`)."""
     p = next(iter(agent.model.parameters()), None)
     return p is not None and p.device.type == "meta"
 
