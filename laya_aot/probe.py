@@ -140,6 +140,8 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     # None: CUDA graphs captured and replayed in the child; else why not (or "not probed")
     graphs = result.get("graphs", "not probed") if reason is None else reason
     stats.update(probe="ran", probe_seconds=seconds, probe_graphs=graphs)
+    if isinstance(result.get("timeline"), dict):  # where the child's time went (interpreter start excluded)
+        stats["probe_timeline"] = result["timeline"]
     entry = pending.entry
     try:
         pending.path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,16 +171,20 @@ def _child(bundle: str, checkpoint: str, device: str) -> int:
     parent. Outputs on stand-in weights are not judged here; the parent's smoke check compares the
     real-weight outputs with the build's reference.
     """
+    t0 = time.perf_counter()
     import torch
 
     from . import kinds
     from .manifest import artifact_path
 
+    timeline = {"imports_s": time.perf_counter() - t0}
     entry = _entry_from_env()
     kind = kinds.get(entry.kind)
     path = artifact_path(bundle, entry)
     env = kind.probe_env(path, entry, Path(checkpoint), device)
+    timeline["stand_in_weights_s"] = time.perf_counter() - t0 - sum(timeline.values())
     runner = kind.load(path, entry, env)
+    timeline["load_s"] = time.perf_counter() - t0 - sum(timeline.values())
     r = entry.ranges
     t = r.min_tokens
     k = r.min_markers - 2
@@ -191,12 +197,15 @@ def _child(bundle: str, checkpoint: str, device: str) -> int:
     if env.tensors is None:  # real weights: the outputs must at least be finite
         ok = bool(torch.isfinite(logits[:, :2]).all() and torch.isfinite(act).all())
         result = {"ok": ok, "error": None if ok else "non-finite outputs"}
+    timeline["first_call_s"] = time.perf_counter() - t0 - sum(timeline.values())
     graphs = getattr(runner, "graphs", None)
     if graphs is not None:
         runner(*inputs)  # the second call of a shape captures it, then checks one replay
         gstats = graphs.stats
         result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
             "no graph was captured"
+        timeline["graph_capture_s"] = time.perf_counter() - t0 - sum(timeline.values())
+    result["timeline"] = {k: round(v, 3) for k, v in timeline.items()}
     print(_MARK + json.dumps(result), flush=True)
     return 0
 
