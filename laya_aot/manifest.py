@@ -20,7 +20,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
 from .padding import Ranges
-from .tolerance import Agreement, Tolerance, tie_margin
+from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
 # 2: per-artifact `files` (path, sha256, size of every file: what unpack and fetch check) and `build_machine`
@@ -75,6 +75,8 @@ class VerifyResult:
     # the rule applied, in words, and (16-bit artifacts) laya's eager forward in the same dtype on the same cases
     rule: Optional[str] = None
     eager_in_dtype: Optional[Agreement] = None
+    # 16-bit artifacts: decisions on the seeded decision suite against fp32, beside laya eager's in the same dtype
+    decisions: Optional[DecisionAgreement] = None
 
     def tie_margin(self) -> Optional[float]:
         """`tolerance.tie_margin` from these figures: the top-two option gap below which the runtime leaves a

@@ -10,13 +10,21 @@ fp32 on at least laya-eager-in-dtype's share of rows minus `argmax_margin`. A fi
 rejected artifacts for being as precise as laya itself (issue 12: 0.049 against fp32 where laya's own
 fp16 forward was 0.010 and laya's fast path 0.012, tolerance 0.02).
 
+A 16-bit artifact also carries a measured statement about its decisions (`DecisionAgreement`): on a seeded
+suite of `decisions` questions (the top option of rows with two or more options, across batch sizes, lengths
+and question types), it agrees with fp32 at least as often as laya's eager forward in the same dtype, within
+sampling noise: a one-sided exact McNemar test on the paired decisions fails it only when the artifact's own
+disagreements outnumber laya eager's so far that equal faithfulness has probability below `decisions_alpha`.
+That statement, not a recomputation by laya, is why the runtime serves the artifact's answers at near-ties.
+
 The build configures the numbers (`verify.tolerance.*`), stores them in the manifest, and every check
 (build, `laya-aot verify`, the loader's verification on a GPU, its smoke check) asks `rule_for`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 
 def _required() -> Dict[str, Any]:
@@ -37,6 +45,9 @@ class Tolerance:
     relative: float = 2.0
     # and agree with fp32's top option on this much smaller a share of rows than laya's eager in its dtype
     argmax_margin: float = 0.02
+    # the decision suite of a 16-bit artifact: this many decisions, and the significance level of the test
+    decisions: int = 2048
+    decisions_alpha: float = 0.01
 
 
 @dataclass
@@ -96,3 +107,53 @@ def tie_margin(artifact: Agreement, eager_in_dtype: Optional[Agreement] = None) 
     """
     d = artifact.max_abs_option_prob + (eager_in_dtype.max_abs_option_prob if eager_in_dtype is not None else 0.0)
     return 2.0 * d
+
+
+TEST = "one-sided exact McNemar test on paired decisions (artifact vs laya eager in the same dtype, each against fp32)"
+
+
+@dataclass
+class DecisionAgreement:
+    """Decisions on the seeded decision suite, each compared with fp32's: the artifact's and laya eager's in the
+    same dtype, paired. `p_value`: the chance of the artifact being at least this much worse than laya eager if
+    both were equally faithful (the one-sided exact McNemar test on the decisions where exactly one is wrong)."""
+
+    decisions: int
+    artifact: float
+    eager_in_dtype: float
+    artifact_only_wrong: int
+    eager_only_wrong: int
+    p_value: float
+    alpha: float
+    test: str = TEST
+
+    @property
+    def holds(self) -> bool:
+        return self.p_value >= self.alpha
+
+    def describe(self) -> str:
+        return ("decisions agree with fp32 on %.2f%% of %d (laya eager in the same dtype: %.2f%%; %d wrong only "
+                "here, %d only in laya eager; p = %.3g, alpha %.3g)" % (
+                    100 * self.artifact, self.decisions, 100 * self.eager_in_dtype, self.artifact_only_wrong,
+                    self.eager_only_wrong, self.p_value, self.alpha))
+
+
+def mcnemar_one_sided(only_artifact_wrong: int, only_eager_wrong: int) -> float:
+    """P(X >= only_artifact_wrong) for X ~ Binomial(n, 1/2), n the discordant pairs: exact, in integers."""
+    n = only_artifact_wrong + only_eager_wrong
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(only_artifact_wrong, n + 1))
+    return tail / 2 ** n
+
+
+def decision_statement(artifact_right: Sequence[bool], eager_right: Sequence[bool], alpha: float) -> DecisionAgreement:
+    """The statement from paired per-decision agreement with fp32 (same decisions, same order)."""
+    n = len(artifact_right)
+    if n != len(eager_right) or n == 0:
+        raise ValueError("the decision statement needs the same non-empty decisions for both forwards")
+    b = sum(1 for a, e in zip(artifact_right, eager_right) if not a and e)
+    c = sum(1 for a, e in zip(artifact_right, eager_right) if a and not e)
+    return DecisionAgreement(decisions=n, artifact=sum(map(bool, artifact_right)) / n,
+                             eager_in_dtype=sum(map(bool, eager_right)) / n, artifact_only_wrong=b,
+                             eager_only_wrong=c, p_value=mcnemar_one_sided(b, c), alpha=alpha)

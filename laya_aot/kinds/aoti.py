@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 from torch.export import ExportedProgram
@@ -202,6 +202,24 @@ def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[st
     return out
 
 
+class _Package:
+    """The C++ package loader with the three calls the runner makes, without torch's Python wrapper: importing
+    that wrapper (`torch.export.pt2_archive._package`) pulls in torch._dynamo, 1-2 s of a start for nothing."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+
+    def get_constant_fqns(self) -> List[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: Dict[str, torch.Tensor], check_full_update: bool,
+                       user_managed: bool = False) -> None:
+        try:  # torch >= 2.12 also takes allow_h2d_copy
+            self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+        except TypeError:
+            self.loader.load_constants(constants, False, check_full_update, user_managed)
+
+
 def load_aoti_package(path: Path, device_index: int):
     """An AOTInductor package straight from torch's C++ package loader.
 
@@ -212,12 +230,7 @@ def load_aoti_package(path: Path, device_index: int):
     (laya_aot.variant) before loading it, so it goes to the C++ loader directly, as that function
     does after its check; torch's own route remains the fallback for a torch without that binding.
     """
-    try:
-        from torch.export.pt2_archive._package import AOTICompiledModel
-
-        make = torch._C._aoti.AOTIModelPackageLoader
-    except (ImportError, AttributeError):
-        make = None
+    make = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
     if make is not None:
         try:
             # run_single_threaded=True: no per-call CUDA event bookkeeping in the container (AOTIRunner
@@ -226,7 +239,7 @@ def load_aoti_package(path: Path, device_index: int):
         except TypeError:  # another signature in this torch: use its public route
             loader = None
         if loader is not None:
-            return AOTICompiledModel(loader)
+            return _Package(loader)
     from torch._inductor.package import load_package
 
     return load_package(str(path), device_index=device_index)
