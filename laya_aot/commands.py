@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List
 from rich.console import Console
 from rich.table import Table
 
+from . import progress
 from .demo_training import QUESTIONS as DEMO_QUESTIONS
 from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
 
@@ -135,8 +136,8 @@ def _guarded(name: str, run: Callable[[], int]) -> int:
 def inspect(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot inspect", description="List a bundle's artifacts and whether each "
                                 "is usable on this machine.")
-    p.add_argument("bundle")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p.add_argument("--json", action="store_true", help="print the same facts as JSON (for scripts)")
     p.add_argument("--device", default=None, help="the agent's device (default: cuda when visible, else cpu)")
     a = p.parse_args(argv)
     return _guarded("inspect", lambda: _inspect(a))
@@ -207,24 +208,21 @@ def _inspect(a: argparse.Namespace) -> int:
 def verify(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot verify", description="Re-check a bundle's hashes and re-run the "
                                 "numerical verification on this machine.")
-    p.add_argument("bundle")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--seed", type=int, default=None, help="default: a new seed each run (fresh inputs)")
+    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="the Laya checkpoint directory the bundle was built from (its fingerprint is checked)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the seed of the verification cases (default: a new seed each run, fresh inputs)")
     a = p.parse_args(argv)
     return _guarded("verify", lambda: _verify(a))
 
 
 def _verify(a: argparse.Namespace) -> int:
     import laya
-    import torch
 
     from . import checkpoint as ckpt_mod
     from . import kinds
     from . import laya_internals as laya_api
-    from .manifest import artifact_path
-    from .tolerance import rule_for
-    from .variant import current_machine, mismatch
-    from .verification import EagerFigures, cases, reference_outputs, verify_runner
 
     con = _console()
     try:
@@ -247,7 +245,7 @@ def _verify(a: argparse.Namespace) -> int:
         print("laya-aot verify: %s was built from another checkpoint (fingerprint %s..., %s is %s...)"
               % (a.bundle, built_from[:12], a.checkpoint, here[:12]), file=sys.stderr)
         return 2
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), progress.task("loading %s with laya" % a.checkpoint):
         warnings.simplefilter("ignore")
         agent = laya.load(a.checkpoint, device="cpu")
     reference = agent.model.float().eval()
@@ -261,50 +259,66 @@ def _verify(a: argparse.Namespace) -> int:
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
     for col in ("artifact", "hash", "result"):
         t.add_column(col, overflow="fold")
-    for e in m.artifacts:
-        kind = kinds.get(e.kind)
-        if not e.built:
-            t.add_row(e.name, "-", "not built: %s" % e.error)
-            continue
-        why = check_artifact_hash(a.bundle, e)
-        if why:
-            failed += 1
-            t.add_row(e.name, "[red]MISMATCH[/]", why)
-            continue
-        if e.device == "cuda" and not torch.cuda.is_available():
-            t.add_row(e.name, "ok", "not run: needs a CUDA GPU")
-            continue
-        if not kind.reverify:
-            t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
-            continue
-        if e.status == "failed_verification":  # the manifest already says it serves nothing
-            t.add_row(e.name, "ok", "not run: failed verification at build (%s)" % (e.error or "see inspect"))
-            continue
-        if e.device not in machines:
-            machines[e.device] = current_machine(e.device)
-        misfit = mismatch(e.needs, machines[e.device])
-        if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
-            t.add_row(e.name, "ok", "not run here: %s" % misfit)
-            continue
-        r = e.ranges
-        try:
-            runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
-                                                                              model=reference))
-            if r not in checked:
-                case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
-                references = reference_outputs(reference, case_list)
-                checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
-            case_list, references, figures = checked[r]
-            eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
-            res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
-                                rule_for(e.dtype, m.tolerance, eager), references, eager)
-        except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
-            failed += 1
-            t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
-            continue
-        failed += not res.passed
-        t.add_row(e.name, "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
-            res.max_abs_option_prob, res.max_abs_action_prob, 100 * res.argmax_agreement)
-            if res.passed else "[red]FAILED[/] %s" % res.reason)
+    with progress.task("verify", total=len(m.artifacts)) as line:
+        for e in m.artifacts:
+            line.describe("verify: %s" % e.name)
+            failed += _verify_one(a, e, t, checked, machines, reference, tensors, pad_id, vocab, seed, agent, m)
+            line.advance()
     con.print(t)
     return 1 if failed else 0
+
+
+def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any, Any], machines: Dict[str, Any],
+                reference: Any, tensors: Any, pad_id: int, vocab: int, seed: int, agent: Any, m: Any) -> int:
+    """Re-check one artifact into the table `t`; 1 when it fails."""
+    import torch
+
+    from . import kinds
+    from . import laya_internals as laya_api
+    from .manifest import artifact_path
+    from .tolerance import rule_for
+    from .variant import current_machine, mismatch
+    from .verification import EagerFigures, cases, reference_outputs, verify_runner
+
+    kind = kinds.get(e.kind)
+    if not e.built:
+        t.add_row(e.name, "-", "not built: %s" % e.error)
+        return 0
+    why = check_artifact_hash(a.bundle, e)
+    if why:
+        t.add_row(e.name, "[red]MISMATCH[/]", why)
+        return 1
+    if e.device == "cuda" and not torch.cuda.is_available():
+        t.add_row(e.name, "ok", "not run: needs a CUDA GPU")
+        return 0
+    if not kind.reverify:
+        t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
+        return 0
+    if e.status == "failed_verification":  # the manifest already says it serves nothing
+        t.add_row(e.name, "ok", "not run: failed verification at build (%s)" % (e.error or "see inspect"))
+        return 0
+    if e.device not in machines:
+        machines[e.device] = current_machine(e.device)
+    misfit = mismatch(e.needs, machines[e.device])
+    if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
+        t.add_row(e.name, "ok", "not run here: %s" % misfit)
+        return 0
+    r = e.ranges
+    try:
+        runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
+                                                                          model=reference))
+        if r not in checked:
+            case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
+            references = reference_outputs(reference, case_list)
+            checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
+        case_list, references, figures = checked[r]
+        eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
+        res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
+                            rule_for(e.dtype, m.tolerance, eager), references, eager, label=e.name)
+    except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
+        t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
+        return 1
+    t.add_row(e.name, "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
+        res.max_abs_option_prob, res.max_abs_action_prob, 100 * res.argmax_agreement)
+        if res.passed else "[red]FAILED[/] %s" % res.reason)
+    return 0 if res.passed else 1

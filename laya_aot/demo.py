@@ -348,10 +348,13 @@ def main(argv: Optional[list] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="laya-aot make-demo", description=__doc__.splitlines()[0])
-    p.add_argument("out_dir")
-    p.add_argument("--shape", default="tiny", choices=sorted({**PRESETS, **MATRIX}))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("out_dir", help="the checkpoint directory to write (reused when it holds the same shape and seed)")
+    p.add_argument("--shape", default="tiny", choices=sorted({**PRESETS, **MATRIX}), metavar="SHAPE",
+                   help="a preset (%s) or a matrix shape; %s is laya-aot demo's (default: %%(default)s)"
+                   % (", ".join(PRESETS), DEMO_SHAPE))
+    p.add_argument("--seed", type=int, default=0, help="the seed of the weights and of the training data "
+                   "(default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a directory make-demo did not write")
     a = p.parse_args(argv)
     print(make_checkpoint(a.out_dir, a.shape, a.seed, overwrite=a.overwrite))
     return 0

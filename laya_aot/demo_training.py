@@ -15,6 +15,8 @@ import logging
 import random
 from typing import Any, Dict, List
 
+from . import progress
+
 log = logging.getLogger(__name__)
 
 # the questions `laya-aot demo` asks and the model is trained on
@@ -107,9 +109,10 @@ def train(model, tok, cfg: Dict[str, Any], seed: int, n_tickets: int = 600, epoc
     torch.set_num_threads(1)
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with progress.task("training the demo model on %d synthetic tickets (epochs)" % n_tickets,
+                           total=epochs) as line, contextlib.redirect_stdout(printed):
             history = train_model(model, tok, items, config, torch.device("cpu"), cfg["max_len"],
-                                  cfg["head_max_len"])
+                                  cfg["head_max_len"], on_epoch_end=lambda _epoch, _loss: line.advance())
     finally:
         torch.set_num_threads(threads)
     for line in printed.getvalue().splitlines():
