@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import progress
@@ -178,31 +179,95 @@ def _inspect(a: argparse.Namespace) -> int:
                           "machine": machine.as_dict(),
                           "device": device, "serving_dtype": serving, "artifacts": rows}, indent=2))
         return 0
-    t = Table(title="%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
-              % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
-    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
-                "allowed", "argmax", "near-tie margin", "on this machine"):
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        diff = ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
-                if r["max_abs_option_prob"] is not None else "-")
-        eager = r["eager_in_dtype"]
-        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
-                  str(r["status"]), diff,
-                  "%.2g / %.2g, argmax %.1f%%" % (eager["max_abs_option_prob"], eager["max_abs_action_prob"],
-                                                  100 * eager["argmax_agreement"]) if eager else "-",
-                  "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
-                  "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
-                  "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
-                  "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
     con = _console()
-    con.print(t)
+    title = ("%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
+             % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
+    if con.is_terminal and con.width >= TABLE_WIDTH:
+        con.print(_artifact_table(title, rows, m.artifacts))
+    else:
+        con.print(_artifact_list(title, rows, m.artifacts) + "\n", soft_wrap=not con.is_terminal)
     con.print("near-tie margin: a row whose top two option probabilities are closer than this is answered by "
               "laya's eager forward: the whole call by default, near_ties=\"rows\" only those rows, "
               "near_ties=\"off\" neither", soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
+    con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
+              soft_wrap=True)
     return 0
+
+
+# below this many columns the table's twelve columns fold every cell: a list reads better
+TABLE_WIDTH = 150
+
+
+def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: str) -> str:
+    """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
+    the hashes; the probe, the load and the smoke check come at load time)."""
+    from .runtime.select import rank
+
+    here = {r["name"]: r["here"] for r in rows}
+    ranked, _ = rank([e for e in artifacts if here[e.name] == "usable"], device)
+    if not ranked:
+        return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
+                "why)")
+    first = ranked[0]
+    lat = first.latency_ms.get(device) or {}
+    if lat:
+        why = "the fastest usable artifact measured on %s at build: %s" % (device, _latencies(lat))
+    else:
+        why = "no latency measured on %s, so the kinds' fixed order decides" % device
+    more = " (then %s if it fails to load)" % ", ".join(e.name for e in ranked[1:]) if len(ranked) > 1 else ""
+    return "[bold]%s[/] (%s, given the checkpoint it was built from)%s" % (first.name, why, more)
+
+
+def _latencies(per_shape: Dict[str, float]) -> str:
+    return ", ".join("%.2f ms @%s" % (ms, shape) for shape, ms in per_shape.items())
+
+
+def _build_latency(e: Artifact) -> str:
+    return "; ".join("%s %s" % (dev, _latencies(v)) for dev, v in e.latency_ms.items() if v) or "-"
+
+
+def _cells(r: Dict[str, Any]) -> Dict[str, str]:
+    """One artifact's figures as text, for the table and the list alike."""
+    eager = r["eager_in_dtype"]
+    return {
+        "size": "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
+        "diff": ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
+                 if r["max_abs_option_prob"] is not None else "-"),
+        "eager": ("%.2g / %.2g, argmax %.1f%%" % (eager["max_abs_option_prob"], eager["max_abs_action_prob"],
+                                                  100 * eager["argmax_agreement"]) if eager else "-"),
+        "allowed": "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
+        "argmax": "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
+        "margin": "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
+        "here": "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % escape(r["here"]),
+    }
+
+
+def _artifact_table(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> Table:
+    """On a terminal: a table as wide as the terminal (rich folds the cells that do not fit)."""
+    t = Table(title=title)
+    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
+                "allowed", "argmax", "near-tie margin", "build latency", "on this machine"):
+        t.add_column(col, overflow="fold")
+    for r, e in zip(rows, artifacts):
+        c = _cells(r)
+        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), c["size"], str(r["status"]), c["diff"], c["eager"],
+                  c["allowed"], c["argmax"], c["margin"], _build_latency(e), c["here"])
+    return t
+
+
+def _artifact_list(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> str:
+    """Piped or on a narrow terminal: one block per artifact, one fact a line."""
+    lines = [title]
+    for r, e in zip(rows, artifacts):
+        c = _cells(r)
+        lines += ["", "%s: %s, %s, %s, %s" % (r["name"], r["status"], r["dtype"], c["size"], r["variant"]),
+                  "  max |dp| option / action: %s (allowed %s), argmax agreement %s; laya eager in dtype: %s"
+                  % (c["diff"], c["allowed"], c["argmax"], c["eager"]),
+                  "  near-tie margin: %s; build latency: %s" % (c["margin"], _build_latency(e)),
+                  "  on this machine: %s" % c["here"]]
+    return "\n".join(lines)
 
 
 def verify(argv: List[str], start: float) -> int:
