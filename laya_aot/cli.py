@@ -117,10 +117,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("laya-aot: unknown command %r%s\n\n%s" % (cmd, "; did you mean `%s`?" % near[0] if near else "", USAGE),
               file=sys.stderr)
         return 2
-    if "--quiet" in rest:  # every command: no live progress lines
+    if "--quiet" in rest:  # every command: no live progress lines (nor in the processes it starts)
         from . import progress
 
         progress.set_quiet()
+        os.environ["LAYA_AOT_QUIET"] = "1"
         rest = [a for a in rest if a != "--quiet"]
     if "-h" not in rest and "--help" not in rest:
         # before any heavy import: one line naming the mistake and its fix
@@ -137,6 +138,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as serve_main
 
         return serve_main(rest, START)
+    if cmd == "fetch" and any(a.startswith("hf://") for a in rest):
+        from .hub_reach import unreachable
+
+        why = unreachable()
+        if why:  # one line, then the local cache only: not a minute of retries, each logged twice
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            print("laya-aot fetch: the Hugging Face Hub cannot be reached: %s; using the local cache only" % why,
+                  file=sys.stderr)
     if cmd in ("merge", "pack", "unpack", "fetch"):
         from .distribution import commands as dist
 
