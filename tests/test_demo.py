@@ -94,3 +94,5 @@ def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(tmp_path):
     answers = [r["answers"]["team"] for r in agent.predict_batch(DEMO_STATES, DEMO_QUESTIONS)]
     assert [a["choice"] for a in answers] == ["billing", "technical", "account"], answers
     assert min(a["answer_confidence"] for a in answers) > 0.6, answers
+    again = make_checkpoint(tmp_path / "again", DEMO_SHAPE, seed=0)  # training is seeded: the same bytes again
+    assert sha256_file(again / "model.safetensors") == sha256_file(ckpt / "model.safetensors")
