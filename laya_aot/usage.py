@@ -180,10 +180,15 @@ def build_mistake(argv: List[str]) -> Optional[str]:
     keys = schema_keys()
     dirs = _config_dirs(argv)
     sweep = "-m" in argv or "--multirun" in argv
+    # another search path or primary config may add group options this check cannot list: Hydra judges those
+    other_configs = any(a.startswith(("hydra.searchpath", "+hydra.searchpath", "--config-path", "-cp"))
+                        for a in argv)
     for prefix, key, value in _overrides(argv):
         if prefix or key.startswith("hydra") or "/" in key:  # `+new=`, `~key`, hydra's own and nested groups
             continue
         if key in GROUPS:
+            if other_configs:
+                continue
             options = group_options(key, dirs)
             if sweep and any(c in value for c in "()[]*"):  # a sweep function or glob: Hydra expands it
                 continue

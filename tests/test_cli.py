@@ -77,6 +77,7 @@ def test_build_help_describes_every_key():
     ["--cfg", "job"], ["-m", "checkpoint=demo,laya", "target=cpu,sm_90", "stages.aoti=false", "jobs=1"],
     ["-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2", "target=choice(cpu,sm_90)"],
     ["verify.tolerance.fp32=1e-5", "target.dtypes=[fp16,bf16]", "output_dir=null", "aoti.cpu_frozen=false"],
+    ["hydra.searchpath=[file:///elsewhere]", "checkpoint=defined-elsewhere"],
 ])
 def test_valid_build_arguments_pass_the_check(argv):
     assert build_mistake(argv) is None
