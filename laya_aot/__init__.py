@@ -5,14 +5,27 @@
 
 Importing this package is cheap: torch, laya and Hydra load only when a function needs them.
 """
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
 
+if TYPE_CHECKING:  # type checkers and IDEs see the loader's own signature
+    from .runtime.loader import load
 
-def load(*args, **kwargs):
-    """See `laya_aot.runtime.loader.load`."""
-    from .runtime.loader import load as _load
 
-    return _load(*args, **kwargs)
+def __getattr__(name: str) -> Any:
+    """`laya_aot.load` is `laya_aot.runtime.loader.load` itself, not a wrapper: `help()` and IDEs show its
+    signature, and its warnings point at the caller's line. It is imported on first use (torch, laya)."""
+    if name == "load":
+        from .runtime.loader import load
+
+        globals()["load"] = load
+        return load
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | {"load"})
 
 
 __all__ = ["load", "__version__"]

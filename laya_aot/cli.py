@@ -1,8 +1,10 @@
 """The `laya-aot` command: build (Hydra), demo, inspect, verify, make-demo.
 
-`laya-aot build` hands its arguments to Hydra unchanged, so every Hydra feature works:
+Arguments are checked before anything heavy loads (`usage.py`: a typo fails in a fraction of a second,
+with the fix). `laya-aot build` then hands its arguments to Hydra unchanged, so every Hydra feature works:
 overrides (`export.max_rows=128`), config groups (`checkpoint=laya target=sm_90`), `--config-dir`
-for a user's own configs, `--cfg job` to print the resolved config, `--help`.
+for a user's own configs, `--cfg job` to print the resolved config; `--help` is laya-aot's own
+(`build_help.py`), `--hydra-help` Hydra's.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import time
 import warnings
 from typing import List, Optional
 
+from ._version import __version__
+
 START = time.perf_counter()
 # where each job of `laya-aot build -m ...` writes when output_dir is unset: one partial bundle per
 # checkpoint x target, joined by `laya-aot merge artifacts/NAME artifacts/parts/NAME/*`
 MULTIRUN_OUTPUT = "artifacts/parts/{checkpoint}/{target}"
 COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve", "merge", "pack", "unpack", "fetch")
-USAGE = """usage: laya-aot COMMAND [ARGS]
+USAGE = """usage: laya-aot [--version] COMMAND [--quiet] [ARGS]
 
   build [HYDRA OVERRIDES]        build a verified bundle (default: the demo checkpoint, target cpu)
   demo [--bundle DIR]            build the demo bundle if missing, load it, answer typed questions
@@ -31,7 +35,8 @@ USAGE = """usage: laya-aot COMMAND [ARGS]
   unpack FILE DIR                extract a pack, checking every file against its manifest
   fetch SPEC [--device D]        fetch what this machine can use: hf://ORG/REPO[/PATH][@REV], a pack, a dir of packs
 
-`laya-aot build --help` lists the config groups and every key."""
+`laya-aot COMMAND --help` describes a command's arguments; `laya-aot build --help` lists the config groups and
+every key. --quiet: no live progress lines (they show only on a terminal)."""
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -42,6 +47,13 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def _build(argv: List[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        from .build_help import text
+
+        print(text())
+        return 0
+    if "--hydra-help" in argv:
+        argv = [("--help" if a == "--hydra-help" else a) for a in argv]
     import hydra
     from omegaconf import DictConfig
 
@@ -94,10 +106,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print("laya-aot %s" % __version__)
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print("laya-aot: unknown command %r\n\n%s" % (cmd, USAGE), file=sys.stderr)
+        import difflib
+
+        near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+        print("laya-aot: unknown command %r%s\n\n%s" % (cmd, "; did you mean `%s`?" % near[0] if near else "", USAGE),
+              file=sys.stderr)
         return 2
+    if "--quiet" in rest:  # every command: no live progress lines (nor in the processes it starts)
+        from . import progress
+
+        progress.set_quiet()
+        os.environ["LAYA_AOT_QUIET"] = "1"
+        rest = [a for a in rest if a != "--quiet"]
+    if "-h" not in rest and "--help" not in rest:
+        # before any heavy import: one line naming the mistake and its fix
+        from .usage import mistake
+
+        why = mistake(cmd, rest)
+        if why:
+            print("laya-aot %s: %s" % (cmd, why), file=sys.stderr)
+            return 2
     if cmd == "build":
         return _build(rest)
     _setup_logging()
@@ -105,6 +138,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as serve_main
 
         return serve_main(rest, START)
+    if cmd == "fetch" and any(a.startswith("hf://") for a in rest):
+        from .hub_reach import unreachable
+
+        why = unreachable()
+        if why:  # one line, then the local cache only: not a minute of retries, each logged twice
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            print("laya-aot fetch: the Hugging Face Hub cannot be reached: %s; using the local cache only" % why,
+                  file=sys.stderr)
     if cmd in ("merge", "pack", "unpack", "fetch"):
         from .distribution import commands as dist
 

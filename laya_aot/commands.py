@@ -14,27 +14,31 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from . import progress
+from .demo_training import QUESTIONS as DEMO_QUESTIONS
 from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
 
 log = logging.getLogger(__name__)
 
 DEMO_BUNDLE = "artifacts/demo"
 
-DEMO_QUESTIONS: Dict[str, Dict[str, Any]] = {
-    "team": {"type": "choice", "instructions": "Which team should handle this message?",
-             "criteria": {"billing": "payments, invoices, refunds", "technical": "errors, outages, bugs",
-                          "account": "login, password, profile"}},
-    "urgency": {"type": "score", "instructions": "How urgent is this message?",
-                "criteria": ["not urgent", "somewhat urgent", "urgent", "critical, act now"]},
-    "angry": {"type": "noul", "instructions": "The customer is angry."},
-}
+# held out: no synthetic ticket the demo model was trained on is one of these (demo_training.py)
 DEMO_STATES = [
     "I was charged twice for the March invoice, please refund the second payment.",
     "The service has been down since this morning and nobody in the office can log in!",
     "Please reset my password, I forgot it after the holidays.",
 ]
+
+
+DEMO_LEGEND = """\
+This is a small demo model, trained for about a minute on synthetic support tickets: it knows these three
+questions and little else. A checkpoint of yours goes through the same build, load and answers.
+  team (choice)    the option picked, and its probability (0-1): the team this message goes to
+  urgency (score)  the expected level on the question's scale: 0 = not urgent ... 3 = critical, act now
+  angry (noul)     "noul" is laya's yes/no question type: the probability (0-1) that the statement is true"""
 
 
 def _console() -> Console:
@@ -44,20 +48,26 @@ def _console() -> Console:
 def _demo_checkpoint() -> Path:
     from . import checkpoint as ckpt_mod
     from .config import CheckpointConfig
+    from .demo import DEMO_SHAPE
 
-    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape="tiny"))
+    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
 
 
 def demo(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot demo", description="Build the demo bundle if missing, load it, "
                                 "answer a few typed questions.")
-    p.add_argument("--bundle", default=DEMO_BUNDLE)
-    p.add_argument("--checkpoint", default=None, help="default: the built-in demo checkpoint")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--bundle", default=DEMO_BUNDLE, metavar="DIR",
+                   help="the bundle to load; built here first when it has no bundle.json (default: %(default)s)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="the Laya checkpoint the bundle is built from (default: the built-in demo checkpoint, "
+                   "made and trained here on first use)")
+    p.add_argument("--device", default="cpu", help="the device the agent runs on: cpu, cuda, cuda:1 "
+                   "(default: %(default)s)")
     a = p.parse_args(argv)
     con = _console()
+    t0 = time.perf_counter()
     ckpt = Path(a.checkpoint) if a.checkpoint else _demo_checkpoint()
-    built_s = 0.0
+    built_s = time.perf_counter() - t0  # the demo checkpoint is trained on first use: not part of a start
     if not (Path(a.bundle) / MANIFEST).exists():
         con.print("no bundle at %s: building it (laya-aot build output_dir=%s)" % (a.bundle, a.bundle))
         t0 = time.perf_counter()
@@ -68,7 +78,7 @@ def demo(argv: List[str], start: float) -> int:
         if rc != 0:
             con.print("[red]the build failed (exit %d); see its output above[/]" % rc)
             return rc
-        built_s = time.perf_counter() - t0
+        built_s += time.perf_counter() - t0
     import laya_aot
 
     t_load = time.perf_counter()
@@ -85,6 +95,8 @@ def demo(argv: List[str], start: float) -> int:
                   "%s (%.2f)" % (ans["team"]["choice"], ans["team"]["answer_confidence"]),
                   "%.2f" % ans["urgency"]["score"], "%.2f" % ans["angry"]["noul"])
     con.print(t)
+    if not a.checkpoint:
+        con.print(DEMO_LEGEND, soft_wrap=True)
     bo = agent.backend_object
     art = getattr(bo, "artifact", None)
     con.print("backend: [bold]%s[/]  artifact: %s  variant: %s" % (agent.backend, art.name if art else None,
@@ -93,7 +105,7 @@ def demo(argv: List[str], start: float) -> int:
         con.print("  not used: %s: %s" % (name, why))
     con.print("process start -> first answer: [bold]%.2f s[/] (bundle load %.2f s, first predict %.3f s%s)"
               % (first - start - built_s, loaded - t_load, first - loaded,
-                 "; the bundle build before it took %.1f s" % built_s if built_s else ""))
+                 "; making the checkpoint and bundle before it took %.1f s" % built_s if built_s > 0.5 else ""))
     return 0
 
 
@@ -125,8 +137,8 @@ def _guarded(name: str, run: Callable[[], int]) -> int:
 def inspect(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot inspect", description="List a bundle's artifacts and whether each "
                                 "is usable on this machine.")
-    p.add_argument("bundle")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p.add_argument("--json", action="store_true", help="print the same facts as JSON (for scripts)")
     p.add_argument("--device", default=None, help="the agent's device (default: cuda when visible, else cpu)")
     a = p.parse_args(argv)
     return _guarded("inspect", lambda: _inspect(a))
@@ -167,54 +179,115 @@ def _inspect(a: argparse.Namespace) -> int:
                           "machine": machine.as_dict(),
                           "device": device, "serving_dtype": serving, "artifacts": rows}, indent=2))
         return 0
-    t = Table(title="%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
-              % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
-    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
-                "allowed", "argmax", "near-tie margin", "on this machine"):
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        diff = ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
-                if r["max_abs_option_prob"] is not None else "-")
-        eager = r["eager_in_dtype"]
-        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
-                  str(r["status"]), diff,
-                  "%.2g / %.2g, argmax %.1f%%" % (eager["max_abs_option_prob"], eager["max_abs_action_prob"],
-                                                  100 * eager["argmax_agreement"]) if eager else "-",
-                  "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
-                  "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
-                  "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
-                  "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % r["here"])
     con = _console()
-    con.print(t)
+    title = ("%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
+             % (a.bundle, m.checkpoint.name, m.created, serving, dev_type))
+    if con.is_terminal and con.width >= TABLE_WIDTH:
+        con.print(_artifact_table(title, rows, m.artifacts))
+    else:
+        con.print(_artifact_list(title, rows, m.artifacts) + "\n", soft_wrap=not con.is_terminal)
     con.print("near-tie margin: a row whose top two option probabilities are closer than this is answered by "
               "laya's eager forward: the whole call by default, near_ties=\"rows\" only those rows, "
               "near_ties=\"off\" neither", soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
+    con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
+              soft_wrap=True)
     return 0
+
+
+# below this many columns the table's twelve columns fold every cell: a list reads better
+TABLE_WIDTH = 150
+
+
+def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: str) -> str:
+    """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
+    the hashes; the probe, the load and the smoke check come at load time)."""
+    from .runtime.select import rank
+
+    here = {r["name"]: r["here"] for r in rows}
+    ranked, _ = rank([e for e in artifacts if here[e.name] == "usable"], device)
+    if not ranked:
+        return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
+                "why)")
+    first = ranked[0]
+    lat = first.latency_ms.get(device) or {}
+    if lat:
+        why = "the fastest usable artifact measured on %s at build: %s" % (device, _latencies(lat))
+    else:
+        why = "no latency measured on %s, so the kinds' fixed order decides" % device
+    more = " (then %s if it fails to load)" % ", ".join(e.name for e in ranked[1:]) if len(ranked) > 1 else ""
+    return "[bold]%s[/] (%s, given the checkpoint it was built from)%s" % (first.name, why, more)
+
+
+def _latencies(per_shape: Dict[str, float]) -> str:
+    return ", ".join("%.2f ms @%s" % (ms, shape) for shape, ms in per_shape.items())
+
+
+def _build_latency(e: Artifact) -> str:
+    return "; ".join("%s %s" % (dev, _latencies(v)) for dev, v in e.latency_ms.items() if v) or "-"
+
+
+def _cells(r: Dict[str, Any]) -> Dict[str, str]:
+    """One artifact's figures as text, for the table and the list alike."""
+    eager = r["eager_in_dtype"]
+    return {
+        "size": "%.1f MB" % (r["size"] / 1e6) if r["size"] else "-",
+        "diff": ("%.2g / %.2g" % (r["max_abs_option_prob"], r["max_abs_action_prob"])
+                 if r["max_abs_option_prob"] is not None else "-"),
+        "eager": ("%.2g / %.2g, argmax %.1f%%" % (eager["max_abs_option_prob"], eager["max_abs_action_prob"],
+                                                  100 * eager["argmax_agreement"]) if eager else "-"),
+        "allowed": "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
+        "argmax": "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
+        "margin": "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
+        "here": "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % escape(r["here"]),
+    }
+
+
+def _artifact_table(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> Table:
+    """On a terminal: a table as wide as the terminal (rich folds the cells that do not fit)."""
+    t = Table(title=title)
+    for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
+                "allowed", "argmax", "near-tie margin", "build latency", "on this machine"):
+        t.add_column(col, overflow="fold")
+    for r, e in zip(rows, artifacts):
+        c = _cells(r)
+        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), c["size"], str(r["status"]), c["diff"], c["eager"],
+                  c["allowed"], c["argmax"], c["margin"], _build_latency(e), c["here"])
+    return t
+
+
+def _artifact_list(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> str:
+    """Piped or on a narrow terminal: one block per artifact, one fact a line."""
+    lines = [title]
+    for r, e in zip(rows, artifacts):
+        c = _cells(r)
+        lines += ["", "%s: %s, %s, %s, %s" % (r["name"], r["status"], r["dtype"], c["size"], r["variant"]),
+                  "  max |dp| option / action: %s (allowed %s), argmax agreement %s; laya eager in dtype: %s"
+                  % (c["diff"], c["allowed"], c["argmax"], c["eager"]),
+                  "  near-tie margin: %s; build latency: %s" % (c["margin"], _build_latency(e)),
+                  "  on this machine: %s" % c["here"]]
+    return "\n".join(lines)
 
 
 def verify(argv: List[str], start: float) -> int:
     p = argparse.ArgumentParser(prog="laya-aot verify", description="Re-check a bundle's hashes and re-run the "
                                 "numerical verification on this machine.")
-    p.add_argument("bundle")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--seed", type=int, default=None, help="default: a new seed each run (fresh inputs)")
+    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="the Laya checkpoint directory the bundle was built from (its fingerprint is checked)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the seed of the verification cases (default: a new seed each run, fresh inputs)")
     a = p.parse_args(argv)
     return _guarded("verify", lambda: _verify(a))
 
 
 def _verify(a: argparse.Namespace) -> int:
     import laya
-    import torch
 
     from . import checkpoint as ckpt_mod
     from . import kinds
     from . import laya_internals as laya_api
-    from .manifest import artifact_path
-    from .tolerance import rule_for
-    from .variant import current_machine, mismatch
-    from .verification import EagerFigures, cases, reference_outputs, verify_runner
 
     con = _console()
     try:
@@ -237,7 +310,7 @@ def _verify(a: argparse.Namespace) -> int:
         print("laya-aot verify: %s was built from another checkpoint (fingerprint %s..., %s is %s...)"
               % (a.bundle, built_from[:12], a.checkpoint, here[:12]), file=sys.stderr)
         return 2
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), progress.task("loading %s with laya" % a.checkpoint):
         warnings.simplefilter("ignore")
         agent = laya.load(a.checkpoint, device="cpu")
     reference = agent.model.float().eval()
@@ -251,50 +324,66 @@ def _verify(a: argparse.Namespace) -> int:
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
     for col in ("artifact", "hash", "result"):
         t.add_column(col, overflow="fold")
-    for e in m.artifacts:
-        kind = kinds.get(e.kind)
-        if not e.built:
-            t.add_row(e.name, "-", "not built: %s" % e.error)
-            continue
-        why = check_artifact_hash(a.bundle, e)
-        if why:
-            failed += 1
-            t.add_row(e.name, "[red]MISMATCH[/]", why)
-            continue
-        if e.device == "cuda" and not torch.cuda.is_available():
-            t.add_row(e.name, "ok", "not run: needs a CUDA GPU")
-            continue
-        if not kind.reverify:
-            t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
-            continue
-        if e.status == "failed_verification":  # the manifest already says it serves nothing
-            t.add_row(e.name, "ok", "not run: failed verification at build (%s)" % (e.error or "see inspect"))
-            continue
-        if e.device not in machines:
-            machines[e.device] = current_machine(e.device)
-        misfit = mismatch(e.needs, machines[e.device])
-        if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
-            t.add_row(e.name, "ok", "not run here: %s" % misfit)
-            continue
-        r = e.ranges
-        try:
-            runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
-                                                                              model=reference))
-            if r not in checked:
-                case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
-                references = reference_outputs(reference, case_list)
-                checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
-            case_list, references, figures = checked[r]
-            eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
-            res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
-                                rule_for(e.dtype, m.tolerance, eager), references, eager)
-        except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
-            failed += 1
-            t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
-            continue
-        failed += not res.passed
-        t.add_row(e.name, "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
-            res.max_abs_option_prob, res.max_abs_action_prob, 100 * res.argmax_agreement)
-            if res.passed else "[red]FAILED[/] %s" % res.reason)
+    with progress.task("verify", total=len(m.artifacts)) as line:
+        for e in m.artifacts:
+            line.describe("verify: %s" % e.name)
+            failed += _verify_one(a, e, t, checked, machines, reference, tensors, pad_id, vocab, seed, agent, m)
+            line.advance()
     con.print(t)
     return 1 if failed else 0
+
+
+def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any, Any], machines: Dict[str, Any],
+                reference: Any, tensors: Any, pad_id: int, vocab: int, seed: int, agent: Any, m: Any) -> int:
+    """Re-check one artifact into the table `t`; 1 when it fails."""
+    import torch
+
+    from . import kinds
+    from . import laya_internals as laya_api
+    from .manifest import artifact_path
+    from .tolerance import rule_for
+    from .variant import current_machine, mismatch
+    from .verification import EagerFigures, cases, reference_outputs, verify_runner
+
+    kind = kinds.get(e.kind)
+    if not e.built:
+        t.add_row(e.name, "-", "not built: %s" % e.error)
+        return 0
+    why = check_artifact_hash(a.bundle, e)
+    if why:
+        t.add_row(e.name, "[red]MISMATCH[/]", why)
+        return 1
+    if e.device == "cuda" and not torch.cuda.is_available():
+        t.add_row(e.name, "ok", "not run: needs a CUDA GPU")
+        return 0
+    if not kind.reverify:
+        t.add_row(e.name, "ok", "not run: no numerical check for %s here" % e.kind)
+        return 0
+    if e.status == "failed_verification":  # the manifest already says it serves nothing
+        t.add_row(e.name, "ok", "not run: failed verification at build (%s)" % (e.error or "see inspect"))
+        return 0
+    if e.device not in machines:
+        machines[e.device] = current_machine(e.device)
+    misfit = mismatch(e.needs, machines[e.device])
+    if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
+        t.add_row(e.name, "ok", "not run here: %s" % misfit)
+        return 0
+    r = e.ranges
+    try:
+        runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
+                                                                          model=reference))
+        if r not in checked:
+            case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
+            references = reference_outputs(reference, case_list)
+            checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
+        case_list, references, figures = checked[r]
+        eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
+        res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
+                            rule_for(e.dtype, m.tolerance, eager), references, eager, label=e.name)
+    except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
+        t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
+        return 1
+    t.add_row(e.name, "ok", "[green]passed[/] max |dp| %.2g / %.2g, argmax %.1f%%" % (
+        res.max_abs_option_prob, res.max_abs_action_prob, 100 * res.argmax_agreement)
+        if res.passed else "[red]FAILED[/] %s" % res.reason)
+    return 0 if res.passed else 1

@@ -3,7 +3,9 @@
 No network exists where laya-aot is built and tested, so nothing may download weights. This module
 builds laya's DecisionModel for a ModernBERT config of any size, fills it with weights drawn from a
 seeded generator (scaled so that answers differ across options and inputs: a model that answers
-uniformly would make every numerical comparison pass trivially), and writes it with laya's own
+uniformly would make every numerical comparison pass trivially), trains it when its shape asks (the
+`tiny-trained` preset `laya-aot demo` uses: synthetic support tickets, `demo_training.py`, so its answers
+mean something), and writes it with laya's own
 `laya.train.save_checkpoint`: fp16 weights on disk and the config keys laya's trainer writes, as a
 user's fine-tuned checkpoint has them. `amp_dtype` is written only when a shape sets it; absent, laya
 serves the checkpoint in fp16 on CUDA, as it does a fine-tune of a base checkpoint that had none.
@@ -56,11 +58,17 @@ class DemoShape:
     embed_std: float = 0.5
     layer_gain: float = 1.0
     head_gain: float = 3.0
+    # synthetic support tickets the model is trained on when it is made (laya_aot/demo_training.py), from the
+    # seeded weights above; 0 keeps those weights as drawn
+    train_tickets: int = 0
 
 
 PRESETS: Dict[str, DemoShape] = {
     # the default of every command and the tests' fixture: seconds to build on 2 cores; no amp_dtype
     "tiny": DemoShape(),
+    # `laya-aot demo`'s checkpoint (checkpoint=demo): tiny, trained for about a minute on synthetic tickets so
+    # that it routes billing, technical and account questions as a person would
+    "tiny-trained": DemoShape(train_tickets=600),
     # differs from tiny everywhere it can: hidden 96 with 3 heads (head dim 32, not 16), one decision-head
     # layer, four actions, context 384, amp_dtype fp16 written out
     "tiny-alt": DemoShape(hidden_size=96, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
@@ -80,6 +88,9 @@ PRESETS: Dict[str, DemoShape] = {
                             num_attention_heads=16, intermediate_size=2624, vocab_size=50368, max_len=1024,
                             local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
 }
+
+# the preset of checkpoint=demo (configs/checkpoint/demo.yaml), which `laya-aot demo` builds and loads
+DEMO_SHAPE = "tiny-trained"
 
 # Checkpoints the defaults were never tuned on, spread over what users have: amp_dtype bf16 / fp16 /
 # absent, head dims 16-64, 1-16 encoder heads, 1-3 decision-head layers, 2-8 actions, contexts 128-2048,
@@ -259,6 +270,12 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
             cfg["amp_dtype"] = spec.amp_dtype
         model = build_model(cfg, encoder_dir=str(tmp / "encoder"), pretrained=False)
         model.load_state_dict(_fill_weights(model, seed, spec), strict=True)
+        if spec.train_tickets:
+            from .demo_training import train
+
+            log.info("training the demo model on %d synthetic tickets (about a minute on a small CPU)",
+                     spec.train_tickets)
+            train(model, tok, cfg, seed, n_tickets=spec.train_tickets)
         save_checkpoint(model, tok, cfg, str(tmp))  # fp16 weights, encoder config, tokenizer, config
         if spec.pin_tokenizer:
             _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
@@ -331,13 +348,17 @@ def main(argv: Optional[list] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="laya-aot make-demo", description=__doc__.splitlines()[0])
-    p.add_argument("out_dir")
-    p.add_argument("--shape", default="tiny", choices=sorted({**PRESETS, **MATRIX}))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("out_dir", help="the checkpoint directory to write (reused when it holds the same shape and seed)")
+    p.add_argument("--shape", default="tiny", choices=sorted({**PRESETS, **MATRIX}), metavar="SHAPE",
+                   help="a preset (%s) or a matrix shape; %s is laya-aot demo's (default: %%(default)s)"
+                   % (", ".join(PRESETS), DEMO_SHAPE))
+    p.add_argument("--seed", type=int, default=0, help="the seed of the weights and of the training data "
+                   "(default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a directory make-demo did not write")
     a = p.parse_args(argv)
     print(make_checkpoint(a.out_dir, a.shape, a.seed, overwrite=a.overwrite))
     return 0
 
 
-__all__ = ["MATRIX", "DemoShape", "PRESETS", "demo_shape", "make_checkpoint", "question_suite", "state_text"]
+__all__ = ["DEMO_SHAPE", "MATRIX", "DemoShape", "PRESETS", "demo_shape", "make_checkpoint", "question_suite",
+           "state_text"]

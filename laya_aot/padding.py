@@ -10,9 +10,10 @@ and the decision head mask them), extra marker columns are masked (the head fill
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:  # torch loads when a batch is padded: the manifest (and so `laya-aot inspect`'s usage
+    import torch  # line) needs only Ranges
 
 TOKEN_MULTIPLE = 16
 
@@ -52,11 +53,13 @@ class Ranges:
         return None
 
 
-Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Batch = Tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"]
 
 
 def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     """Pad tokens to the artifact's multiple (pad id, attention 0) and markers to its minimum (masked)."""
+    import torch
+
     ids, att, mpos, mmask, qtype = batch
     n, t = ids.shape
     k = mpos.shape[1]
@@ -79,15 +82,21 @@ def chunks(n_rows: int, ranges: Ranges):
 
 def option_probs(logits: torch.Tensor, n_markers: int) -> torch.Tensor:
     """Option probabilities over the request's own markers (padded columns dropped)."""
+    import torch
+
     return torch.softmax(logits[:, :n_markers].float(), -1)
 
 
 def action_probs(act_logits: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.softmax(act_logits.float(), -1)
 
 
 def near_tie_rows(logits: torch.Tensor, marker_mask: torch.Tensor, margin: float) -> torch.Tensor:
     """Indices of rows with two or more options whose top two option probabilities are within `margin`."""
+    import torch
+
     k = logits.shape[1]
     if k < 2:
         return torch.empty(0, dtype=torch.long, device=logits.device)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import progress
 from .manifest import SmokeRecord, VerifyResult
 from .model import torch_dtype
 from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
@@ -183,17 +184,19 @@ class EagerFigures:
 
 def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
                   device: torch.device, rule: Rule, references: Optional[Dict[str, Batch]] = None,
-                  eager: Optional[Agreement] = None) -> VerifyResult:
+                  eager: Optional[Agreement] = None, label: str = "artifact") -> VerifyResult:
     """Figures for one artifact over all cases, and whether it meets `rule` (`eager`: laya's eager forward
-    in the artifact's dtype, recorded beside them)."""
+    in the artifact's dtype, recorded beside them). `label` names the artifact on the live line."""
     if references is None:
         references = reference_outputs(reference_model, case_list)
     per_case = {}
-    for case in case_list:
-        with torch.no_grad():
-            got = run_padded(runner, case.batch, ranges, pad_id, device)
-        ref = references[case.name]
-        per_case[case.name] = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
+    with progress.task("  cases of %s" % label, total=len(case_list)) as line:
+        for case in case_list:
+            with torch.no_grad():
+                got = run_padded(runner, case.batch, ranges, pad_id, device)
+            ref = references[case.name]
+            per_case[case.name] = compare((ref[0].float(), ref[1].float()), got, case.batch, case.pad_rows)
+            line.advance()
     a = _agreement(per_case)
     ok = a.worst <= rule.max_abs and a.argmax_agreement >= rule.argmax_share
     why = None

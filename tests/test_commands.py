@@ -11,3 +11,25 @@ def test_demo_answers_from_the_bundle_and_names_the_artifact(demo_bundle, demo_c
     assert demo(["--bundle", str(demo_bundle), "--checkpoint", str(demo_ckpt)], time.perf_counter()) == 0
     out = capsys.readouterr().out
     assert "backend: aot:" in out and "artifact: aoti-cpu" in out and "first answer" in out
+
+
+def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(demo_bundle, demo_ckpt, capsys):
+    """The last line names the artifact `laya_aot.load` then serves (the loader's own ranking); piped output is a
+    plain list, no table; --json keeps its keys (issue 22, item 6)."""
+    import json
+    import re
+
+    import laya_aot
+    from laya_aot.commands import inspect
+
+    assert inspect([str(demo_bundle)], time.perf_counter()) == 0
+    out = capsys.readouterr().out
+    assert "┃" not in out and "│" not in out                                   # a list, not a folded table
+    assert re.search(r"build latency: cpu [\d.]+ ms @1x128x4", out)
+    served = re.search(r"on this machine `load\(\)` would serve: (\S+) \(", out.strip().splitlines()[-1])
+    assert served, out[-500:]
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
+    assert agent.backend_object.artifact.name == served.group(1)
+    assert inspect([str(demo_bundle), "--json"], time.perf_counter()) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert set(facts) == {"bundle", "bundle_sha256", "checkpoint", "machine", "device", "serving_dtype", "artifacts"}

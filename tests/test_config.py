@@ -13,8 +13,11 @@ from laya_aot.config import compose
 
 
 def test_defaults_are_the_demo_on_the_cpu():
+    from laya_aot.demo import DEMO_SHAPE
+
     cfg = compose()
-    assert cfg.checkpoint.name == "demo" and cfg.checkpoint.demo_shape == "tiny"
+    # the trained demo checkpoint `laya-aot demo` loads (tiny, trained on synthetic tickets)
+    assert cfg.checkpoint.name == "demo" and cfg.checkpoint.demo_shape == DEMO_SHAPE == "tiny-trained"
     assert cfg.target.device == "cpu" and list(cfg.target.dtypes) == []   # laya's policy: fp32 on the CPU
     assert cfg.export.action_head_dtype == "fp32"
     assert cfg.verify.tolerance.fp32 == 1e-4 and cfg.verify.tolerance.bf16 == 2e-2

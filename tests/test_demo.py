@@ -78,3 +78,21 @@ def test_an_existing_directory_is_reused_only_for_the_same_shape_and_seed(tmp_pa
     with pytest.raises(FileExistsError, match="overwrite"):
         make_checkpoint(foreign, "tiny")
     assert (foreign / "model.safetensors").read_bytes() == b"not ours"   # nothing lost
+
+
+def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(tmp_path):
+    """`laya-aot demo`'s checkpoint answers its three states as a person would, and decisively (issue 22)."""
+    import laya
+
+    from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+    from laya_aot.demo import DEMO_SHAPE
+    from laya_aot.demo_training import tickets
+
+    ckpt = make_checkpoint(tmp_path / "trained", DEMO_SHAPE, seed=0)
+    assert not {t["state"] for t in tickets(0, PRESETS[DEMO_SHAPE].train_tickets)} & set(DEMO_STATES)  # held out
+    agent = laya.load(str(ckpt), device="cpu")
+    answers = [r["answers"]["team"] for r in agent.predict_batch(DEMO_STATES, DEMO_QUESTIONS)]
+    assert [a["choice"] for a in answers] == ["billing", "technical", "account"], answers
+    assert min(a["answer_confidence"] for a in answers) > 0.6, answers
+    again = make_checkpoint(tmp_path / "again", DEMO_SHAPE, seed=0)  # training is seeded: the same bytes again
+    assert sha256_file(again / "model.safetensors") == sha256_file(ckpt / "model.safetensors")

@@ -252,7 +252,7 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
     "tilelang_version", "laya_version", "nvcc_version", "jobs", "ok", "failed"}; paths are
     relative to out_dir. The same dict is written to out_dir/kernels.json.
     """
-    from tqdm.auto import tqdm
+    from .. import progress as live
 
     target = cuda_target(arch)
     out_dir = Path(out_dir)
@@ -274,13 +274,16 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
             funcs.append(e)
     results: Dict[str, Dict[str, Any]] = {}
     with _build_env(), serial_ast_parse(), ThreadPoolExecutor(jobs, thread_name_prefix="tl-aot") as pool, \
-            tqdm(total=len(specs), desc="tilelang %s" % arch, unit="kernel", disable=not progress) as bar:
+            (live.task("tilelang %s: kernels" % arch, total=len(specs)) if progress else contextlib.nullcontext(
+                live.Task())) as bar:
         futures = {pool.submit(_run_one, s, f, arch, out_dir, cache): s for s, f in zip(specs, funcs)}
         for fut in as_completed(futures):
             entry = fut.result()
             results[entry["key"]] = entry
-            bar.update(1)
-            bar.set_postfix(failed=sum(e["status"] != "ok" for e in results.values()))
+            failed = sum(e["status"] != "ok" for e in results.values())
+            if failed:
+                bar.describe("tilelang %s: kernels (%d failed)" % (arch, failed))
+            bar.advance()
     kernels = [results[s.key] for s in specs]
     n_ok = sum(e["status"] == "ok" for e in kernels)
     n_cached = sum(bool(e.get("cached")) for e in kernels)

@@ -1,45 +1,42 @@
 """Progress per stage while a build runs, and the summary table at its end (rich)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .. import progress
 from ..manifest import Bundle
 
 _STYLE = {"ok": "green", "skipped": "yellow", "failed": "red", "running": "cyan"}
 
 
 class Reporter:
-    """A spinner with elapsed time per stage (AOTInductor takes tens of seconds), then its outcome."""
+    """A live line with elapsed time per stage (AOTInductor takes tens of seconds), then its outcome line."""
 
     def __init__(self) -> None:
-        self.console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                  console=self.console, transient=True)
-        self._tasks: Dict[str, Any] = {}
+        self.console = progress.console()
+        self._tasks: Dict[str, progress.Task] = {}
 
     def __enter__(self) -> "Reporter":
-        self._progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._progress.__exit__(*exc)
+        for task in self._tasks.values():
+            task.close()
+        self._tasks.clear()
 
     def update(self, rec: Dict[str, Any]) -> None:
         name, status = rec["name"], rec["status"]
         if status == "running":
-            self._tasks[name] = self._progress.add_task("stage [bold]%s[/]" % name, total=None)
+            self._tasks[name] = progress.start("stage [bold]%s[/]" % name)
             return
         task = self._tasks.pop(name, None)
         if task is not None:
-            self._progress.remove_task(task)
+            task.close()
         detail = rec.get("summary") or rec.get("error") or ""
-        self._progress.console.print("[%s]%-8s[/] %-15s %6.1f s  %s" % (
+        progress.console().print("[%s]%-8s[/] %-15s %6.1f s  %s" % (
             _STYLE.get(status, "white"), status, name, rec.get("seconds", 0.0), detail))
 
 

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, staging
+from .. import kinds, precision, progress, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
 from ..files import make_readable, sha256_file, sha256_tree
@@ -90,6 +90,12 @@ def stage_load(ctx: BuildContext) -> str:
 def stage_verify(ctx: BuildContext) -> str:
     """Each artifact against the eager fp32 forward; over its rule -> marked unusable with the figure."""
     tol = _tolerance(ctx.cfg)
+    todo = [art for art in ctx.artifacts if art.status == "built"]
+    with progress.task("verify: the eager fp32 reference", total=len(todo)) as line:
+        return _verify_all(ctx, tol, todo, line)
+
+
+def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: progress.Task) -> str:
     case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
     reference = ctx.agent.model.float().eval()
     ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
@@ -102,44 +108,50 @@ def stage_verify(ctx: BuildContext) -> str:
     eager_figures = EagerFigures(reference, case_list, references)
     gpu_agents: Dict[str, Any] = {}
     summary = []
-    for art in ctx.artifacts:
-        if art.status != "built":
-            continue
-        kind = kinds.get(art.kind)
-        why_not_here = _cannot_verify_here(kind, art)
-        if why_not_here:
-            art.status = "unverified"
-            art.verify = _not_verified(why_not_here)
-            summary.append("%s unverified" % art.name)
-            continue
-        t0 = time.perf_counter()
-        crash = _probe_native(ctx, kind, art)
-        if crash:
-            art.verify = _not_verified(crash, time.perf_counter() - t0)
-            art.status = "failed_verification"
-            summary.append("%s FAILED (%s)" % (art.name, crash))
-            continue
-        try:
-            env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
-            if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
-                env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
-            runner = kind.load(ctx.staging / art.path, art, env)
-            eager = eager_figures.get(art.dtype, art.device)
-            result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                                   rule_for(art.dtype, tol, eager), references, eager)
-            if kind.serves:
-                sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-                art.latency_ms = {art.device: {
-                    "x".join(map(str, shape)): round(latency_ms(
-                        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
-                    for shape, batch in ref_batches.items()}}
-        except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
-            result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
-        result.seconds = round(time.perf_counter() - t0, 3)
-        art.verify = result
-        art.status = "verified" if result.passed else "failed_verification"
-        summary.append("%s %s" % (art.name, "ok" if result.passed else "FAILED"))
+    for art in todo:
+        line.describe("verify: %s" % art.name)
+        summary.append(_verify_one(ctx, tol, art, case_list, reference, ref_batches, tensors, references,
+                                   eager_figures, gpu_agents))
+        line.advance()
     return ", ".join(summary)
+
+
+def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, reference, ref_batches, tensors,
+                references, eager_figures, gpu_agents: Dict[str, Any]) -> str:
+    """One artifact against the eager fp32 forward: its verdict goes into `art`; returns its summary word."""
+    repeats = ctx.cfg.verify.latency_repeats
+    kind = kinds.get(art.kind)
+    why_not_here = _cannot_verify_here(kind, art)
+    if why_not_here:
+        art.status = "unverified"
+        art.verify = _not_verified(why_not_here)
+        return "%s unverified" % art.name
+    t0 = time.perf_counter()
+    crash = _probe_native(ctx, kind, art)
+    if crash:
+        art.verify = _not_verified(crash, time.perf_counter() - t0)
+        art.status = "failed_verification"
+        return "%s FAILED (%s)" % (art.name, crash)
+    try:
+        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
+        if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
+            env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
+        runner = kind.load(ctx.staging / art.path, art, env)
+        eager = eager_figures.get(art.dtype, art.device)
+        result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
+                               rule_for(art.dtype, tol, eager), references, eager, label=art.name)
+        if kind.serves:
+            sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+            art.latency_ms = {art.device: {
+                "x".join(map(str, shape)): round(latency_ms(
+                    lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
+                for shape, batch in ref_batches.items()}}
+    except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
+        result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
+    result.seconds = round(time.perf_counter() - t0, 3)
+    art.verify = result
+    art.status = "verified" if result.passed else "failed_verification"
+    return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
 
 
 def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:

@@ -1,0 +1,73 @@
+"""`laya-aot build --help`: the config groups and every key, in laya-aot's words (Hydra's own help names
+its internals; `laya-aot build --hydra-help` still shows it). tests/test_cli.py checks that every key of
+the schema (`config.py`) is described here."""
+from __future__ import annotations
+
+from typing import List
+
+_TEXT = """\
+usage: laya-aot build [--quiet] [KEY=VALUE ...] [GROUP=OPTION ...] [-m] [--config-dir DIR] [--cfg job]
+
+Turn a Laya checkpoint into a verified bundle: every artifact is built, run on seeded cases and compared
+with laya's eager forward; bundle.json is written last. Defaults: the demo checkpoint, target cpu, the
+bundle in artifacts/<checkpoint name>.
+
+  laya-aot build checkpoint.path=/models/my-laya            a local checkpoint, CPU artifacts
+  laya-aot build checkpoint=laya-typed-decisions target=sm_90 export.max_rows=128
+
+Config groups (GROUP=OPTION picks a whole set of values):
+  checkpoint   which checkpoint: {checkpoints}
+  target       which machine the bundle is for: {targets}
+
+Keys (KEY=VALUE overrides one value):
+  checkpoint.path         a local Laya checkpoint directory (wins over the rest of the group)
+  checkpoint.hub_id, checkpoint.subfolder
+                          a shipped checkpoint already in the local Hugging Face cache (nothing downloads)
+  checkpoint.name         the bundle's name (default: read from the checkpoint)
+  checkpoint.max_len      the context length (default: the checkpoint's)
+  checkpoint.demo_shape, checkpoint.demo_seed, checkpoint.demo_dir
+                          the built-in demo checkpoint: its preset, seed, and where it is made
+  target.name, target.device, target.arch
+                          the target's name, cpu or cuda, and the CUDA architecture (sm_90)
+  target.tilelang_archs   TileLang architectures to cross-compile kernels for (no GPU needed)
+  target.dtypes           dtypes to build, e.g. [fp16,bf16] (default: the one laya serves in on the target)
+  export.max_rows, export.max_markers, export.max_tokens
+                          the largest batch an artifact accepts: rows, options per question, tokens
+  export.action_head_dtype
+                          the dtype of the action head (default fp32)
+  aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
+  aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
+  stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
+                          turn an artifact kind off (=false); export and verify always run
+  verify.seed             the seed of the verification cases
+  verify.tolerance.fp32, verify.tolerance.bf16, verify.tolerance.fp16, verify.tolerance.argmax_fp32,
+  verify.tolerance.relative, verify.tolerance.argmax_margin
+                          the verification rule (laya_aot/tolerance.py); stored in bundle.json
+  verify.latency_repeats  calls per artifact when measuring latency
+  output_dir              where the bundle goes (default artifacts/<checkpoint name>)
+  jobs                    parallel compile jobs (default: all cores)
+
+Options:
+  --quiet                 no live progress lines (they show only on a terminal anyway)
+  -m                      a sweep, e.g. -m target=cpu,sm_90: one partial bundle per job under artifacts/parts/
+  --config-dir DIR        your own config groups (DIR/checkpoint/NAME.yaml, DIR/target/NAME.yaml)
+  --cfg job               print the resolved config and stop
+  --hydra-help            Hydra's own help (launchers, sweepers)
+"""
+
+
+def text() -> str:
+    from .usage import group_options
+
+    def listed(group: str) -> str:
+        return ", ".join(o for o in group_options(group, []) if not o.startswith("base_"))
+
+    return _TEXT.format(checkpoints=listed("checkpoint"), targets=listed("target"))
+
+
+def described_keys() -> List[str]:
+    """The keys this help names (for the test that keeps it complete)."""
+    import re
+
+    return re.findall(r"\b(?:checkpoint|target|export|aoti|stages|verify)\.[a-z_]+(?:\.[a-z_0-9]+)?|\boutput_dir\b|"
+                      r"\bjobs\b", _TEXT)

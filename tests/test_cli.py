@@ -1,0 +1,90 @@
+"""The command line fails fast with the fix (issue 22, item 5): a usage mistake is one line naming it and
+its fix, reported before torch, laya or transformers are imported (speed is the benchmarks' business; what
+makes it fast is that nothing heavy loads, and that is checked here)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laya_aot import __version__
+from laya_aot.build_help import described_keys, text
+from laya_aot.usage import build_mistake, schema_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+# runs the CLI, then says which heavy modules it imported
+PROBE = ("import sys; from laya_aot.cli import main; rc = main(sys.argv[1:]); "
+         "print('HEAVY', sorted(m for m in ('torch', 'laya', 'transformers') if m in sys.modules)); sys.exit(rc)")
+
+
+def _cli(args, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def place(tmp_path) -> Path:
+    (tmp_path / "bdir").mkdir()
+    (tmp_path / "bdir" / "bundle.json").write_text("{}")
+    (tmp_path / "x.tar.zst").write_bytes(b"")
+    (tmp_path / "afile").write_text("")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, says", [
+    (["inspect"], "needs a bundle directory, e.g. `laya-aot inspect artifacts/demo`"),
+    (["build", "export.max_row=32"], "did you mean `export.max_rows`?"),
+    (["build", "target=sm90"], "did you mean `sm_90`?"),
+    (["build", "export.max_rows=lots"], "export.max_rows takes a whole number"),
+    (["build", "checkpoint.path=afile"], "checkpoint.path=afile is a file; pass the checkpoint directory"),
+    (["pack", "x.tar.zst", "bdir"], "did you mean `laya-aot pack bdir x.tar.zst`?"),
+    (["unpack", "bdir", "x.tar.zst"], "did you mean `laya-aot unpack x.tar.zst bdir`?"),
+    (["inspect", "bdir/bundle.json"], "is the bundle's manifest; pass the bundle directory: laya-aot inspect bdir"),
+    (["verify", "bdir", "--checkpoint", "afile"], "--checkpoint afile is a file"),
+    (["inpsect", "bdir"], "did you mean `inspect`?"),
+])
+def test_a_mistake_is_one_line_with_the_fix_before_any_heavy_import(place, args, says):
+    p = _cli(args, place)
+    assert p.returncode == 2, p.stderr
+    first = p.stderr.strip().splitlines()[0]
+    assert says in first, p.stderr
+    assert "output_dir=" not in p.stderr                      # never the advice to build into bundle.json
+    assert "HEAVY []" in p.stdout, p.stdout
+    if args[0] in ("build", "inspect", "pack", "unpack", "verify"):
+        assert p.stderr.strip().count("\n") == 0, p.stderr     # one line
+
+
+def test_version_and_build_help_are_laya_aots_own(place):
+    p = _cli(["--version"], place)
+    assert p.returncode == 0 and p.stdout.startswith("laya-aot %s" % __version__)
+    p = _cli(["build", "--help"], place)
+    assert p.returncode == 0 and "HEAVY []" in p.stdout
+    assert "Hydra" not in p.stdout.replace("--hydra-help            Hydra's own help", "")
+    assert "checkpoint   which checkpoint: demo," in p.stdout and "target       which machine" in p.stdout
+
+
+def test_build_help_describes_every_key():
+    assert set(schema_keys()) <= set(described_keys()), set(schema_keys()) - set(described_keys())
+    assert "sm_90" in text() and "base_target" not in text()
+
+
+@pytest.mark.parametrize("argv", [
+    ["checkpoint.path=/models/my-laya"], ["checkpoint=laya-typed-decisions", "target=sm_90", "export.max_rows=128"],
+    ["--cfg", "job"], ["-m", "checkpoint=demo,laya", "target=cpu,sm_90", "stages.aoti=false", "jobs=1"],
+    ["-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2", "target=choice(cpu,sm_90)"],
+    ["verify.tolerance.fp32=1e-5", "target.dtypes=[fp16,bf16]", "output_dir=null", "aoti.cpu_frozen=false"],
+    ["hydra.searchpath=[file:///elsewhere]", "checkpoint=defined-elsewhere"],
+])
+def test_valid_build_arguments_pass_the_check(argv):
+    assert build_mistake(argv) is None
+
+
+def test_a_users_config_dir_adds_group_options(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "mine.yaml").write_text("name: mine\n")
+    assert build_mistake(["--config-dir", str(tmp_path), "checkpoint=mine"]) is None
+    assert "did you mean `mine`" in build_mistake(["--config-dir", str(tmp_path), "checkpoint=mien"])

@@ -1,0 +1,70 @@
+"""Long work shows a live line with its elapsed time on a terminal, and nothing when piped or quiet (issue 22,
+item 4)."""
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+from laya_aot import progress
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _on_a_terminal(args, cwd: Path, timeout: float = 600) -> str:
+    """Run the CLI with a pseudo-terminal as stdout and stderr; everything it drew, escape codes removed."""
+    master, slave = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS=os.environ.get("TEST_COLUMNS", "150"), LINES="40",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "laya_aot.cli", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                         stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], timeout)
+        if not ready:
+            p.kill()
+            raise AssertionError("no output for %s s:\n%s" % (timeout, out.decode(errors="replace")[-3000:]))
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    p.wait(timeout=60)
+    os.close(master)
+    assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+    return ANSI.sub("", out.decode(errors="replace").replace("\r", "\n"))
+
+
+def test_a_cpu_build_shows_a_live_line_per_stage_and_per_artifact_and_case(demo_ckpt, tmp_path):
+    # AOTInductor is left out to keep the test short: its stage is a stage like the others
+    text = _on_a_terminal(["build", "checkpoint.path=%s" % demo_ckpt, "output_dir=%s" % (tmp_path / "b"),
+                           "stages.aoti=false"], tmp_path)
+    ran = re.findall(r"^ok\s+(\w+)\s+([\d.]+) s", text, re.M)
+    assert {"load", "export", "onnx", "verify"} <= {name for name, _ in ran}, text[-3000:]
+    for name, seconds in ran:
+        if float(seconds) > 2:
+            assert re.search(r"stage %s\s.*\d:\d\d:\d\d" % name, text), (name, text[-3000:])  # live, with elapsed
+    assert re.search(r"verify: onnx-fp32\s+\d/\d", text), text[-3000:]                # per artifact, counted
+    assert re.search(r"cases of onnx-fp32\s+\d/\d", text), text[-3000:]               # per case, counted
+
+
+def test_no_live_line_when_quiet_or_not_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress.shown()
+    progress.set_quiet()
+    try:
+        assert not progress.shown()
+        with progress.task("quiet", total=3) as t:
+            t.advance()                                   # a no-op task: nothing drawn, nothing raised
+    finally:
+        progress.set_quiet(False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert not progress.shown()
