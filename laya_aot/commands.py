@@ -343,7 +343,7 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any,
     from .manifest import artifact_path
     from .tolerance import rule_for
     from .variant import current_machine, mismatch
-    from .verification import EagerFigures, cases, reference_outputs, verify_runner
+    from .verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner
 
     kind = kinds.get(e.kind)
     if not e.built:
@@ -375,11 +375,14 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any,
         if r not in checked:
             case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
             references = reference_outputs(reference, case_list)
-            checked[r] = (case_list, references, EagerFigures(reference, case_list, references))
+            suite = decision_cases(seed + 1, r, vocab, pad_id, laya_api.context_len(agent), m.tolerance.decisions)
+            checked[r] = (case_list, references, EagerFigures(reference, case_list, references, suite,
+                                                              m.tolerance.decisions_alpha))
         case_list, references, figures = checked[r]
         eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
         res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
-                            rule_for(e.dtype, m.tolerance, eager), references, eager, label=e.name)
+                            rule_for(e.dtype, m.tolerance, eager), references, eager, label=e.name,
+                            decisions=figures.decisions(runner, e.dtype, r, pad_id))
     except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
         t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
         return 1

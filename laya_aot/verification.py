@@ -23,7 +23,7 @@ from . import progress
 from .manifest import SmokeRecord, VerifyResult
 from .model import torch_dtype
 from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
-from .tolerance import Agreement, Rule
+from .tolerance import Agreement, DecisionAgreement, Rule, decision_statement
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +163,72 @@ def eager_in_dtype(model: torch.nn.Module, dtype: str, case_list: List[Case],
     return _agreement(per_case)
 
 
-class EagerFigures:
-    """laya's eager forward in each 16-bit dtype on one set of cases, per device: computed once each."""
+def decision_cases(seed: int, ranges: Ranges, vocab: int, pad_id: int, context: Optional[int], n: int) -> List[Case]:
+    """The seeded decision suite: `n` rows of two to six options each (every row a decision), in calls of 1, 8
+    and 32 rows (at most the export's) and short (16-64 tokens), medium (64-256) and long (256 to the context)
+    states, all three question types."""
+    g = torch.Generator().manual_seed(seed)
+    tmax, kmax = min(ranges.max_tokens, context or ranges.max_tokens), min(6, ranges.max_markers)
+    regimes = ((16, 64), (64, 256), (256, tmax))
 
-    def __init__(self, model: torch.nn.Module, case_list: List[Case], references: Dict[str, Batch]):
+    def r(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, max(lo, hi) + 1, (1,), generator=g))
+
+    out: List[Case] = []
+    done = 0
+    while done < n:
+        i = len(out)
+        rows = min(n - done, (1, 8, 32)[i % 3], ranges.max_rows)
+        lo, hi = regimes[(i // 3) % 3]
+        lo, hi = min(lo, tmax), min(hi, tmax)
+        lengths = [r(max(lo, kmax + 3), hi) for _ in range(rows)]
+        out.append(Case("decisions_%d" % i, random_rows(g, lengths, [r(2, kmax) for _ in range(rows)], vocab, pad_id)))
+        done += rows
+    return out
+
+
+def _decisions(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The top option of every row (all rows of the decision suite have two options or more)."""
+    return option_probs(logits.float().cpu(), batch[2].shape[1]).argmax(-1)
+
+
+class EagerFigures:
+    """laya's eager forward in each 16-bit dtype on one set of cases (and, given one, on the decision suite),
+    per device: computed once each, shared by every artifact of that dtype."""
+
+    def __init__(self, model: torch.nn.Module, case_list: List[Case], references: Dict[str, Batch],
+                 suite: Optional[List[Case]] = None, alpha: float = 0.01):
         self._model, self._cases, self._refs = model, case_list, references
         self._done: Dict[Tuple[str, str], Agreement] = {}
+        self._suite, self._alpha = suite or [], alpha
+        self._suite_ref: Optional[List[torch.Tensor]] = None
+        self._suite_eager: Dict[Tuple[str, str], List[torch.Tensor]] = {}
+
+    def _on(self, device: str) -> torch.nn.Module:
+        here = next(self._model.parameters()).device
+        return self._model if torch.device(device) == here else copy.deepcopy(self._model).to(device)
+
+    def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int) -> Optional[DecisionAgreement]:
+        """The artifact's decisions on the suite against fp32's, paired with laya eager's in `dtype` on the
+        artifact's device (None for fp32, which laya serves as the reference itself, or without a suite)."""
+        if dtype == "fp32" or not self._suite:
+            return None
+        device = str(runner.device)
+        with torch.no_grad():
+            if self._suite_ref is None:
+                with torch.autocast(next(self._model.parameters()).device.type, enabled=False):
+                    self._suite_ref = [_decisions(self._model(*(x.to(next(self._model.parameters()).device)
+                                                                for x in c.batch))[0], c.batch)
+                                       for c in self._suite]
+            if (device, dtype) not in self._suite_eager:
+                model = self._on(device)
+                with torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype)):
+                    self._suite_eager[(device, dtype)] = [
+                        _decisions(model(*(x.to(device) for x in c.batch))[0], c.batch) for c in self._suite]
+            got = [_decisions(run_padded(runner, c.batch, ranges, pad_id, runner.device)[0], c.batch)
+                   for c in self._suite]
+        ref, eager = torch.cat(self._suite_ref), torch.cat(self._suite_eager[(device, dtype)])
+        return decision_statement((torch.cat(got) == ref).tolist(), (eager == ref).tolist(), self._alpha)
 
     def get(self, dtype: str, device: str) -> Optional[Agreement]:
         """None for fp32 (its rule needs no eager figures)."""
@@ -176,17 +236,17 @@ class EagerFigures:
             return None
         key = (str(device), dtype)
         if key not in self._done:
-            here = next(self._model.parameters()).device
-            model = self._model if torch.device(device) == here else copy.deepcopy(self._model).to(device)
-            self._done[key] = eager_in_dtype(model, dtype, self._cases, self._refs)
+            self._done[key] = eager_in_dtype(self._on(device), dtype, self._cases, self._refs)
         return self._done[key]
 
 
 def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case], ranges: Ranges, pad_id: int,
                   device: torch.device, rule: Rule, references: Optional[Dict[str, Batch]] = None,
-                  eager: Optional[Agreement] = None, label: str = "artifact") -> VerifyResult:
+                  eager: Optional[Agreement] = None, label: str = "artifact",
+                  decisions: Optional[DecisionAgreement] = None) -> VerifyResult:
     """Figures for one artifact over all cases, and whether it meets `rule` (`eager`: laya's eager forward
-    in the artifact's dtype, recorded beside them). `label` names the artifact on the live line."""
+    in the artifact's dtype, recorded beside them) and, for a 16-bit artifact, its decision statement
+    (`EagerFigures.decisions`). `label` names the artifact on the live line."""
     if references is None:
         references = reference_outputs(reference_model, case_list)
     per_case = {}
@@ -204,10 +264,14 @@ def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case
         why = ("over tolerance: option probabilities differ from fp32 by up to %.3g, action probabilities by %.3g, "
                "top option agrees on %.1f%% of rows; the rule allows %s"
                % (a.max_abs_option_prob, a.max_abs_action_prob, 100 * a.argmax_agreement, rule.describe()))
+    elif decisions is not None and not decisions.holds:
+        ok = False
+        why = ("its decisions are less faithful to fp32 than laya's eager forward in the same dtype: %s"
+               % decisions.describe())
     return VerifyResult(passed=ok, reason=why, tolerance=rule.max_abs, argmax_required=rule.argmax_share,
                         max_abs_option_prob=a.max_abs_option_prob, max_abs_action_prob=a.max_abs_action_prob,
                         argmax_agreement=a.argmax_agreement, rows_compared=sum(c["rows"] for c in per_case.values()),
-                        cases=per_case, rule=rule.describe(), eager_in_dtype=eager)
+                        cases=per_case, rule=rule.describe(), eager_in_dtype=eager, decisions=decisions)
 
 
 def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:

@@ -209,3 +209,51 @@ def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
         else:
             assert r["eager_in_dtype"] is None and r["tolerance"] == 1e-4
             assert r["tie_margin"] == pytest.approx(2 * r["max_abs_option_prob"])
+
+
+def test_mcnemar_one_sided_is_the_exact_binomial_tail():
+    from laya_aot.tolerance import decision_statement, mcnemar_one_sided
+
+    assert mcnemar_one_sided(0, 0) == 1.0
+    assert mcnemar_one_sided(10, 0) == 2.0 ** -10                      # every discordant decision against it
+    assert mcnemar_one_sided(3, 3) == pytest.approx(42 / 64)           # P(X >= 3), X ~ Bin(6, 1/2)
+    st = decision_statement([True, False, True, True], [True, True, False, True], alpha=0.01)
+    assert (st.decisions, st.artifact, st.eager_in_dtype) == (4, 0.75, 0.75)
+    assert (st.artifact_only_wrong, st.eager_only_wrong, st.p_value, st.holds) == (1, 1, 0.75, True)
+
+
+def test_a_bf16_cpu_artifact_states_its_decisions_and_a_worse_one_fails(demo_ckpt, bf16_bundle):
+    """The bf16 CPU path: the stored statement covers >= 2,000 decisions and holds; the same artifact with its
+    logits perturbed (a worse artifact) fails the same statement, through the same functions the build uses."""
+    import laya
+    import torch
+
+    from laya_aot import kinds
+    from laya_aot import laya_internals as laya_api
+    from laya_aot.manifest import artifact_path, read_bundle
+    from laya_aot.tolerance import Tolerance
+    from laya_aot.verification import EagerFigures, decision_cases
+
+    m = read_bundle(bf16_bundle, kinds.NAMES)
+    art = next(a for a in m.artifacts if a.kind == "aoti" and a.dtype == "bf16")
+    st = art.verify.decisions
+    assert art.status == "verified" and st is not None and st.decisions >= 2000 and st.holds
+    assert st.artifact >= st.eager_in_dtype - 0.02 and 0 < st.eager_in_dtype <= 1
+    agent = laya.load(str(demo_ckpt), device="cpu")
+    model = agent.model.float().eval()
+    runner = kinds.load(artifact_path(bf16_bundle, art), art,
+                        kinds.LoadEnv(device="cpu", tensors=kinds.model_tensors(model)))
+    g = torch.Generator().manual_seed(0)
+
+    def worse(*xs):
+        logits, act = runner(*xs)
+        return logits + 0.5 * torch.randn(logits.shape, generator=g), act
+
+    worse.device = runner.device
+    tol = Tolerance()
+    suite = decision_cases(77, art.ranges, laya_api.vocab(agent), laya_api.pad_id(agent), None, tol.decisions)
+    figures = EagerFigures(model, [], {}, suite, tol.decisions_alpha)
+    good = figures.decisions(runner, "bf16", art.ranges, laya_api.pad_id(agent))
+    bad = figures.decisions(worse, "bf16", art.ranges, laya_api.pad_id(agent))
+    assert good.holds and good.decisions >= 2000
+    assert not bad.holds and bad.artifact < good.artifact and bad.p_value < tol.decisions_alpha

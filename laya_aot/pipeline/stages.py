@@ -45,6 +45,7 @@ from ..variant import current_gpu_arch, current_machine
 from ..verification import (
     EagerFigures,
     cases,
+    decision_cases,
     latency_ms,
     random_rows,
     reference_outputs,
@@ -105,7 +106,8 @@ def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: p
         lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
     tensors = model_tensors(reference)
     references = reference_outputs(reference, case_list)
-    eager_figures = EagerFigures(reference, case_list, references)
+    suite = decision_cases(ctx.cfg.verify.seed + 1, ctx.ranges, ctx.vocab, ctx.pad_id, None, tol.decisions)
+    eager_figures = EagerFigures(reference, case_list, references, suite, tol.decisions_alpha)
     gpu_agents: Dict[str, Any] = {}
     summary = []
     for art in todo:
@@ -139,7 +141,8 @@ def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, ref
         runner = kind.load(ctx.staging / art.path, art, env)
         eager = eager_figures.get(art.dtype, art.device)
         result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                               rule_for(art.dtype, tol, eager), references, eager, label=art.name)
+                               rule_for(art.dtype, tol, eager), references, eager, label=art.name,
+                               decisions=eager_figures.decisions(runner, art.dtype, ctx.ranges, ctx.pad_id))
         if kind.serves:
             sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
             art.latency_ms = {art.device: {

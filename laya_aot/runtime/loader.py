@@ -34,7 +34,7 @@ from .. import kinds, precision
 from .. import laya_internals as laya_api
 from ..distribution.fetch import resolve_for_load
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
-from ..tolerance import Agreement, rule_for
+from ..tolerance import Agreement, DecisionAgreement, rule_for
 from ..variant import current_machine
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
@@ -193,30 +193,36 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
 
     from ..files import write_json_atomic
     from ..probe import verdict_path
-    from ..verification import cases, eager_in_dtype, reference_outputs, verify_runner
+    from ..verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner
 
     path = verdict_path(art, machine, "verify:" + str(agent.device))
     try:
         cached = _json.loads(path.read_text(encoding="utf-8"))
         eager = cached.get("eager_in_dtype")
+        decisions = cached.get("decisions")
         return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
-                            eager_in_dtype=Agreement(**eager) if eager else None, rule=cached.get("rule"))
+                            eager_in_dtype=Agreement(**eager) if eager else None, rule=cached.get("rule"),
+                            decisions=DecisionAgreement(**decisions) if decisions else None)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     r = art.ranges
     pad_id = laya_api.pad_id(agent)
     t0 = time.perf_counter()
-    case_list = cases(int(time.time()), r, laya_api.vocab(agent), pad_id, laya_api.context_len(agent))
+    seed, vocab, context, tol = int(time.time()), laya_api.vocab(agent), laya_api.context_len(agent), manifest.tolerance
+    case_list = cases(seed, r, vocab, pad_id, context)
     with torch.no_grad(), torch.autocast(agent.device.type, enabled=False):
         references = reference_outputs(model, case_list)
-        eager = eager_in_dtype(model, art.dtype, case_list, references) if art.dtype != "fp32" else None
-        res = verify_runner(runner, model, case_list, r, pad_id, runner.device,
-                            rule_for(art.dtype, manifest.tolerance, eager), references, eager)
+        figures = EagerFigures(model, case_list, references, decision_cases(seed + 1, r, vocab, pad_id, context,
+                                                                            tol.decisions), tol.decisions_alpha)
+        eager = figures.get(art.dtype, str(agent.device))
+        res = verify_runner(runner, model, case_list, r, pad_id, runner.device, rule_for(art.dtype, tol, eager),
+                            references, eager, decisions=figures.decisions(runner, art.dtype, r, pad_id))
     stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"artifact": art.name, "reason": res.reason, "tolerance": res.tolerance,
                                  "rule": res.rule, "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
+                                 "decisions": dataclasses.asdict(res.decisions) if res.decisions else None,
                                  "figures": {"max_abs_option_prob": res.max_abs_option_prob,
                                              "max_abs_action_prob": res.max_abs_action_prob,
                                              "argmax_agreement": res.argmax_agreement}})
