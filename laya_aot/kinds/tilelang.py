@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import laya_internals as laya_api
 from ..manifest import Artifact, Needs
 from ..variant import Machine, cuda_tag
 from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
@@ -22,6 +23,7 @@ class TileLangRunner(Runner):
     """laya's own fast path fed only the bundle's precompiled TileLang kernels."""
 
     def __init__(self, art_dir: Path, agent, art: Artifact):
+        laya_api.require("tilelang")  # without the extra: this artifact's one reason names it
         from ..kernels import make_fast_forward
 
         self.device = agent.device
@@ -38,9 +40,10 @@ def build(ctx: BuildContext) -> str:
     if ctx.device != "cuda" or not archs:
         raise Skip("target %s has no TileLang architectures (CUDA targets only)" % ctx.cfg.target.name)
     try:
-        from .. import kernels
-    except ImportError as e:  # pragma: no cover - depends on the optional extra
-        raise Skip("TileLang is not installed (pip install 'laya-aot[tilelang]'): %s" % e) from e
+        laya_api.require("tilelang")
+    except laya_api.RouteUnavailable as e:  # pragma: no cover - depends on the optional extra
+        raise Skip(str(e)) from None
+    from .. import kernels
     t0 = time.perf_counter()
     folder = ctx.artifact_name(KIND, NAME)  # tilelang, or tilelang-<dtype> when the build makes several
     out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
