@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
@@ -174,8 +174,9 @@ def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> typ
 _PATCH_LOCK = threading.Lock()
 
 
-def build_router(router_class: type) -> Any:
-    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`.
+def build_router(router_class: Optional[type]) -> Any:
+    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`
+    (None: laya's own Router, untouched).
 
     laya's function constructs `laya.router.Router` by name at call time, so the name points at
     `router_class` for the duration of the call; a laya that builds its Router some other way is reported.
@@ -183,6 +184,8 @@ def build_router(router_class: type) -> Any:
     import laya.router
     import laya.serve
 
+    if router_class is None:
+        return laya.serve.build_router()
     with _PATCH_LOCK:
         original = laya.router.Router
         laya.router.Router = router_class

@@ -428,12 +428,14 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
     # a fallback's warning from laya_aot.load is that load's log line (BundleLoads), said once
     warnings.filterwarnings("ignore", message="laya-aot: using laya's eager forward", category=RuntimeWarning,
                             module=re.escape(__name__))
-    if router is None:
+    if router is None and config.bundles:
         for spec in config.bundles.values():
             log.info("%r <- bundle %s (checkpoint %s)%s", spec.model, spec.bundle, spec.checkpoint,
                      ", strict" if config.strict else "")
         router = laya_api.build_router(laya_api.aot_router_class(loads))
         _precheck_lazy(router, config)
+    elif router is None:  # no bundle: laya's own Router, built as laya's create_app builds it
+        router = laya_api.build_router(None)
     app = laya.serve.create_app(router=router)
     app.add_middleware(AotRoute, router=router, loads=loads)
     loads.started = True
