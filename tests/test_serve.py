@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -363,3 +366,70 @@ def test_this_laya_has_what_serve_relies_on():
     from laya_aot import laya_internals
 
     assert laya_internals.check(router=Router()) == []
+
+
+def _readme_serving_blocks():
+    """The README's Serving section: the block that builds and serves, and the block that asks."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n## Serving\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [[line for line in b.splitlines() if line and not line.startswith("#")] for b in blocks]
+    serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
+    ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
+    return serve, ask
+
+
+def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(tmp_path):
+    """The README's Serving commands, run as written in a fresh directory (the environment is already made: CI's
+    serve environment is the README's `pip install -e ".[serve]"` without the tilelang extra), answer from the
+    bundle."""
+    (build_line, serve_line), ask = _readme_serving_blocks()
+    install, build = build_line.split(" && ", 1)
+    assert install == '.venv/bin/pip install -e ".[serve]"', "the install the README gives for serving"
+    venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+    built = subprocess.run(["bash", "-c", build.replace(".venv/bin/", venv_bin)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=1200)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    port = _free_port()
+    assert "LAYA_PORT=8000 " in serve_line and all(a.startswith("curl -s localhost:8000/") for a in ask)
+    serve_line = serve_line.replace("LAYA_PORT=8000 ", "LAYA_PORT=%d " % port).replace(".venv/bin/", venv_bin)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["bash", "-c", serve_line], cwd=tmp_path, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # its group is stopped below
+    try:
+        url = "http://127.0.0.1:%d" % port
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        answers = []
+        for line in ask:  # curl -s URL [-H HEADER] [-d BODY], sent as curl would
+            args = shlex.split(line)[2:]
+            target = url + args[0][len("localhost:8000"):]
+            headers = dict(h.split(": ", 1) for h in args[args.index("-H") + 1:][:1]) if "-H" in args else {}
+            if "-d" in args:
+                answers.append(httpx.post(target, content=args[args.index("-d") + 1], headers=headers, timeout=60))
+            else:
+                answers.append(httpx.get(target, headers=headers, timeout=10))
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        decision = answers[0].json()
+        assert decision["answers"]["team"]["choice"] in ("billing", "technical"), decision
+        report = answers[1].json()
+        assert report["bundles"]["demo"]["backend"].startswith("aot:"), report
+        assert report["bundles"]["demo"]["refused"] == [], report
+        assert "served by aot:" in log_path.read_text(errors="replace")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
