@@ -54,6 +54,11 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra(monkeypatch):
     assert str(e.value) == ('TileLang (its kernels and artifacts) needs tilelang, which is not installed: '
                             'pip install "laya-aot[tilelang]"')
     assert laya_internals.check(routes=("tilelang",)) == []  # the extra is the finding, not laya.fast's names
+    from laya_aot import kinds
+
+    tilelang_kind = next(k for k in kinds.REGISTRY if k.stage == "tilelang")
+    assert tilelang_kind.refuse_device("cuda") == str(e.value)  # a GPU agent refuses its artifacts before a probe
+    assert tilelang_kind.refuse_device("cpu") is None           # on a CPU, the device mismatch says it
 
 
 def test_the_serve_path_imports_no_tilelang():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -82,5 +83,17 @@ def variant(m: Machine, device: str) -> str:
     return "%s-%s-%s-%s" % (cuda_tag(m.cuda or torch.version.cuda or "13.0"), m.gpu_arch, m.machine, m.os)
 
 
+def refuse_device(device: str) -> Optional[str]:
+    """On a GPU without the tilelang extra: refused from the manifest with the extra to install, before any probe
+    (elsewhere the device mismatch is the reason)."""
+    if device != "cuda":
+        return None
+    try:
+        laya_api.require("tilelang")
+    except laya_api.RouteUnavailable as e:
+        return str(e)
+    return None
+
+
 KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
-            reverify=False, needs=needs, variant=variant, probe_env=probe_env)
+            reverify=False, needs=needs, variant=variant, probe_env=probe_env, refuse_device=refuse_device)
