@@ -100,3 +100,15 @@ def test_serving_dtype_follows_the_agents_autocast(amp, dtype, expect):
     a = _Agent()
     a.dtype = getattr(torch, dtype) if dtype else torch.float32
     assert laya_internals.serving_dtype(a) == expect
+
+
+def test_serve_without_its_extra_is_one_line_naming_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("fastapi", "uvicorn") else real(name, *a))
+    with pytest.raises(laya_internals.RouteUnavailable) as e:
+        laya_internals.require("serve")
+    assert str(e.value) == ('laya-aot serve needs fastapi, uvicorn, which are not installed: '
+                            'pip install "laya-aot[serve]"')
