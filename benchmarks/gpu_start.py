@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
     a = ap.parse_args()
     if a.calls_child:
         calls_child(a.calls_child, a.ckpt, a.bundle, a.device)
@@ -185,6 +186,17 @@ def main() -> None:
             r.update(path=path, n=i, first_on_machine=(path == "bundle" and i == 0))
             res["starts"].append(r)
             print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
+    if a.profile:  # not timed: where a later bundle start spends its time, by function
+        code = ("import cProfile, pstats, io, time; pr = cProfile.Profile(); pr.enable()\n" +
+                START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device) +
+                "pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative')"
+                ".print_stats(60); print(s.getvalue())")
+        p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, env=env)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / ("profile_%s%s.txt" % (a.shape, a.tag))).write_text(p.stdout[-60000:])
+        imports = sorted((ln for ln in p.stderr.splitlines() if ln.startswith("import time:") and "|" in ln
+                          and ln.split("|")[1].strip().isdigit()), key=lambda ln: -int(ln.split("|")[1]))
+        (Path(a.out) / ("importtime_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(imports[:200]))
     if not a.skip_calls:
         for path in ("eager", "bundle"):
             res["calls"][path] = run_calls(path, ckpt, bundle, env, 400, a.device)

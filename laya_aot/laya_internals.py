@@ -3,9 +3,10 @@ re-check on a laya upgrade.
 
 laya (0.4.15) has no public way to install a custom forward: `Agent.set_backend` takes backend names
 only. So a bundle's backend is installed the way `set_backend` does it itself, under the agent's
-reader/writer lock (`_gate`), replacing `_backend` and clearing `_fast`. `check()` lists every name
-this module and `laya_aot.kernels` rely on; `tests/test_laya_internals.py` fails naming the first one a
-new laya renamed.
+reader/writer lock (`_gate`), replacing `_backend` and clearing `_fast`. `check(routes=...)` lists the
+names a route relies on that this laya lacks (core: `laya_aot.load`; serve: `laya-aot serve`; tilelang:
+`laya_aot.kernels`, whose laya modules import tilelang), and `require` names the extra to install when a
+route's packages are missing; `tests/test_laya_internals.py` fails naming the first one a new laya renamed.
 
 `laya-aot serve` runs laya's own HTTP app over a Router whose checkpoint builds it takes over: laya's
 `Router._build` is the one place a Router constructs an Agent, and `laya.serve.build_router` reads every
@@ -14,14 +15,16 @@ new laya renamed.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
-# (module, attribute path) pairs laya-aot needs; instance attributes are checked on an agent
-MODULE_NAMES: Tuple[Tuple[str, str], ...] = (
+# (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
+# checked only when that route runs, so a laya installed without an optional extra still serves the others
+CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every backend
     ("laya", "load"),
     ("laya.agent", "Agent.deaccelerate"),
     ("laya.backends.base", "Backend.install"),
@@ -31,10 +34,9 @@ MODULE_NAMES: Tuple[Tuple[str, str], ...] = (
     ("laya.backends.base", "bucket_rows"),
     ("laya.backends.base", "bucket_tokens"),
     ("laya.common", "build_model"),
-    ("laya.agent", "build_model"),       # the thin agent builds laya's model on the meta device
-    ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
-    ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
-    # laya-aot serve: laya's app and settings, and the Router's one Agent construction
+    ("laya.agent", "build_model"),       # the thin agent replaces it with a shell while laya builds an Agent
+)
+SERVE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya-aot serve: laya's app and settings, the Router's one Agent build
     ("laya.serve", "build_router"),
     ("laya.serve", "create_app"),
     ("laya.serve", "_resolve_port"),
@@ -44,23 +46,69 @@ MODULE_NAMES: Tuple[Tuple[str, str], ...] = (
     ("laya.router", "_digest_entry"),
     ("laya.mcp.device", "router_agent"),
 )
+TILELANG_NAMES: Tuple[Tuple[str, str], ...] = (  # TileLang artifacts and builds (laya_aot.kernels)
+    ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
+    ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
+)
+ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
+                                                   "tilelang": TILELANG_NAMES}
+# the third-party packages a route imports through laya, and the extra of laya-aot that installs them
+PACKAGES: Dict[str, Tuple[str, ...]] = {"serve": ("fastapi", "uvicorn"), "tilelang": ("tilelang",)}
+_ROUTE_WORDS: Dict[str, str] = {"serve": "laya-aot serve", "tilelang": "TileLang (its kernels and artifacts)"}
+MODULE_NAMES: Tuple[Tuple[str, str], ...] = CORE_NAMES + SERVE_NAMES + TILELANG_NAMES  # every route
 AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "device", "dtype", "amp_enabled")
 # what `router_agent_kwargs` reads of a Router, as Router._build does
 ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
 
 
-def check(agent: Any = None, router: Any = None) -> List[str]:
-    """The names laya-aot needs that this laya lacks (empty when all are there)."""
+class RouteUnavailable(RuntimeError):
+    """A route's optional packages are not installed; the message is one line naming the extra to install."""
+
+
+class LayaIncompatible(RuntimeError):
+    """This laya lacks names a route relies on; the message names them and the fix."""
+
+    def __init__(self, missing: List[str], who: str):
+        super().__init__("this laya lacks %s, which %s relies on: install a laya laya-aot supports (pip install "
+                         "\"laya>=0.4.15,<0.5\"), or adapt laya_aot/laya_internals.py to it"
+                         % (", ".join(missing), who))
+        self.missing = missing
+
+
+def missing_packages(route: str) -> List[str]:
+    """The packages `route` needs that are not installed (found without importing them: no start-up cost)."""
+    return [name for name in PACKAGES.get(route, ()) if importlib.util.find_spec(name) is None]
+
+
+def require(*routes: str) -> None:
+    """Raise RouteUnavailable naming the extra when a route's packages are missing, before anything loads.
+
+    Only packages are checked here; `check()` then finds what a laya lacks by name."""
+    for route in routes:
+        absent = missing_packages(route)
+        if absent:
+            raise RouteUnavailable("%s needs %s, which %s not installed: pip install \"laya-aot[%s]\""
+                                   % (_ROUTE_WORDS.get(route, route), ", ".join(absent),
+                                      "is" if len(absent) == 1 else "are", route))
+
+
+def check(agent: Any = None, router: Any = None, routes: Tuple[str, ...] = ("core",)) -> List[str]:
+    """The names of `routes` (core, serve, tilelang) that this laya lacks (empty when all are there).
+
+    A route whose packages are missing is not checked: `require` reports that as the extra to install."""
     missing = []
     if router is not None:
         missing += ["Router.%s" % n for n in ROUTER_NAMES if not hasattr(router, n)]
-    for module, path in MODULE_NAMES:
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError):
-            missing.append("%s.%s" % (module, path))
+    for route in routes:
+        if missing_packages(route):
+            continue
+        for module, path in ROUTES[route]:
+            try:
+                obj: Any = importlib.import_module(module)
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except (ImportError, AttributeError):
+                missing.append("%s.%s" % (module, path))
     if agent is not None:
         missing += ["Agent.%s" % n for n in AGENT_NAMES if not hasattr(agent, n)]
         gate = getattr(agent, "_gate", None)
@@ -113,6 +161,12 @@ def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> typ
     from laya.router import Router
 
     class AotRouter(Router):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            missing = check(router=self, routes=())  # before laya's build_router preloads anything
+            if missing:
+                raise LayaIncompatible(missing, "laya-aot serve")
+
         def _build(self, key: str):
             return build(self, key, lambda: Router._build(self, key))
 
@@ -122,8 +176,9 @@ def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> typ
 _PATCH_LOCK = threading.Lock()
 
 
-def build_router(router_class: type) -> Any:
-    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`.
+def build_router(router_class: Optional[type]) -> Any:
+    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`
+    (None: laya's own Router, untouched).
 
     laya's function constructs `laya.router.Router` by name at call time, so the name points at
     `router_class` for the duration of the call; a laya that builds its Router some other way is reported.
@@ -131,6 +186,8 @@ def build_router(router_class: type) -> Any:
     import laya.router
     import laya.serve
 
+    if router_class is None:
+        return laya.serve.build_router()
     with _PATCH_LOCK:
         original = laya.router.Router
         laya.router.Router = router_class
@@ -175,10 +232,6 @@ def serve_settings() -> Tuple[str, int, str]:
 
     return os.environ.get("LAYA_HOST", "0.0.0.0"), _resolve_port(), _resolve_log_level()
 
-
-__all__ = ["Backend", "BackendUnavailable", "aot_router_class", "bucket_rows", "bucket_tokens", "build_router",
-           "check", "install_backend", "pad_batch", "pad_id", "parallel_options", "resident_agent",
-           "router_agent_kwargs", "serve_settings", "serving_dtype", "vocab"]
 
 
 # ---------------------------------------------------------------------------------------- the thin agent
@@ -308,3 +361,9 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
     """Make `model` the agent's module (no backend may be installed yet), under laya's write lock."""
     with agent._gate.write_lock():
         agent.model = model
+
+
+__all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
+           "bucket_tokens", "build_eager_module", "build_router", "check", "install_backend", "is_thin",
+           "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
+           "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]

@@ -563,6 +563,11 @@ def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
     return _parse(_manifest_bytes(bundle), bundle / MANIFEST)
 
 
+# where a pin comes from, in the words of the message refusing a bundle that is not the pinned one (a server that
+# reads its pins from another setting names that setting instead: laya_aot.serve)
+PIN_SETTING = "bundle_sha256 or LAYA_AOT_BUNDLE_SHA256"
+
+
 def read_bundle(bundle: str | os.PathLike, kinds: Collection[str], sha256: Optional[str] = None) -> Bundle:
     """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix.
 
@@ -574,10 +579,10 @@ def read_bundle(bundle: str | os.PathLike, kinds: Collection[str], sha256: Optio
         want = str(sha256).strip().lower()
         got = hashlib.sha256(raw).hexdigest()
         if got != want:
-            raise BundleError("%s is not the pinned bundle: its sha256 is %s, the pin (bundle_sha256 or "
-                              "LAYA_AOT_BUNDLE_SHA256) says %s; deploy the bundle that was pinned, or pin this one "
-                              "after checking where it came from (`laya-aot inspect %s` prints its sha256)"
-                              % (bundle / MANIFEST, got, want[:64], bundle))
+            raise BundleError("%s is not the pinned bundle: its sha256 is %s, the pin (%s) says %s; deploy the "
+                              "bundle that was pinned, or pin this one after checking where it came from "
+                              "(`laya-aot inspect %s` prints its sha256)"
+                              % (bundle / MANIFEST, got, PIN_SETTING, want[:64], bundle))
     return Bundle.from_dict(_parse(raw, bundle / MANIFEST), kinds, str(bundle / MANIFEST))
 
 

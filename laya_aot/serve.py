@@ -11,8 +11,10 @@ checkpoint named in `LAYA_AOT_BUNDLES` call `laya_aot.load`; other checkpoints l
     LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256;
                                                           load's LAYA_AOT_BUNDLE_SHA256 only with one bundle)
 
-Visible in operation: one log line per load says which artifact serves the checkpoint or why it fell
-back, and `/health` (for a caller laya authorises) adds `backends` and `aot` for resident checkpoints.
+Visible in operation: one log line per load says which artifact serves the checkpoint (and why each other
+artifact was not used) or why it fell back, and `GET /v1/aot` answers the same for every bundled checkpoint, to
+the callers laya's `/health` shows its detail to. Every route laya defines, `/health` included, answers
+byte for byte as laya's own app does (laya's own tests/test_serve.py passes alike against both).
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ import re
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
 
@@ -56,7 +59,8 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
                            with a near-tie: laya's bitwise outputs, at an eager forward's cost), rows (it
                            recomputes those rows only)
 
-Checkpoints without a bundle load exactly as in `laya serve`.""" % _EXAMPLE
+Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
+detail is) says what serves each resident checkpoint and why each other artifact was not used.""" % _EXAMPLE
 
 
 class ServeConfigError(ValueError):
@@ -244,18 +248,51 @@ def precheck(spec: BundleSpec) -> Optional[str]:
 
 
 def describe(agent: Any) -> Dict[str, Any]:
-    """What serves a loaded agent: backend, and for a bundle the artifact, its variant or why it fell back."""
-    out: Dict[str, Any] = {"backend": getattr(agent, "backend", None)}
+    """What serves a loaded agent: its backend, the artifact and variant (None: laya's eager forward) and every
+    artifact of the bundle that was not used, with the loader's reason."""
     backend = getattr(agent, "backend_object", None)
     art = getattr(backend, "artifact", None)
+    out: Dict[str, Any] = {"backend": getattr(agent, "backend", None), "artifact": getattr(art, "name", None)}
     if art is not None:
-        out["artifact"] = art.name
         out["variant"] = getattr(backend, "variant", None)
         out["near_tie_margin"] = getattr(backend, "tie_margin", None)
         out["near_ties"] = getattr(backend, "near_ties", None)
-    rejected = getattr(backend, "rejected", None)
-    if rejected is not None and art is None:
-        out["fallback"] = ["%s: %s" % (name, why) for name, why in rejected]
+    out["refused"] = ["%s: %s" % (name, why) for name, why in (getattr(backend, "rejected", None) or [])]
+    return out
+
+
+def _pin_words(spec: BundleSpec, text: str) -> str:
+    """`text` with the loader's name for a pin replaced by the setting this server read it from."""
+    if spec.sha256 is None:
+        return text
+    from .manifest import PIN_SETTING
+
+    return text.replace(PIN_SETTING, "%s[%r]" % (ENV_PINS, spec.model))
+
+
+def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> List[str]:
+    """'name: reason' for each artifact that could serve this agent here but that the load never examined (it
+    stopped at the first that serves) and whose files do not match the manifest: a damaged bundle is named at
+    its first load, not when the artifact ranked above it fails. Digests are cached, so this is a few stats."""
+    from . import kinds
+    from .manifest import BundleError, check_artifact_hash, read_bundle
+    from .usable import reject_reason
+    from .variant import current_machine
+
+    examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}
+    try:
+        manifest = read_bundle(spec.bundle, kinds.NAMES, **({"sha256": spec.sha256} if spec.sha256 else {}))
+    except BundleError:
+        return []  # the load read this manifest; a change since is the next load's to report
+    machine = current_machine(str(agent.device))
+    serving = laya_api.serving_dtype(agent)
+    out = []
+    for art in manifest.artifacts:
+        if art.name in examined or reject_reason(art, machine, agent.device.type, serving) is not None:
+            continue
+        why = check_artifact_hash(spec.bundle, art)
+        if why is not None:
+            out.append("%s: %s" % (art.name, why))
     return out
 
 
@@ -265,13 +302,15 @@ class BundleLoads:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.loads: Counter = Counter()
+        self.damaged: Dict[str, List[str]] = {}  # per checkpoint, from its last load: see _damaged_unexamined
+        self.started = False  # a load that fails before the server started is reported once, by create_app's caller
         self._lock = threading.Lock()
 
     def __call__(self, router: Any, key: str, laya_build: Callable[[], Any]) -> Any:
         spec = self.config.bundles.get(key)
         if spec is None:
             return laya_build()
-        from .runtime.loader import load
+        from .runtime.loader import NoArtifactError, load
 
         kwargs = laya_api.router_agent_kwargs(router, key)
         if spec.sha256:
@@ -283,47 +322,74 @@ class BundleLoads:
         try:
             agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict,
                          near_ties=self.config.near_ties, **kwargs)
+        except NoArtifactError as e:
+            message = _pin_words(spec, str(e))
+            if self.started:
+                log.error("%r load #%d from bundle %s failed (%s=1): %s", key, n, spec.bundle, ENV_STRICT, message)
+            raise NoArtifactError(message) from None
         except Exception as e:
-            log.error("%r load #%d from bundle %s failed%s: %s", key, n, spec.bundle,
-                      " (LAYA_AOT_STRICT=1)" if self.config.strict else "", e)
+            if self.started:
+                log.error("%r load #%d from bundle %s failed: %s", key, n, spec.bundle, e)
             raise
-        info = describe(agent)
         took = time.perf_counter() - t0
-        if "artifact" in info:
-            log.info("%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s",
-                     key, n, took, info["backend"], info["artifact"], info["variant"], spec.bundle)
+        info = describe(agent)
+        damaged = [] if spec.remote or info["artifact"] is None else _damaged_unexamined(spec, agent, info)
+        with self._lock:
+            self.damaged[key] = damaged
+        refused = "; ".join(_pin_words(spec, r) for r in info["refused"] + damaged)
+        if info["artifact"] is not None:
+            (log.warning if refused else log.info)(
+                "%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s%s", key, n, took, info["backend"],
+                info["artifact"], info["variant"], spec.bundle, "; not used: %s" % refused if refused else "")
         else:
             log.warning("%r load #%d in %.2f s: fell back to laya's eager forward; no artifact of "
-                        "bundle %s fits: %s", key, n, took, spec.bundle, "; ".join(info.get("fallback") or []))
+                        "bundle %s fits: %s", key, n, took, spec.bundle, refused)
         return agent
 
+    def report(self, router: Any) -> Dict[str, Any]:
+        """`GET /v1/aot`'s answer: every resident checkpoint's backend, and every bundled checkpoint's bundle,
+        load count and, when resident, what serves it and why each other artifact was not used."""
+        backends: Dict[str, Any] = {}
+        bundles: Dict[str, Any] = {}
+        for name in list(getattr(router, "loaded", None) or []):
+            agent = laya_api.resident_agent(router, name)
+            if agent is not None:
+                backends[name] = describe(agent)["backend"]
+        for name, spec in self.config.bundles.items():
+            entry: Dict[str, Any] = {"bundle": spec.bundle, "loads": self.loads[name], "resident": name in backends}
+            agent = laya_api.resident_agent(router, name) if name in backends else None
+            if agent is not None:
+                info = describe(agent)
+                info["refused"] = [_pin_words(spec, r) for r in info["refused"] + self.damaged.get(name, [])]
+                entry.update(info)
+            bundles[name] = entry
+        return {"backends": backends, "bundles": bundles, "strict": self.config.strict,
+                "near_ties": self.config.near_ties}
 
-class HealthBackends:
-    """ASGI middleware: laya's `/health` answer, when it is the full (authorised) one, gains `backends` (every
-    resident checkpoint's backend) and `aot` (per bundled resident checkpoint: bundle, artifact or fallback
-    reasons, loads). laya decides who is authorised; other routes pass through untouched."""
+
+AOT_ROUTE = "/v1/aot"
+_DENIED = b'{"detail":"invalid or missing bearer token"}'  # laya's 401 body on its other routes
+
+
+class AotRoute:
+    """ASGI middleware answering `GET /v1/aot`; every other request goes to laya's app untouched.
+
+    Who may read it is laya's decision: the caller's headers are sent to laya's own `GET /health`, and a caller
+    laya shows its detail to (the answer lists `loaded`) gets the report; any other gets 401, as laya answers an
+    unauthorised caller on its other routes. A middleware, not a route: laya's app, its OpenAPI schema
+    included, stays laya's."""
 
     def __init__(self, app: Any, router: Any, loads: BundleLoads):
         self.app, self.router, self.loads = app, router, loads
 
-    def _extra(self, loaded: List[str]) -> Dict[str, Any]:
-        backends: Dict[str, Any] = {}
-        aot: Dict[str, Any] = {}
-        for name in loaded:
-            agent = laya_api.resident_agent(self.router, name)
-            if agent is None:
-                continue
-            info = describe(agent)
-            backends[name] = info["backend"]
-            spec = self.loads.config.bundles.get(name)
-            if spec is not None:
-                aot[name] = dict(info, bundle=spec.bundle, loads=self.loads.loads[name])
-        return {"backends": backends, "aot": aot}
-
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "GET" or not scope.get("path", "").endswith("/health"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        mine = path in (AOT_ROUTE, scope.get("root_path", "") + AOT_ROUTE) and scope.get("method") in ("GET", "HEAD")
+        if not mine:
             await self.app(scope, receive, send)
             return
+        health_path = path[:-len(AOT_ROUTE)] + "/health"  # under laya's LAYA_ROOT_PATH as this request is
+        health = dict(scope, method="GET", path=health_path, raw_path=health_path.encode(), query_string=b"")
         start: Dict[str, Any] = {}
         body: List[bytes] = []
 
@@ -332,50 +398,61 @@ class HealthBackends:
                 start.update(message)
             elif message["type"] == "http.response.body":
                 body.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    head, payload = self._amend(start, b"".join(body))
-                    await send(head)
-                    await send({"type": "http.response.body", "body": payload})
-            else:
-                await send(message)
 
-        await self.app(scope, receive, capture)
-
-    def _amend(self, start: Dict[str, Any], raw: bytes) -> Tuple[Dict[str, Any], bytes]:
+        await self.app(health, receive, capture)
         try:
-            payload = json.loads(raw) if start.get("status") == 200 else None
+            detail = json.loads(b"".join(body)) if start.get("status") == 200 else None
         except ValueError:
-            payload = None
-        if not (isinstance(payload, dict) and isinstance(payload.get("loaded"), list)):  # not the authorised answer
-            return start, raw
-        payload.update(self._extra(payload["loaded"]))
-        out = json.dumps(payload, separators=(",", ":")).encode()
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        return dict(start, headers=headers + [(b"content-length", str(len(out)).encode())]), out
+            detail = None
+        if isinstance(detail, dict) and isinstance(detail.get("loaded"), list):
+            status, payload = 200, json.dumps(self.loads.report(self.router), separators=(",", ":")).encode()
+        else:
+            status, payload = 401, _DENIED
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload if scope.get("method") == "GET" else b""})
 
 
-def create_app(config: Optional[ServeConfig] = None) -> Any:
-    """laya's FastAPI app over a Router that loads bundled checkpoints through `laya_aot.load`.
+def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
+    """laya's FastAPI app over a Router that loads bundled checkpoints through `laya_aot.load`, plus `GET /v1/aot`.
 
     Builds the Router as `laya serve` does (preloading unless LAYA_PRELOAD=0); a bundled checkpoint not
-    loaded at start is pre-checked from its manifest, and under LAYA_AOT_STRICT a failed check refuses."""
+    loaded at start is pre-checked from its manifest, and under LAYA_AOT_STRICT a failed check refuses.
+    `router` is laya's own parameter: an injected Router (a test's, an embedding's) is served as it is."""
+    laya_api.require("serve")
+    missing = laya_api.check(routes=("core", "serve"))
+    if missing:
+        raise laya_api.LayaIncompatible(missing, "laya-aot serve")
     import laya.serve
 
     config = config_from_env() if config is None else config
     loads = BundleLoads(config)
-    for spec in config.bundles.values():
-        log.info("%r <- bundle %s (checkpoint %s)%s", spec.model, spec.bundle, spec.checkpoint,
-                 ", strict" if config.strict else "")
-    router = laya_api.build_router(laya_api.aot_router_class(loads))
-    missing = laya_api.check(router=router)
-    if missing:
-        raise RuntimeError("this laya lacks %s, which laya-aot serve relies on (laya_aot/laya_internals.py)"
-                           % ", ".join(missing))
+    # a fallback's warning from laya_aot.load is that load's log line (BundleLoads), said once
+    warnings.filterwarnings("ignore", message="laya-aot: using laya's eager forward", category=RuntimeWarning,
+                            module=re.escape(__name__))
+    if router is None and config.bundles:
+        for spec in config.bundles.values():
+            log.info("%r <- bundle %s (checkpoint %s)%s", spec.model, spec.bundle, spec.checkpoint,
+                     ", strict" if config.strict else "")
+        router = laya_api.build_router(laya_api.aot_router_class(loads))
+        _precheck_lazy(router, config)
+    elif router is None:  # no bundle: laya's own Router, built as laya's create_app builds it
+        router = laya_api.build_router(None)
+    app = laya.serve.create_app(router=router)
+    app.add_middleware(AotRoute, router=router, loads=loads)
+    loads.started = True
+    return app
+
+
+def _precheck_lazy(router: Any, config: ServeConfig) -> None:
+    """Bundled checkpoints that load on first use: their manifest checked now (under strict, a failure refuses)."""
     resident = set(router.loaded)
     for spec in config.bundles.values():
         if spec.model in resident:
             continue
         why = None if spec.remote else precheck(spec)
+        why = None if why is None else _pin_words(spec, why)
         if why is not None and config.strict:
             raise ServeConfigError("bundle %s cannot serve %r (%s=1): %s" % (spec.bundle, spec.model, ENV_STRICT, why))
         if why is not None:
@@ -384,9 +461,6 @@ def create_app(config: Optional[ServeConfig] = None) -> Any:
         else:
             log.info("%r loads on first use from bundle %s (%s)", spec.model, spec.bundle,
                      "fetched by laya_aot.load" if spec.remote else "manifest checked, built from this checkpoint")
-    app = laya.serve.create_app(router=router)
-    app.add_middleware(HealthBackends, router=router, loads=loads)
-    return app
 
 
 def _setup_logging() -> None:
@@ -398,8 +472,6 @@ def _setup_logging() -> None:
 
 def main(argv: List[str], start: float) -> int:
     """`laya-aot serve`: configuration errors are one line and exit 2, never a traceback."""
-    from .runtime.loader import NoArtifactError
-
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -409,9 +481,16 @@ def main(argv: List[str], start: float) -> int:
         return 2
     _setup_logging()
     try:
+        laya_api.require("serve")  # before anything loads: a missing extra is one line naming it
+    except laya_api.RouteUnavailable as e:
+        print("laya-aot serve: %s" % e, file=sys.stderr)
+        return 2
+    from .runtime.loader import NoArtifactError
+
+    try:
         host, port, level = laya_api.serve_settings()
         app = create_app()
-    except (ServeConfigError, NoArtifactError) as e:
+    except (ServeConfigError, NoArtifactError, laya_api.LayaIncompatible) as e:
         print("laya-aot serve: %s" % e, file=sys.stderr)
         return 2
     except SystemExit as e:  # laya's own refusals (LAYA_EXTRA_MODELS, LAYA_PORT, ...) carry their message

@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +75,12 @@ class Server:
         assert r.status_code == 200
         return r.json()
 
+    def aot(self) -> dict:
+        """`GET /v1/aot` as an authorised caller."""
+        r = httpx.get(self.url + "/v1/aot", headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -92,14 +101,14 @@ def _env(ckpt: Path, bundles: Optional[dict] = None, **extra: str) -> Dict[str, 
     return env
 
 
-def _tamper(bundle: Path) -> list:
-    """Change one byte range of every artifact that can serve; returns their names."""
+def _tamper(bundle: Path, only: Optional[str] = None) -> list:
+    """Change one byte range of every artifact that can serve (or of kind `only`); returns their names."""
     from laya_aot import kinds
     from laya_aot.manifest import artifact_path, read_bundle
 
     names = []
     for art in read_bundle(bundle, kinds.NAMES).artifacts:
-        if not kinds.get(art.kind).serves:
+        if not kinds.get(art.kind).serves or only not in (None, art.kind):
             continue
         p = artifact_path(bundle, art)
         target = max((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size) if p.is_dir() else p
@@ -118,13 +127,23 @@ def tampered(demo_bundle, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(demo_ckpt, demo_bundle, tampered, tmp_path_factory):
-    """Started together so their starts overlap: bundled (idle unload after 2 s), laya's eager, tampered bundle."""
+def aoti_damaged(demo_bundle, tmp_path_factory):
+    """The demo bundle with both AOTInductor packages changed: the ONNX artifact still serves."""
+    dst = tmp_path_factory.mktemp("serve") / "aoti-damaged"
+    shutil.copytree(demo_bundle, dst)
+    return dst, _tamper(dst, only="aoti")
+
+
+@pytest.fixture(scope="module")
+def servers(demo_ckpt, demo_bundle, tampered, aoti_damaged, tmp_path_factory):
+    """Started together so their starts overlap: bundled (idle unload after 2 s), laya's eager, tampered bundle,
+    and strict over a bundle whose AOTInductor packages are damaged."""
     tmp = tmp_path_factory.mktemp("servers")
     started = {
         "aot": Server(tmp, "aot", _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_IDLE_UNLOAD_SECONDS="2")),
         "laya": Server(tmp, "laya", _env(demo_ckpt), laya=True),
         "tampered": Server(tmp, "tampered", _env(demo_ckpt, {"demo": str(tampered[0])})),
+        "strict": Server(tmp, "strict", _env(demo_ckpt, {"demo": str(aoti_damaged[0])}, LAYA_AOT_STRICT="1")),
     }
     try:
         yield {k: s.wait_ready() for k, s in started.items()}
@@ -155,30 +174,34 @@ def test_answers_over_http_equal_laya_serves_eager_answers(servers):
     for g, r in zip(got.json()["results"], ref.json()["results"]):
         _same(g, r)
     assert got.json()["total_usage"] == ref.json()["total_usage"]
-    health = aot.health()
-    assert health["backends"]["demo"].startswith("aot:"), health
-    assert health["aot"]["demo"]["artifact"] and "fallback" not in health["aot"]["demo"]
-    assert 0 <= health["aot"]["demo"]["near_tie_margin"] < 1e-3   # an fp32 artifact: near-ties are float noise
-    assert health["aot"]["demo"]["near_ties"] == "off"   # the default: every answer is the artifact's
+    report = aot.aot()
+    assert report["backends"]["demo"].startswith("aot:"), report
+    demo = report["bundles"]["demo"]
+    assert demo["artifact"] and demo["refused"] == [] and demo["resident"] and demo["loads"] >= 1
+    assert 0 <= demo["near_tie_margin"] < 1e-3   # an fp32 artifact: near-ties are float noise
+    assert demo["near_ties"] == "off" and report["strict"] is False   # the default: the artifact's answers
     assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
 
 
 def test_a_checkpoint_without_a_bundle_loads_as_laya_serve_loads_it(servers):
     aot, eager = servers["aot"], servers["laya"]
     _same(_ask(aot, DEMO_STATES[0], "plain"), _ask(eager, DEMO_STATES[0], "plain"))
-    health = aot.health()
-    assert health["backends"]["plain"] == "eager"
-    assert "plain" not in health["aot"] and "'plain'" not in aot.log()
+    report = aot.aot()
+    assert report["backends"]["plain"] == "eager"
+    assert "plain" not in report["bundles"] and "'plain'" not in aot.log()
 
 
-def test_health_adds_backends_only_for_an_authorised_caller(servers):
+def test_health_is_laya_serves_and_v1_aot_is_authorised_as_its_detail(servers):
     aot, eager = servers["aot"], servers["laya"]
     for headers in (None, {"Authorization": "Bearer wrong"}):
         assert aot.health(headers) == eager.health(headers) == {"status": "ok"}
+        got = httpx.get(aot.url + "/v1/aot", headers=headers or {}, timeout=10)
+        ref = httpx.post(eager.url + "/v1/systemone", json={}, headers=headers or {}, timeout=10)
+        assert got.status_code == ref.status_code == 401 and got.json() == ref.json()  # laya's own 401
     full, ref = aot.health(), eager.health()
     idle = {"idle_unload_seconds", "idle_seconds"}  # laya's own keys, there because only this server unloads idle
-    assert set(full) - set(ref) - idle == {"backends", "aot"} and set(ref) <= set(full)
-    assert full["status"] == ref["status"] and full["device"] == ref["device"]
+    assert set(full) - idle == set(ref) and full["status"] == ref["status"], "laya's /health, nothing added"
+    assert httpx.get(eager.url + "/v1/aot", headers=AUTH, timeout=10).status_code == 404  # not a laya route
 
 
 @pytest.mark.parametrize("body, headers", [
@@ -211,20 +234,35 @@ def test_an_idle_unload_reloads_from_the_bundle(servers):
     assert log.count("'demo' load #") == loads_before + 1
     last = [line for line in log.splitlines() if "'demo' load #" in line][-1]
     assert "served by aot:" in last, last
-    assert aot.health()["backends"]["demo"].startswith("aot:")
+    assert aot.aot()["backends"]["demo"].startswith("aot:")
 
 
-def test_a_tampered_bundle_falls_back_with_the_reason_in_the_log(servers, tampered):
+def test_a_tampered_bundle_falls_back_with_the_reason_in_the_log_once(servers, tampered):
     server, eager = servers["tampered"], servers["laya"]
-    health = server.health()
-    assert health["backends"]["demo"] == "eager"
+    demo = server.aot()["bundles"]["demo"]
+    assert demo["backend"] == "eager" and demo["artifact"] is None
     log = server.log()
-    assert "fell back to laya's eager forward" in log
+    assert log.count("fell back to laya's eager forward") == 1 and "RuntimeWarning" not in log, log
     for name in tampered[1]:
-        assert any(name in reason and "file was changed after the build" in reason
-                   for reason in health["aot"]["demo"]["fallback"]), name
-        assert "%s: sha256 of" % name in log
+        assert any(reason.startswith(name + ": ") and "file was changed after the build" in reason
+                   for reason in demo["refused"]), name
+        assert log.count("%s: sha256 of" % name) == 1, log
     _same(_ask(server, DEMO_STATES[2]), _ask(eager, DEMO_STATES[2]))
+
+
+def test_strict_names_every_damaged_artifact_once_when_another_serves(servers, aoti_damaged):
+    server, eager = servers["strict"], servers["laya"]
+    report = server.aot()
+    demo = report["bundles"]["demo"]
+    assert report["strict"] and demo["backend"].startswith("aot:") and demo["artifact"] not in aoti_damaged[1]
+    log = server.log()
+    line = [x for x in log.splitlines() if "'demo' load #1" in x]
+    assert len(line) == 1 and line[0].startswith("WARNING") and "served by aot:" in line[0], log
+    for name in aoti_damaged[1]:
+        assert any(reason.startswith(name + ": ") and "file was changed after the build" in reason
+                   for reason in demo["refused"]), (name, demo)
+        assert log.count("%s: sha256 of" % name) == 1, log
+    _same(_ask(server, DEMO_STATES[0]), _ask(eager, DEMO_STATES[0]))
 
 
 def _run_cli(env: Dict[str, str], timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -239,7 +277,17 @@ def test_a_tampered_bundle_refuses_to_start_under_strict(demo_ckpt, tampered):
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("laya-aot serve: ") and "no artifact of %s can serve" % tampered[0] in last
+    assert r.stderr.count("no artifact of") == 1, r.stderr  # said once, by the command
     assert "Uvicorn running" not in r.stderr
+
+
+def test_a_wrong_pin_names_the_setting_it_came_from(demo_ckpt, demo_bundle):
+    r = _run_cli(_env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_AOT_STRICT="1",
+                      LAYA_AOT_BUNDLE_SHA256S=json.dumps({"demo": "a" * 64})))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "is not the pinned bundle" in last and "the pin (LAYA_AOT_BUNDLE_SHA256S['demo']) says" in last, last
+    assert "LAYA_AOT_BUNDLE_SHA256)" not in r.stderr and r.stderr.count("is not the pinned bundle") == 1
 
 
 def test_strict_refuses_at_start_even_for_a_checkpoint_loaded_on_first_use(demo_ckpt, demo_bundle, tmp_path):
@@ -319,3 +367,70 @@ def test_this_laya_has_what_serve_relies_on():
     from laya_aot import laya_internals
 
     assert laya_internals.check(router=Router()) == []
+
+
+def _readme_serving_blocks():
+    """The README's Serving section: the block that builds and serves, and the block that asks."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n## Serving\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [[line for line in b.splitlines() if line and not line.startswith("#")] for b in blocks]
+    serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
+    ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
+    return serve, ask
+
+
+def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(tmp_path):
+    """The README's Serving commands, run as written in a fresh directory (the environment is already made: CI's
+    serve environment is the README's `pip install -e ".[serve]"` without the tilelang extra), answer from the
+    bundle."""
+    (build_line, serve_line), ask = _readme_serving_blocks()
+    install, build = build_line.split(" && ", 1)
+    assert install == '.venv/bin/pip install -e ".[serve]"', "the install the README gives for serving"
+    venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+    built = subprocess.run(["bash", "-c", build.replace(".venv/bin/", venv_bin)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=1200)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    port = _free_port()
+    assert "LAYA_PORT=8000 " in serve_line and all(a.startswith("curl -s localhost:8000/") for a in ask)
+    serve_line = serve_line.replace("LAYA_PORT=8000 ", "LAYA_PORT=%d " % port).replace(".venv/bin/", venv_bin)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["bash", "-c", serve_line], cwd=tmp_path, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # its group is stopped below
+    try:
+        url = "http://127.0.0.1:%d" % port
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        answers = []
+        for line in ask:  # curl -s URL [-H HEADER] [-d BODY], sent as curl would
+            args = shlex.split(line)[2:]
+            target = url + args[0][len("localhost:8000"):]
+            headers = dict(h.split(": ", 1) for h in args[args.index("-H") + 1:][:1]) if "-H" in args else {}
+            if "-d" in args:
+                answers.append(httpx.post(target, content=args[args.index("-d") + 1], headers=headers, timeout=60))
+            else:
+                answers.append(httpx.get(target, headers=headers, timeout=10))
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        decision = answers[0].json()
+        assert decision["answers"]["team"]["choice"] in ("billing", "technical"), decision
+        report = answers[1].json()
+        assert report["bundles"]["demo"]["backend"].startswith("aot:"), report
+        assert report["bundles"]["demo"]["refused"] == [], report
+        assert "served by aot:" in log_path.read_text(errors="replace")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

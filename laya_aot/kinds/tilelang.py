@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from .. import laya_internals as laya_api
 from ..manifest import Artifact, Needs
 from ..variant import Machine, cuda_tag
 from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
@@ -22,6 +24,7 @@ class TileLangRunner(Runner):
     """laya's own fast path fed only the bundle's precompiled TileLang kernels."""
 
     def __init__(self, art_dir: Path, agent, art: Artifact):
+        laya_api.require("tilelang")  # without the extra: this artifact's one reason names it
         from ..kernels import make_fast_forward
 
         self.device = agent.device
@@ -38,9 +41,10 @@ def build(ctx: BuildContext) -> str:
     if ctx.device != "cuda" or not archs:
         raise Skip("target %s has no TileLang architectures (CUDA targets only)" % ctx.cfg.target.name)
     try:
-        from .. import kernels
-    except ImportError as e:  # pragma: no cover - depends on the optional extra
-        raise Skip("TileLang is not installed (pip install 'laya-aot[tilelang]'): %s" % e) from e
+        laya_api.require("tilelang")
+    except laya_api.RouteUnavailable as e:  # pragma: no cover - depends on the optional extra
+        raise Skip(str(e)) from None
+    from .. import kernels
     t0 = time.perf_counter()
     folder = ctx.artifact_name(KIND, NAME)  # tilelang, or tilelang-<dtype> when the build makes several
     out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
@@ -79,5 +83,18 @@ def variant(m: Machine, device: str) -> str:
     return "%s-%s-%s-%s" % (cuda_tag(m.cuda or torch.version.cuda or "13.0"), m.gpu_arch, m.machine, m.os)
 
 
+def refuse_device(device: str) -> Optional[str]:
+    """On a GPU without the tilelang extra: refused from the manifest with the extra to install, before any probe
+    (elsewhere the device mismatch is the reason)."""
+    if device != "cuda":
+        return None
+    try:
+        laya_api.require("tilelang")
+    except laya_api.RouteUnavailable as e:
+        return str(e)
+    return None
+
+
 KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
-            reverify=False, needs_module=True, needs=needs, variant=variant, probe_env=probe_env)
+            reverify=False, needs_module=True, needs=needs, variant=variant, probe_env=probe_env,
+            refuse_device=refuse_device)
