@@ -334,6 +334,12 @@ def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
     return agent
 
 
+def accelerated(load_kwargs: Dict[str, Any]) -> bool:
+    """Whether `laya.load` keyword arguments ask for one of laya's own accelerations (they replace the forward
+    themselves, on laya's whole module)."""
+    return any(load_kwargs.get(k) for k in ("fast", "compile", "backend"))
+
+
 def is_thin(agent: Any) -> bool:
     """Whether the agent's model is a shell of meta tensors (made by `thin_agent`)."""
     p = next(iter(agent.model.parameters()), None)
@@ -364,6 +370,6 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 
 
 __all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
-           "bucket_tokens", "build_eager_module", "build_router", "check", "install_backend", "is_thin",
+           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]

@@ -288,7 +288,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     usable = not rejected
     early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
     # laya's own accelerations replace the forward themselves: those agents are built whole
-    thin = usable and eager_module != "now" and not any(agent_kwargs.get(k) for k in ("fast", "compile", "backend"))
+    thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
     eager: Optional[EagerModule] = None
     try:
         if thin:
