@@ -201,12 +201,18 @@ class EagerFigures:
         self._model, self._cases, self._refs = model, case_list, references
         self._done: Dict[Tuple[str, str], Agreement] = {}
         self._suite, self._alpha = suite or [], alpha
-        self._suite_ref: Optional[List[torch.Tensor]] = None
+        self._suite_ref: Dict[str, List[torch.Tensor]] = {}
         self._suite_eager: Dict[Tuple[str, str], List[torch.Tensor]] = {}
+        self._models: Dict[str, torch.nn.Module] = {}
 
     def _on(self, device: str) -> torch.nn.Module:
+        """The model on `device` (one copy per device)."""
         here = next(self._model.parameters()).device
-        return self._model if torch.device(device) == here else copy.deepcopy(self._model).to(device)
+        if torch.device(device) == here:
+            return self._model
+        if device not in self._models:
+            self._models[device] = copy.deepcopy(self._model).to(device)
+        return self._models[device]
 
     def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int) -> Optional[DecisionAgreement]:
         """The artifact's decisions on the suite against fp32's, paired with laya eager's in `dtype` on the
@@ -214,20 +220,19 @@ class EagerFigures:
         if dtype == "fp32" or not self._suite:
             return None
         device = str(runner.device)
+        model = self._on(device)  # fp32 on the artifact's device too: a GPU build's CPU reference would take minutes
         with torch.no_grad():
-            if self._suite_ref is None:
-                with torch.autocast(next(self._model.parameters()).device.type, enabled=False):
-                    self._suite_ref = [_decisions(self._model(*(x.to(next(self._model.parameters()).device)
-                                                                for x in c.batch))[0], c.batch)
-                                       for c in self._suite]
+            if device not in self._suite_ref:
+                with torch.autocast(torch.device(device).type, enabled=False):
+                    self._suite_ref[device] = [_decisions(model(*(x.to(device) for x in c.batch))[0], c.batch)
+                                               for c in self._suite]
             if (device, dtype) not in self._suite_eager:
-                model = self._on(device)
                 with torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype)):
                     self._suite_eager[(device, dtype)] = [
                         _decisions(model(*(x.to(device) for x in c.batch))[0], c.batch) for c in self._suite]
             got = [_decisions(run_padded(runner, c.batch, ranges, pad_id, runner.device)[0], c.batch)
                    for c in self._suite]
-        ref, eager = torch.cat(self._suite_ref), torch.cat(self._suite_eager[(device, dtype)])
+        ref, eager = torch.cat(self._suite_ref[device]), torch.cat(self._suite_eager[(device, dtype)])
         return decision_statement((torch.cat(got) == ref).tolist(), (eager == ref).tolist(), self._alpha)
 
     def get(self, dtype: str, device: str) -> Optional[Agreement]:
