@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -173,6 +173,7 @@ def _inspect(a: argparse.Namespace) -> int:
                      "tolerance": v.tolerance if v else None, "rule": v.rule if v else None,
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
                      "tie_margin": v.tie_margin() if v else None,
+                     "decisions": dataclasses.asdict(v.decisions) if v and v.decisions else None,
                      "here": _usable_here(Path(a.bundle), e, dev_type, machine, serving)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
@@ -186,9 +187,11 @@ def _inspect(a: argparse.Namespace) -> int:
         con.print(_artifact_table(title, rows, m.artifacts))
     else:
         con.print(_artifact_list(title, rows, m.artifacts) + "\n", soft_wrap=not con.is_terminal)
-    con.print("near-tie margin: a row whose top two option probabilities are closer than this is answered by "
-              "laya's eager forward: the whole call by default, near_ties=\"rows\" only those rows, "
-              "near_ties=\"off\" neither", soft_wrap=True)
+    con.print("decisions: a 16-bit artifact's top options on the seeded decision suite agreeing with fp32's, and "
+              "laya's eager forward's in the same dtype (p: the one-sided exact McNemar test, %s). near-tie margin: "
+              "with near_ties=\"call\" or \"rows\" (off by default), a row whose top two option probabilities "
+              "are closer than this is answered by laya's eager forward" % "artifact fails below alpha",
+              soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
     con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
@@ -196,8 +199,8 @@ def _inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-# below this many columns the table's twelve columns fold every cell: a list reads better
-TABLE_WIDTH = 150
+# below this many columns the table's thirteen columns fold every cell: a list reads better
+TABLE_WIDTH = 170
 
 
 def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: str) -> str:
@@ -240,20 +243,28 @@ def _cells(r: Dict[str, Any]) -> Dict[str, str]:
         "allowed": "%.3g" % r["tolerance"] if r["tolerance"] is not None else "-",
         "argmax": "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
         "margin": "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
+        "decisions": _decisions_cell(r["decisions"]),
         "here": "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % escape(r["here"]),
     }
+
+
+def _decisions_cell(d: Optional[Dict[str, Any]]) -> str:
+    if not d:
+        return "-"
+    return "%.1f%% of %d (laya eager %.1f%%, p %.2g)" % (100 * d["artifact"], d["decisions"],
+                                                        100 * d["eager_in_dtype"], d["p_value"])
 
 
 def _artifact_table(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> Table:
     """On a terminal: a table as wide as the terminal (rich folds the cells that do not fit)."""
     t = Table(title=title)
     for col in ("artifact", "variant", "dtype", "size", "status", "max |dp| opt/act", "laya eager in dtype",
-                "allowed", "argmax", "near-tie margin", "build latency", "on this machine"):
+                "allowed", "argmax", "decisions vs fp32", "near-tie margin", "build latency", "on this machine"):
         t.add_column(col, overflow="fold")
     for r, e in zip(rows, artifacts):
         c = _cells(r)
         t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), c["size"], str(r["status"]), c["diff"], c["eager"],
-                  c["allowed"], c["argmax"], c["margin"], _build_latency(e), c["here"])
+                  c["allowed"], c["argmax"], c["decisions"], c["margin"], _build_latency(e), c["here"])
     return t
 
 
@@ -265,6 +276,7 @@ def _artifact_list(title: str, rows: List[Dict[str, Any]], artifacts: List[Artif
         lines += ["", "%s: %s, %s, %s, %s" % (r["name"], r["status"], r["dtype"], c["size"], r["variant"]),
                   "  max |dp| option / action: %s (allowed %s), argmax agreement %s; laya eager in dtype: %s"
                   % (c["diff"], c["allowed"], c["argmax"], c["eager"]),
+                  "  decisions vs fp32: %s" % c["decisions"],
                   "  near-tie margin: %s; build latency: %s" % (c["margin"], _build_latency(e)),
                   "  on this machine: %s" % c["here"]]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ byte for byte as laya's own app does (laya's own tests/test_serve.py passes alik
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -255,8 +256,12 @@ def describe(agent: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {"backend": getattr(agent, "backend", None), "artifact": getattr(art, "name", None)}
     if art is not None:
         out["variant"] = getattr(backend, "variant", None)
-        out["near_tie_margin"] = getattr(backend, "tie_margin", None)
+        verify = getattr(backend, "verify", None)
+        # the artifact's verified margin, whether or not a near-tie mode uses it (near_ties says which)
+        out["near_tie_margin"] = verify.tie_margin() if verify is not None else None
         out["near_ties"] = getattr(backend, "near_ties", None)
+        decisions = getattr(verify, "decisions", None)
+        out["decisions"] = dataclasses.asdict(decisions) if decisions is not None else None
     out["refused"] = ["%s: %s" % (name, why) for name, why in (getattr(backend, "rejected", None) or [])]
     return out
 
