@@ -80,14 +80,14 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(staging: Path, out: Path) -> None:
     """Put the finished staging directory at `out`, replacing any previous bundle only now."""
     (staging / OWNER).unlink(missing_ok=True)
-    if out.exists() and _exchange(staging, out):
-        shutil.rmtree(staging, ignore_errors=True)  # now holds the previous bundle
+    if os.path.lexists(out) and _exchange(staging, out):
+        discard(staging)  # now holds what was at `out` (a previous bundle, or what --overwrite replaces)
         return
-    if out.exists():
+    if os.path.lexists(out):
         old = out.with_name(".%s.old-%d" % (out.name, os.getpid()))
         os.replace(out, old)
         os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
         return
     try:
         os.replace(staging, out)
@@ -95,7 +95,7 @@ def publish(staging: Path, out: Path) -> None:
         # another build into the same output published a moment ago: replace it, as a later build would
         if not (out.exists() and _exchange(staging, out)):
             raise
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
 
 
 def discard(staging: Path) -> None:

@@ -109,6 +109,10 @@ def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[obj
     except OSError as e:  # a pack or cache the service's user may not read or write: one reason, never a raise
         return spec, ("cannot use %s (%s: %s); check its permissions and the laya-aot cache's (LAYA_AOT_CACHE_DIR)"
                       % (spec, type(e).__name__, e))
+    except Exception as e:  # noqa: BLE001 - nothing on disk may make load(strict=False) raise; a bug here is reported
+        log.warning("laya-aot: internal error while fetching %s", spec, exc_info=True)
+        return spec, "internal error in laya-aot while fetching it (%s: %s); please report this" % (
+            type(e).__name__, str(e)[:300])
 
 
 def _is_file(p: Path) -> bool:
