@@ -339,6 +339,11 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
     except (ValueError, RecursionError) as e:
         raise BundleError("pack %s: its %s is unreadable (%s); re-create the pack" % (file, MANIFEST, str(e)[:200])) \
             from None
+    listed = sum(len(a.get("files") or ()) for a in data.get("artifacts") or () if isinstance(a, dict)) \
+        if isinstance(data, dict) and isinstance(data.get("artifacts"), list) else 0
+    if listed > MAX_MEMBERS:  # before the typed reader spends seconds on them
+        raise BundleError("pack %s: its manifest lists %d files, more than a pack may hold (%d); re-create the pack"
+                          % (file, listed, MAX_MEMBERS))
     manifest = Bundle.from_dict(data, kinds.NAMES, "%s:%s" % (file, MANIFEST))
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("pack %s: its manifest lists no files for its artifacts (schema %d); re-create the pack "
