@@ -290,7 +290,8 @@ class _TarStream:
                 continue
             if name is None:
                 base = block[0:100].split(b"\0", 1)[0]
-                prefix = block[345:500].split(b"\0", 1)[0] if block[257:262] == b"ustar" else b""
+                posix = block[257:263] == b"ustar\0"  # a GNU header keeps times where POSIX keeps the prefix
+                prefix = block[345:500].split(b"\0", 1)[0] if posix else b""
                 name = ((prefix + b"/" if prefix else b"") + base).decode("utf-8", "surrogateescape")
             if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
                 raise self._refuse("a member name of more than %d bytes" % MAX_NAME_BYTES)
