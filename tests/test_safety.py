@@ -152,6 +152,18 @@ def test_merge_unpack_fetch_and_build_refuse_a_directory_of_user_files(small, sm
     assert not (out / "notes.txt").exists() and read_bundle(out, kinds.NAMES)
 
 
+def test_a_build_replaces_user_files_only_with_overwrite_true(demo_ckpt, tmp_path):
+    from laya_aot.config import compose
+    from laya_aot.pipeline import build
+
+    out = _user_dir(tmp_path / "out")
+    cfg = compose(["checkpoint.path=%s" % demo_ckpt, "output_dir=%s" % out, "overwrite=true", *SMALL])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build(cfg)
+    assert not (out / "notes.txt").exists() and staging.complete_bundle(out) is None
+
+
 def test_a_bundle_this_project_wrote_is_replaced_without_overwrite(small, small_pack, tmp_path):
     out = tmp_path / "out"
     assert _run(["unpack", small_pack, out])[0] == 0
