@@ -18,6 +18,7 @@ import ctypes.util
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Callable, Optional
@@ -137,6 +138,7 @@ def complete_bundle(out: Path) -> Optional[str]:
                 sizes[str(rel)] = rec.get("size") if isinstance(rec, dict) else None
         if raw.get("schema_version") == 1 and isinstance(a.get("path"), str):
             roots.append(a["path"].strip("/"))
+
     def unreadable(e: OSError) -> None:  # a directory not listed could hold anything: not proven ours
         raise e
 
@@ -145,7 +147,7 @@ def complete_bundle(out: Path) -> Optional[str]:
             p = Path(dirpath) / name
             rel = p.relative_to(out).as_posix()
             st = os.lstat(p)
-            if os.path.islink(p):
+            if stat.S_ISLNK(st.st_mode):
                 return "it holds a symbolic link, %s" % rel
             if name in dirnames:
                 continue
@@ -170,9 +172,7 @@ def may_replace(out: str | os.PathLike, command: str, overwrite: bool = False, o
         st = os.lstat(out)  # another OSError (a parent it may not enter) is the caller's to word: it cannot write
     except (FileNotFoundError, NotADirectoryError):
         return  # nothing there (below a file: writing it fails, and the caller says so)
-    import stat as _stat
-
-    is_link, is_dir = _stat.S_ISLNK(st.st_mode), _stat.S_ISDIR(st.st_mode)
+    is_link, is_dir = stat.S_ISLNK(st.st_mode), stat.S_ISDIR(st.st_mode)
     if not directory:
         if is_dir:
             raise OutputRefused("%s is a directory; %s writes a file: name the file to write (for example "

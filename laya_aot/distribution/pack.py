@@ -10,7 +10,10 @@ Unpacking trusts nothing in the archive but what its manifest names: the manifes
 strict reader first; then each member must be a regular file listed there (no absolute path, no `..`,
 no link, device or directory), of the listed size, and its sha256 is checked as it is written.
 Everything goes to a directory beside DIR that is renamed into place at the end (`staging`), so a
-refused or truncated archive leaves nothing behind.
+refused or truncated archive leaves nothing behind. The tar stream is read here, not by tarfile (which
+reads a pax record or GNU long name whole, whatever size it declares): every 512-byte header is bounded
+(`MAX_*` below, README "Merge, pack, fetch") before anything it declares is read, so a hostile archive is
+refused in seconds, in bounded memory.
 """
 from __future__ import annotations
 
