@@ -145,6 +145,9 @@ def locate(checkpoint: str) -> Path:
     """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache."""
     if os.path.isdir(checkpoint):
         return Path(checkpoint)
+    if os.path.lexists(checkpoint):
+        raise FileNotFoundError("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
+                                "bundle was built from" % checkpoint)
     if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
         return from_hf_cache(checkpoint, None)
     raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "

@@ -504,6 +504,8 @@ def test_a_checkpoint_path_that_is_a_file_is_named(demo_ckpt, tmp_path):
     with pytest.raises(BuildError, match="is a file, not a directory") as e:
         build(compose(["checkpoint.path=%s" % f, "output_dir=%s" % (tmp_path / "out")]))
     assert "does not exist" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        laya_aot.load(str(f), bundle=None)
 
 
 # --- row 16: max_rows bounded ---------------------------------------------------------------------------------
