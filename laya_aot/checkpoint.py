@@ -85,17 +85,63 @@ class Weights(Mapping):
         return len(self._keys)
 
 
+_LAYOUT = "a Laya checkpoint directory (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)"
+
+
 def check_layout(ckpt: Path) -> None:
-    """Refuse a directory that is not a Laya checkpoint, naming what is missing."""
+    """Refuse a path that is not a Laya checkpoint, naming what is wrong: absent, a file, missing files, or
+    weights whose safetensors header does not describe the file (truncated or damaged)."""
+    if not ckpt.exists():
+        raise CheckpointError("checkpoint directory %s does not exist; pass checkpoint.path=DIR with %s"
+                              % (ckpt, _LAYOUT))
     if not ckpt.is_dir():
-        raise CheckpointError("checkpoint directory %s does not exist; pass checkpoint.path=DIR with a Laya "
-                              "checkpoint (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)" % ckpt)
+        raise CheckpointError("checkpoint %s is a file, not a directory; pass checkpoint.path=DIR with %s (the "
+                              "directory that holds the file, if it is one of them)" % (ckpt, _LAYOUT))
     missing = [n for n in ("rl_agent_config.json", "model.safetensors", "tokenizer", "encoder/config.json")
                if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError("%s is not a Laya checkpoint: missing %s. A checkpoint holds rl_agent_config.json, "
                               "model.safetensors, tokenizer/ and encoder/ (laya's save_checkpoint writes them)"
                               % (ckpt, ", ".join(missing)))
+    why = weights_problem(ckpt / "model.safetensors")
+    if why:
+        raise CheckpointError("%s/model.safetensors is damaged (%s); copy the checkpoint again, or re-create it"
+                              % (ckpt, why))
+
+
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def weights_problem(path: Path) -> Optional[str]:
+    """Why a safetensors file is not whole (None: its header parses and its tensors end where the file does):
+    reads the header only, so it tells a truncated or damaged file from other weights in milliseconds."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return "%d bytes, shorter than a safetensors header" % size
+            n = int.from_bytes(head, "little")
+            if n > min(_MAX_SAFETENSORS_HEADER, size - 8):
+                return "its header claims %d bytes, the file has %d" % (n, size)
+            header = json.loads(f.read(n).decode("utf-8"))
+    except OSError as e:
+        return "unreadable: %s" % (e.strerror or e)
+    except (ValueError, RecursionError):
+        return "its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+            return "tensor %s has no data offsets" % str(name)[:80]
+        end = max(end, offsets[1])
+    if 8 + n + end != size:
+        return "its tensors need %d bytes, the file has %d (truncated or padded)" % (8 + n + end, size)
+    return None
 
 
 def read_config(ckpt: Path) -> Dict[str, Any]:
@@ -125,6 +171,9 @@ def locate(checkpoint: str) -> Path:
     """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache."""
     if os.path.isdir(checkpoint):
         return Path(checkpoint)
+    if os.path.lexists(checkpoint):
+        raise FileNotFoundError("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
+                                "bundle was built from" % checkpoint)
     if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
         return from_hf_cache(checkpoint, None)
     raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "

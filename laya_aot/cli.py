@@ -150,11 +150,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .distribution import commands as dist
 
         return getattr(dist, cmd)(rest, START)
+    from . import commands
+
     if cmd == "make-demo":
         from .demo import main as demo_main
 
-        return demo_main(rest)
-    from . import commands
+        return commands._guarded("make-demo", lambda: demo_main(rest))
 
     return {"demo": commands.demo, "inspect": commands.inspect, "verify": commands.verify}[cmd](rest, START)
 

@@ -123,6 +123,14 @@ def _guarded(name: str, run: Callable[[], int]) -> int:
         return run()
     except KeyboardInterrupt:
         return 130
+    except (BundleError, FileExistsError) as e:  # a refusal that already names its cause and fix
+        print("laya-aot %s: %s" % (name, e), file=sys.stderr)
+        return 2
+    except OSError as e:  # permissions, a read-only target, a full disk: expected, one line
+        from .distribution.commands import os_error
+
+        print("laya-aot %s: %s" % (name, os_error(e)), file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - one line for the person at the terminal; --debug shows the rest
         log.debug("laya-aot %s failed", name, exc_info=True)
         print("laya-aot %s: %s: %s (internal error: please report it; LAYA_AOT_VERBOSE=1 shows where)"
@@ -139,9 +147,20 @@ def inspect(argv: List[str], start: float) -> int:
                                 "is usable on this machine.")
     p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
     p.add_argument("--json", action="store_true", help="print the same facts as JSON (for scripts)")
-    p.add_argument("--device", default=None, help="the agent's device (default: cuda when visible, else cpu)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="the agent's device: cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     a = p.parse_args(argv)
     return _guarded("inspect", lambda: _inspect(a))
+
+
+def device_arg(value: str) -> str:
+    """--device as argparse checks it: a message naming the option, not an internal error."""
+    from .variant import check_device
+
+    try:
+        return check_device(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _inspect(a: argparse.Namespace) -> int:
@@ -316,11 +335,16 @@ def _verify(a: argparse.Namespace) -> int:
     except ckpt_mod.CheckpointError as e:
         print("laya-aot verify: --checkpoint: %s" % e, file=sys.stderr)
         return 2
-    here = ckpt_mod.fingerprint(a.checkpoint)["sha256"]
+    fp = ckpt_mod.fingerprint(a.checkpoint)
+    here = fp["sha256"]
     built_from = m.checkpoint.fingerprint.sha256
     if here != built_from:
-        print("laya-aot verify: %s was built from another checkpoint (fingerprint %s..., %s is %s...)"
-              % (a.bundle, built_from[:12], a.checkpoint, here[:12]), file=sys.stderr)
+        recorded = m.checkpoint.fingerprint.files
+        differ = sorted(k for k in set(recorded) | set(fp["files"]) if recorded.get(k) != fp["files"].get(k))
+        print("laya-aot verify: %s does not match the checkpoint %s was built from (fingerprint %s..., the bundle's "
+              "%s...; differing: %s): the bundle was built from another checkpoint, or these files were changed "
+              "or damaged since; pass the checkpoint it was built from, or rebuild the bundle"
+              % (a.checkpoint, a.bundle, here[:12], built_from[:12], ", ".join(differ[:5]) or "?"), file=sys.stderr)
         return 2
     with warnings.catch_warnings(), progress.task("loading %s with laya" % a.checkpoint):
         warnings.simplefilter("ignore")
@@ -357,6 +381,9 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any,
     from .variant import current_machine, mismatch
     from .verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner
 
+    if e.invalid:  # values no build writes: the entry is not trusted enough to run
+        t.add_row(e.name, "-", "[red]INVALID[/] its manifest entry: %s" % e.invalid)
+        return 1
     kind = kinds.get(e.kind)
     if not e.built:
         t.add_row(e.name, "-", "not built: %s" % e.error)

@@ -104,6 +104,9 @@ class BuildConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     # null = artifacts/<checkpoint name>
     output_dir: Optional[str] = None
+    # replace output_dir even when laya-aot did not write what is there (staging.may_replace); a previous
+    # bundle, or an empty directory, is replaced without it
+    overwrite: bool = False
     # parallel compile jobs (null = all cores)
     jobs: Optional[int] = None
 

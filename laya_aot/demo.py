@@ -236,19 +236,21 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     from laya.common import build_model
     from laya.train import save_checkpoint
 
+    from .staging import OutputRefused, may_replace
+
     spec = demo_shape(shape) if isinstance(shape, str) else shape
     out = Path(out_dir)
-    if out.exists():
-        made = _demo_facts(out)
-        if not overwrite and (out / "model.safetensors").exists():
-            if made == {"seed": seed, "shape": asdict(spec), "format": FORMAT}:
-                return out
-            if made is None:
-                raise FileExistsError("%s holds a checkpoint that make_checkpoint did not write; choose another "
-                                      "directory or pass overwrite=True (--overwrite)" % out)
-            log.warning("demo checkpoint %s was written for another shape or seed (an older preset?); "
-                        "writing it again", out)
-        shutil.rmtree(out)
+    if not overwrite and _demo_facts(out) == {"seed": seed, "shape": asdict(spec), "format": FORMAT} \
+            and (out / "model.safetensors").is_file():
+        return out  # the same request: reused as it is
+    try:
+        may_replace(out, "make-demo", overwrite, ours=_not_a_demo_checkpoint, fix="--overwrite (overwrite=True)",
+                     noun="demo checkpoint")
+    except OutputRefused as e:
+        raise FileExistsError(str(e)) from None
+    if os.path.lexists(out):
+        log.warning("replacing %s (another shape or seed, an older preset?, or --overwrite)", out)
+        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".%s.partial-" % out.name, dir=out.parent))
     try:
@@ -294,6 +296,26 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
         raise
     log.info("wrote demo checkpoint %s (%s, seed %d)", out, shape if isinstance(shape, str) else "custom", seed)
     return out
+
+
+_DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer"}
+
+
+def _not_a_demo_checkpoint(ckpt: Path) -> Optional[str]:
+    """Why `ckpt` is not a demo checkpoint make_checkpoint wrote (None: it is, and nothing else is inside):
+    the facts it records in rl_agent_config.json, and only the entries it writes, regular files in two
+    directories at most, no link."""
+    if _demo_facts(ckpt) is None:
+        return "its rl_agent_config.json has no laya_aot_demo record"
+    for p in ckpt.iterdir():
+        if p.name not in _DEMO_LAYOUT:
+            return "it holds %s, which make-demo does not write" % p.name
+        if p.is_symlink():
+            return "%s is a symbolic link" % p.name
+        for q in (p.iterdir() if p.is_dir() else ()):
+            if q.is_symlink() or not q.is_file():
+                return "%s/%s is not a file make-demo writes" % (p.name, q.name)
+    return None
 
 
 def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:

@@ -9,9 +9,11 @@ wildcard ("no `needs`" does not mean "no requirement"). Fields a newer writer ad
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 import stat
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Collection, Dict, List, Optional
 
 from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
-from .padding import Ranges
+from .padding import MAX_ROWS, Ranges
 from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
@@ -119,10 +121,18 @@ class Artifact:
     # every file of the artifact by its path in the bundle (schema 2), and the machine that built it
     files: Dict[str, FileRecord] = field(default_factory=dict)
     build_machine: Dict[str, Any] = field(default_factory=dict)
+    # set by the reader, never written: why this entry's values are beyond what a build writes (an
+    # impossible version, a non-finite tolerance, ...); `usable.reject_reason` rejects the artifact with it,
+    # and the bundle's other artifacts are still considered
+    invalid: Optional[str] = field(default=None, compare=False, metadata={"internal": True})
 
     @property
     def built(self) -> bool:
         return self.status != "build_failed"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The entry as the manifest holds it (what the probe child receives and its verdict is keyed by)."""
+        return _public(dataclasses.asdict(self), type(self))
 
 
 @dataclass
@@ -178,7 +188,9 @@ class Bundle:
     config: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["artifacts"] = [a.to_dict() for a in self.artifacts]
+        return out
 
     def artifact(self, name: str) -> Artifact:
         for a in self.artifacts:
@@ -211,6 +223,7 @@ class Bundle:
             why = unsafe_relpath(rel)
             if why:
                 _fail(source, "checkpoint.fingerprint.files", "file names inside the checkpoint (%s)" % why, rel)
+        _check_tolerance(bundle.tolerance, source)
         context = bundle.checkpoint.max_len
         if not 1 <= context <= _MAX_EXTENT["tokens"]:
             _fail(source, "checkpoint.max_len", "between 1 and %d" % _MAX_EXTENT["tokens"], context)
@@ -228,7 +241,17 @@ class Bundle:
             if a.name in seen:
                 raise BundleError("%s lists artifact %r twice (artifacts[%d].name); %s" % (source, a.name, i, _REBUILD))
             seen.add(a.name)
+        conflicts = path_conflicts([a for a in bundle.artifacts if a.built])
+        if conflicts:  # checked once for the whole bundle: no directory could hold these files
+            raise BundleError("%s is invalid at artifacts[].files: %s; %s" % (source, conflicts[0], _REBUILD))
         return bundle
+
+
+def _public(d: Dict[str, Any], tp: Any) -> Dict[str, Any]:
+    for f in dataclasses.fields(tp):
+        if f.metadata.get("internal"):
+            d.pop(f.name, None)
+    return d
 
 
 def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
@@ -238,6 +261,8 @@ def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
     except RecursionError:
         raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, _REBUILD)) from None
     _check_artifact(art, kinds, "", source)
+    if art.invalid:
+        raise BundleError("%s is invalid: %s; %s" % (source, art.invalid, _REBUILD))
     return art
 
 
@@ -272,11 +297,77 @@ def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str
                 if why:
                     _fail(source, "%sdetails.kernels[%d].%s" % (at, j, key), "a path inside the artifact (%s)" % why,
                           rel)
+    a.invalid = _value_problem(a, at)
+
+
+_VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
+_GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
+MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts anything
+MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
+
+
+def _value_problem(a: Artifact, at: str) -> Optional[str]:
+    """Why an entry that is well typed holds values no build writes (None: it does not). Such an entry
+    rejects only its own artifact (`Artifact.invalid`): a damaged or hand-edited field costs one artifact."""
+    import math
+
+    def bad(field_name: str, expected: str, got: Any) -> str:
+        return "%s%s is %s, expected %s" % (at, field_name, repr(got)[:40], expected)
+
+    for name, pattern, expected in (("torch", _VERSION, "a torch version such as 2.13.0"),
+                                    ("cuda", _VERSION, "a CUDA version such as 12.8"),
+                                    ("gpu_arch", _GPU_ARCH, "a GPU architecture such as sm_90")):
+        v = getattr(a.needs, name)
+        if v is not None and not pattern.fullmatch(v):
+            return bad("needs." + name, expected, v)
+
+    def unit(v: Optional[float]) -> bool:
+        return v is None or (math.isfinite(v) and 0.0 <= v <= 1.0)
+
+    def seconds(v: Optional[float]) -> bool:
+        return v is None or (math.isfinite(v) and 0.0 <= v <= MAX_SECONDS)
+
+    v = a.verify
+    if v is not None:
+        if v.tolerance is not None and not (math.isfinite(v.tolerance) and 0.0 < v.tolerance <= MAX_TOLERANCE):
+            return bad("verify.tolerance", "a finite number in (0, %g]" % MAX_TOLERANCE, v.tolerance)
+        for name in ("argmax_required", "max_abs_option_prob", "max_abs_action_prob", "argmax_agreement"):
+            if not unit(getattr(v, name)):
+                return bad("verify." + name, "a finite number in [0, 1]", getattr(v, name))
+        if v.eager_in_dtype is not None:
+            for name in ("max_abs_option_prob", "max_abs_action_prob", "argmax_agreement"):
+                if not unit(getattr(v.eager_in_dtype, name)):
+                    return bad("verify.eager_in_dtype." + name, "a finite number in [0, 1]",
+                               getattr(v.eager_in_dtype, name))
+        if v.rows_compared is not None and not 0 <= v.rows_compared <= 1 << 24:
+            return bad("verify.rows_compared", "a count of rows", v.rows_compared)
+        if not seconds(v.seconds):
+            return bad("verify.seconds", "a duration in seconds", v.seconds)
+    if not seconds(a.build_seconds):
+        return bad("build_seconds", "a duration in seconds", a.build_seconds)
+    if a.size is not None and a.size < 0:
+        return bad("size", "a size in bytes", a.size)
+    for device, figures in a.latency_ms.items():
+        for shape, ms in figures.items():
+            if not seconds(ms):
+                return bad("latency_ms.%s.%s" % (device, shape), "milliseconds", ms)
+    return None
 
 
 # what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
-_MAX_EXTENT = {"rows": 1 << 16, "tokens": 1 << 20, "markers": 1 << 12}
+_MAX_EXTENT = {"rows": MAX_ROWS, "tokens": 1 << 20, "markers": 1 << 12}
 MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
+
+
+def _check_tolerance(t: Tolerance, source: str) -> None:
+    """The bundle's rule applies to every artifact: finite, and at most what a difference of probabilities can be."""
+    import math
+
+    for f in dataclasses.fields(t):
+        v = getattr(t, f.name)
+        hi = 100.0 if f.name == "relative" else 1.0
+        if isinstance(v, float) and not (math.isfinite(v) and 0.0 <= v <= hi):
+            _fail(source, "tolerance." + f.name, "a finite number in [0, %g]" % hi, v)
 
 
 def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = None) -> None:
@@ -394,6 +485,29 @@ def _check_files(a: Artifact, where: str, source: str) -> None:
         _fail(source, where + ".size", "the sum of its files' sizes", a.size)
 
 
+def path_conflicts(artifacts: List[Artifact]) -> List[str]:
+    """The bundle's file paths checked across artifacts, once: one path listed twice with different bytes, or a
+    file of one artifact that another's path runs through as a directory (`onnx` and `onnx/model.onnx`),
+    which no directory on disk can hold. Empty: none."""
+    owner: Dict[str, tuple] = {}  # file path -> (artifact name, sha256)
+    out = []
+    for a in artifacts:
+        for rel, rec in a.files.items():
+            if rel in owner and owner[rel][1] != rec.sha256:
+                out.append("file %s belongs to both %s and %s with different bytes; rename one artifact"
+                           % (rel, owner[rel][0], a.name))
+            owner.setdefault(rel, (a.name, rec.sha256))
+    for rel, (name, _) in sorted(owner.items()):
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if above in owner:
+                out.append("file %s of %s is a directory on the way to %s of %s; one bundle cannot hold both"
+                           % (above, owner[above][0], rel, name))
+                break
+    return out
+
+
 def _inside(rel: str, path: str) -> bool:
     parts = PurePosixPath(rel).parts
     return (not rel.startswith("/") and ".." not in parts and "." not in rel.split("/")
@@ -441,6 +555,13 @@ def _bounded(value: Any, where: str, source: str) -> None:
             todo.extend((x, depth + 1) for x in v)
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(tp: Any) -> Dict[str, Any]:
+    """A dataclass's resolved field types, once per class (resolving them per entry cost seconds on a manifest
+    of 100,000 files)."""
+    return typing.get_type_hints(tp)
+
+
 def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     """`value` as type `tp`, or a BundleError naming `where`."""
     origin = typing.get_origin(tp)
@@ -465,9 +586,11 @@ def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             _fail(source, where, "an object", value)
-        hints = typing.get_type_hints(tp)
+        hints = _hints(tp)
         kwargs = {}
         for f in dataclasses.fields(tp):
+            if f.metadata.get("internal"):  # the reader's own finding, never taken from a file
+                continue
             at = "%s.%s" % (where, f.name) if where else f.name
             if f.name not in value:
                 required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -539,7 +662,7 @@ def _manifest_bytes(bundle: Path) -> bytes:
                           "by everyone: 0644 files, 0755 directories)" % (path, e)) from None
 
 
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 16 << 20  # a build writes < 4 MiB (the smoke record is bounded: 64 x 4096 tokens)
 
 
 def _parse(raw: bytes, path: Path) -> Dict[str, Any]:

@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # torch loads when a batch is padded: the manifest (and so `l
     import torch  # line) needs only Ranges
 
 TOKEN_MULTIPLE = 16
+# the widest batch an artifact is exported for (export.max_rows); wider requests run in slices of it. The
+# build refuses more and so does the manifest reader: verification builds a case of max_rows rows
+MAX_ROWS = 1024
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ manifest entry (exactly the one the parent checked) in $LAYA_AOT_PROBE_ENTRY. Bu
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -28,7 +27,7 @@ from .variant import Machine
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_S = float(os.environ.get("LAYA_AOT_PROBE_TIMEOUT", "600"))
+TIMEOUT_S = 600.0  # a probe child's time limit unless LAYA_AOT_PROBE_TIMEOUT says otherwise (`timeout_s`)
 _MARK = "LAYA_AOT_PROBE_RESULT "
 # bumped when the child checks something new, so verdicts cached by an older probe are not trusted
 PROBE_VERSION = 3
@@ -41,10 +40,30 @@ def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
     """Where the verdict on `art` is cached: keyed by its whole manifest entry (its files' sha256 and
     everything the child loads it with: kind, ranges, dtype, details) and the machine, so an entry that
     differs in anything (a damaged duplicate, another build) never shares a verdict with this one."""
-    entry = json.dumps(dataclasses.asdict(art), sort_keys=True, default=str)
+    entry = json.dumps(art.to_dict(), sort_keys=True, default=str)
     facts = json.dumps({"entry": hashlib.sha256(entry.encode()).hexdigest(), "sha256": art.sha256,
                         "machine": machine.as_dict(), "device": device, "probe": PROBE_VERSION}, sort_keys=True)
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
+
+
+class SettingError(ValueError):
+    """A setting (an environment variable) holds a value that cannot mean anything; the message names it."""
+
+
+def timeout_s() -> float:
+    """LAYA_AOT_PROBE_TIMEOUT (seconds, default TIMEOUT_S), read when a probe starts; a value that is not a
+    positive number of seconds is a SettingError naming it."""
+    raw = os.environ.get("LAYA_AOT_PROBE_TIMEOUT")
+    if raw is None or not raw.strip():
+        return TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1e7:
+        raise SettingError("LAYA_AOT_PROBE_TIMEOUT=%r is not a number of seconds; set it to a positive number "
+                           "(default %g) or unset it" % (raw[:40], TIMEOUT_S))
+    return value
 
 
 def _describe_exit(rc: int) -> str:
@@ -71,6 +90,12 @@ class Pending:
         assert self.launch is not None
         self.proc = subprocess.Popen(**self.launch)
 
+    @classmethod
+    def failed(cls, entry: Artifact, path: Path, machine: Machine, device: str, why: str) -> "Pending":
+        """A probe that could not start: the artifact is rejected with `why`, and nothing is cached (the
+        cause is this machine's setup, not the artifact)."""
+        return cls(entry, path, machine, device, cached={"reason": why, "graphs": why, "not_cached": True})
+
     def cancel(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -86,10 +111,20 @@ def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
             return Pending(entry, path, machine, device, cached=cached)
     except (OSError, ValueError):
         pass
+    try:
+        timeout_s()
+    except SettingError as e:
+        return Pending.failed(entry, path, machine, device, "it could not be probed: %s" % e)
     cmd = [sys.executable, "-m", __name__, str(bundle), str(checkpoint), device]
-    env = dict(os.environ, PYTHONFAULTHANDLER="0", LAYA_AOT_PROBE_ENTRY=json.dumps(dataclasses.asdict(entry)))
+    env = dict(os.environ, PYTHONFAULTHANDLER="0", LAYA_AOT_PROBE_ENTRY=json.dumps(entry.to_dict()))
     launch = dict(args=cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return Pending(entry, path, machine, device, proc=subprocess.Popen(**launch), launch=launch)
+    try:
+        proc = subprocess.Popen(**launch)
+    except OSError as e:  # the interpreter cannot be run by this user, no process left, ...: this artifact's probe
+        return Pending.failed(entry, path, machine, device, "a probe process could not start (%s: %s %s); the "
+                              "service's user must be able to run %s" % (type(e).__name__, e.strerror or e,
+                                                                          sys.executable, sys.executable))
+    return Pending(entry, path, machine, device, proc=proc, launch=launch)
 
 
 def _killed_from_outside(rc: Optional[int]) -> Optional[str]:
@@ -102,16 +137,18 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
     stats = stats if stats is not None else {}
     if pending.cached is not None:
-        stats.update(probe="cached", probe_seconds=0.0, probe_graphs=pending.cached.get("graphs", "not probed"))
+        stats.update(probe="not started" if pending.cached.get("not_cached") else "cached", probe_seconds=0.0,
+                     probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
     assert pending.proc is not None
+    limit = timeout_s()  # checked by `start`
     for attempt in (1, 2):
         try:
-            out, err = pending.proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - pending.t0)))
+            out, err = pending.proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - pending.t0)))
         except subprocess.TimeoutExpired:
             pending.cancel()
             stats.update(probe="timeout", probe_seconds=time.perf_counter() - pending.t0)
-            return "a probe process that loaded it did not finish within %.0f s" % TIMEOUT_S
+            return "a probe process that loaded it did not finish within %.0f s" % limit
         killed = _killed_from_outside(pending.proc.returncode)
         if killed is None or pending.launch is None:
             break
@@ -122,7 +159,10 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
         log.warning("laya-aot: the probe of %s was killed from outside (%s); probing it once more",
                     pending.entry.name, killed)
         stats["probe_retried_after"] = killed
-        pending.relaunch()
+        try:
+            pending.relaunch()
+        except OSError as e:
+            return "a probe process could not start again (%s)" % (e.strerror or e)
     seconds = time.perf_counter() - pending.t0
     rc = pending.proc.returncode
     reason: Optional[str] = None

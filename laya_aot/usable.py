@@ -16,6 +16,8 @@ from .variant import Machine, mismatch
 def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str) -> Optional[str]:
     """Why `art` cannot serve an agent on `agent_device` that laya runs in `serving_dtype`, from the manifest
     alone (None: it may)."""
+    if art.invalid:  # the reader found values no build writes in this entry: this artifact only is out
+        return "its manifest entry is invalid (%s); rebuild the bundle with `laya-aot build`" % art.invalid
     kind = kinds.get(art.kind)
     if not kind.serves:
         return "the portable %s is what the other artifacts are compiled from, not a runtime artifact" % kind.name

@@ -49,6 +49,16 @@ def cuda_tag(cuda: Optional[str]) -> str:
     return "cu%s%s" % (major, minor)
 
 
+def check_device(value: str) -> str:
+    """`value` if it names a device an artifact can be built for or served on (cpu, cuda, cuda:N), else a
+    ValueError naming it."""
+    v = str(value).strip()
+    kind, _, index = v.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError("device %r is not one laya-aot serves; use cpu, cuda or cuda:N" % v[:40])
+    return v
+
+
 def current_gpu_arch(device_index: int = 0) -> Optional[str]:
     import torch
 

@@ -56,6 +56,17 @@ def alt_bundle(alt_ckpt, tmp_path_factory) -> Path:
     return out
 
 
+# the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests)
+SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8"]
+
+
+@pytest.fixture(scope="session")
+def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundles") / "small"
+    build_bundle(demo_ckpt, out, *SMALL)
+    return out
+
+
 @pytest.fixture
 def bundle_copy(demo_bundle, tmp_path) -> Path:
     """A private copy of the demo bundle that a test may damage."""

@@ -6,6 +6,7 @@ they are listed here from the artifact's path and accepted only when they add up
 """
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import replace
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
 from ..files import sha256_file
-from ..manifest import Artifact, Bundle, BundleError, FileRecord, files_digest, read_manifest, record_files
+from ..manifest import Artifact, Bundle, BundleError, FileRecord, bundle_file, files_digest, record_files
 
 
 def files_of(bundle: Path, art: Artifact) -> Tuple[Dict[str, FileRecord], Optional[str]]:
@@ -43,12 +44,21 @@ def check_files(root: Path, files: Dict[str, FileRecord], digest: Callable[[Path
     """None when every listed file is a regular file (no link) of the recorded size and sha256, else why."""
     bad = []
     for rel, rec in sorted(files.items()):
-        p = root / rel
         try:
+            p = bundle_file(root, rel, "file %s" % rel)  # no link on the way, not only the last component
             st = os.lstat(p)
-        except OSError:
+        except BundleError as e:
+            bad.append(str(e).split(";")[0])
+            continue
+        except FileNotFoundError:
             bad.append("%s is missing" % rel)
             continue
+        except OSError as e:
+            bad.append("%s cannot be read (%s)" % (rel, e.strerror or e))
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:  # fetch links the Hub's cache in; packing reads it once
+            log.info("%s has %d hard links: its bytes are hashed as they are read, wherever else it appears",
+                     rel, st.st_nlink)
         if not stat.S_ISREG(st.st_mode):
             bad.append("%s is not a regular file" % rel)
         elif st.st_size != rec.size:
@@ -60,14 +70,4 @@ def check_files(root: Path, files: Dict[str, FileRecord], digest: Callable[[Path
     return "; ".join(bad) or None
 
 
-def refuse_foreign(out: Path, what: str) -> None:
-    """`out` may be absent, an empty directory or a laya-aot bundle (replaced whole); anything else is refused."""
-    if not out.exists() and not out.is_symlink():
-        return
-    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
-        return
-    try:
-        read_manifest(out)
-    except BundleError:
-        raise BundleError("%s exists and is not a laya-aot bundle; %s replaces the whole directory, so choose "
-                          "another one or remove it first" % (out, what)) from None
+log = logging.getLogger(__name__)

@@ -23,7 +23,26 @@ def _run(name: str, argv: List[str], setup: Callable[[argparse.ArgumentParser], 
     except BundleError as e:
         print("laya-aot %s: %s" % (name, e), file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only target, a full disk, a directory it may not enter: one line, no traceback
+        print("laya-aot %s: %s" % (name, os_error(e)), file=sys.stderr)
+        return 2
     return 0
+
+
+def _device(value: str) -> str:
+    from ..variant import check_device
+
+    try:
+        return check_device(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def os_error(e: OSError) -> str:
+    """An OSError as one line naming the path and the fix."""
+    where = " %s" % e.filename if e.filename else ""
+    return ("cannot use%s (%s); check that the path exists, that you may read and write it, and the free space"
+            % (where, e.strerror or e))
 
 
 def merge(argv: List[str], start: float) -> int:
@@ -31,12 +50,13 @@ def merge(argv: List[str], start: float) -> int:
         p.description = "Join partial bundles of one checkpoint (built on different machines) into one bundle."
         p.add_argument("out", type=Path, help="the merged bundle's directory (absent, empty, or a bundle)")
         p.add_argument("bundles", type=Path, nargs="+", help="the partial bundles")
+        p.add_argument("--overwrite", action="store_true", help="replace OUT even if laya-aot did not write it")
 
     def body(a: argparse.Namespace) -> None:
         from .merge import merge as do
 
         t0 = time.perf_counter()
-        b = do(a.out, a.bundles)
+        b = do(a.out, a.bundles, overwrite=a.overwrite)
         print("merged %d bundles into %s in %.1f s: %d artifacts" % (len(a.bundles), a.out,
                                                                     time.perf_counter() - t0, len(b.artifacts)))
         for art in b.artifacts:
@@ -57,11 +77,12 @@ def pack(argv: List[str], start: float) -> int:
         p.description = "Write a bundle as one zstd-compressed tar, bundle.json first."
         p.add_argument("bundle", type=Path)
         p.add_argument("file", type=Path, help="the pack to write, e.g. demo.tar.zst")
+        p.add_argument("--overwrite", action="store_true", help="replace FILE even if it is not a pack")
 
     def body(a: argparse.Namespace) -> None:
         from .pack import pack as do
 
-        info = do(a.bundle, a.file)
+        info = do(a.bundle, a.file, overwrite=a.overwrite)
         print("packed %s into %s: %d files, %d bytes, sha256 %s" % (a.bundle, info.path, info.files, info.size,
                                                                     info.sha256))
 
@@ -73,11 +94,12 @@ def unpack(argv: List[str], start: float) -> int:
         p.description = "Extract a pack into a bundle directory, checking every file against its manifest."
         p.add_argument("file", type=Path)
         p.add_argument("dir", type=Path, help="the bundle directory to create (absent, empty, or a bundle)")
+        p.add_argument("--overwrite", action="store_true", help="replace DIR even if laya-aot did not write it")
 
     def body(a: argparse.Namespace) -> None:
         from .pack import unpack as do
 
-        b = do(a.file, a.dir)
+        b = do(a.file, a.dir, overwrite=a.overwrite)
         print("unpacked %s into %s: %d artifacts" % (a.file, a.dir, len(b.artifacts)))
 
     return _run("unpack", argv, setup, body)
@@ -88,13 +110,15 @@ def fetch(argv: List[str], start: float) -> int:
         p.description = ("Fetch what this machine can use of a bundle: hf://ORG/REPO[/PATH][@REVISION], a pack "
                          "(*.tar.zst) or a directory of packs.")
         p.add_argument("spec")
-        p.add_argument("--device", default=None, help="the device the agent will run on (default: cuda if visible)")
+        p.add_argument("--device", default=None, type=_device,
+                       help="the device the agent will run on: cpu, cuda or cuda:N (default: cuda if visible)")
         p.add_argument("--out", type=Path, default=None, help="put the bundle here instead of the laya-aot cache")
+        p.add_argument("--overwrite", action="store_true", help="replace --out even if laya-aot did not write it")
 
     def body(a: argparse.Namespace) -> None:
         from .fetch import fetch as do
 
-        f = do(a.spec, device=a.device, out=a.out)
+        f = do(a.spec, device=a.device, out=a.out, overwrite=a.overwrite)
         print("fetched %s into %s" % (f.source, f.path))
         print("  artifacts usable here: %s" % (", ".join(f.fetched) or "none"))
         if f.files:

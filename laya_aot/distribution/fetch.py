@@ -31,7 +31,7 @@ from .. import kinds, precision, staging
 from ..files import cache_dir, cached_sha256
 from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
 from ..usable import reject_reason
-from .bundle_files import check_files, refuse_foreign
+from .bundle_files import check_files
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ def resolve(spec: str | os.PathLike, device: Optional[str] = None, checkpoint: O
     if isinstance(spec, (str, os.PathLike)) and str(spec).startswith(HF_SCHEME):
         return fetch(str(spec), device=device).path
     p = Path(spec)
-    if p.is_file() and p.name.endswith(PACK_SUFFIX) or p.is_dir() and _packs_only(p):
+    if _is_file(p) and p.name.endswith(PACK_SUFFIX) or p.is_dir() and _packs_only(p):
         return fetch(p, device=device, checkpoint=checkpoint).path
-    return p
+    return p  # a bundle directory, or something the manifest reader explains (absent, unreadable, ...)
 
 
 def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[object, Optional[str]]:
@@ -106,17 +106,36 @@ def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[obj
         return resolve(spec, device=device, checkpoint=checkpoint), None
     except BundleError as e:
         return spec, str(e)
+    except OSError as e:  # a pack or cache the service's user may not read or write: one reason, never a raise
+        return spec, ("cannot use %s (%s: %s); check its permissions and the laya-aot cache's (LAYA_AOT_CACHE_DIR)"
+                      % (spec, type(e).__name__, e))
+    except Exception as e:  # noqa: BLE001 - nothing on disk may make load(strict=False) raise; a bug here is reported
+        log.warning("laya-aot: internal error while fetching %s", spec, exc_info=True)
+        return spec, "internal error in laya-aot while fetching it (%s: %s); please report this" % (
+            type(e).__name__, str(e)[:300])
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:
+        return False
 
 
 def _packs_only(d: Path) -> bool:
-    return not (d / MANIFEST).exists() and any(d.glob("*" + PACK_SUFFIX))
+    """A directory with no bundle.json and some packs; False when it cannot be read (the reader says why)."""
+    try:
+        return not os.path.lexists(d / MANIFEST) and any(d.glob("*" + PACK_SUFFIX))
+    except OSError:
+        return False
 
 
 def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[Path] = None,
-          checkpoint: Optional[Path] = None) -> Fetched:
-    """Make the bundle at `spec` available locally (in the laya-aot cache, or in `out`)."""
+          checkpoint: Optional[Path] = None, overwrite: bool = False) -> Fetched:
+    """Make the bundle at `spec` available locally (in the laya-aot cache, or in `out`, which `overwrite`
+    lets replace a directory laya-aot did not write)."""
     if str(spec).startswith(HF_SCHEME):
-        return _from_hub(str(spec), device, out)
+        return _from_hub(str(spec), device, out, overwrite)
     p = Path(spec)
     if p.is_dir() and (p / MANIFEST).exists():
         if out is not None:
@@ -128,17 +147,17 @@ def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[P
     if p.is_dir() and _packs_only(p):
         p = _choose_pack(p, device, checkpoint)
     if p.is_file() and p.name.endswith(PACK_SUFFIX):
-        return _from_pack(p, device, out)
+        return _from_pack(p, device, out, overwrite)
     raise BundleError("%s is neither a bundle directory, a pack (*%s), a directory of packs nor an hf:// address"
                       % (spec, PACK_SUFFIX))
 
 
-def _from_pack(file: Path, device: Optional[str], out: Optional[Path]) -> Fetched:
+def _from_pack(file: Path, device: Optional[str], out: Optional[Path], overwrite: bool = False) -> Fetched:
     from .pack import read_pack_manifest, unpack
 
     target = out or cache_dir() / "packs" / cached_sha256(file)[:32]
     if not (out is None and (target / MANIFEST).is_file()):  # unpacked before: the loader re-checks every hash
-        unpack(file, target)
+        unpack(file, target, overwrite)
     manifest = read_pack_manifest(file)
     ok, skipped = usable_here(manifest, device)
     files = [r for a in manifest.artifacts if a.built for r in a.files.values()]
@@ -176,7 +195,7 @@ def _hub_error(spec: str, what: str, e: BaseException) -> BundleError:
                        % (what, spec, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", fix))
 
 
-def _from_hub(spec: str, device: Optional[str], out: Optional[Path]) -> Fetched:
+def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: bool = False) -> Fetched:
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     repo, sub, revision = parse_hf(spec)
@@ -213,19 +232,20 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path]) -> Fetched:
             raise _hub_error(spec, rel, e) from None
     folder = "%s--%s" % tuple(repo.split("/"))
     target = out or cache_dir() / "hub" / folder / commit / (sub.replace("/", "--") or "_")
-    _link_bundle(target, raw, local, wanted, spec)
+    _link_bundle(target, raw, local, wanted, spec, overwrite)
     log.info("fetched %s: %s (%d files, %d downloaded)", spec, ", ".join(a.name for a in ok) or "nothing usable",
              len(wanted), downloaded)
     return Fetched(target, spec, [a.name for a in ok], skipped, len(wanted), sum(r.size for r in wanted.values()),
                    downloaded)
 
 
-def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str) -> None:
+def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str,
+                 overwrite: bool = False) -> None:
     """A bundle directory at `target` of the manifest's bytes and the fetched files (hard links, or copies)."""
     if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == raw \
             and check_files(target, wanted, cached_sha256) is None:
         return  # fetched before (another device's variant may be missing: then it is made again below)
-    refuse_foreign(target, "fetch")
+    staging.may_replace(target, "fetch", overwrite)
     tmp = staging.new_staging(target)
     try:
         for rel, src in local.items():

@@ -33,8 +33,17 @@ from typing import Dict, List, Sequence, Tuple
 
 from .. import kinds, staging
 from ..files import cached_sha256
-from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, BundleError, read_bundle, write_manifest
-from .bundle_files import check_files, files_of, refuse_foreign
+from ..manifest import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    Artifact,
+    Bundle,
+    BundleError,
+    path_conflicts,
+    read_bundle,
+    write_manifest,
+)
+from .bundle_files import check_files, files_of
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +120,6 @@ def _join(parts: List[Tuple[Path, Bundle]]) -> Tuple[List[Tuple[Path, Artifact]]
     return list(kept.values()), conflicts
 
 
-def _file_conflicts(arts: List[Artifact]) -> List[str]:
-    owner: Dict[str, Tuple[str, str]] = {}  # file path -> (artifact name, sha256)
-    out = []
-    for a in arts:
-        for rel, rec in a.files.items():
-            if rel in owner and owner[rel][1] != rec.sha256:
-                out.append("file %s belongs to both %s and %s with different bytes; rename one artifact"
-                           % (rel, owner[rel][0], a.name))
-            owner.setdefault(rel, (a.name, rec.sha256))
-    return out
-
-
 def _merged(parts: List[Tuple[Path, Bundle]], arts: List[Artifact]) -> Bundle:
     b0 = parts[0][1]
     eager: Dict[str, object] = {}
@@ -139,14 +136,17 @@ def _merged(parts: List[Tuple[Path, Bundle]], arts: List[Artifact]) -> Bundle:
         config={"merged_from": [{"bundle": str(p), "created": b.created, "config": b.config} for p, b in parts]})
 
 
-def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike]) -> Bundle:
-    """Join partial bundles of one checkpoint into `out`; a BundleError lists every conflict."""
+def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrite: bool = False) -> Bundle:
+    """Join partial bundles of one checkpoint into `out` (`staging.may_replace` decides whether what is there
+    may go); a BundleError lists every conflict."""
     if not bundles:
         raise BundleError("merge needs at least one bundle: laya-aot merge OUT BUNDLE [BUNDLE...]")
     out = Path(out)
-    refuse_foreign(out, "merge")
+    staging.may_replace(out, "merge", overwrite)
     parts = [(Path(b), read_bundle(b, kinds.NAMES)) for b in bundles]
-    problems = _top_level_conflicts(parts)
+    problems = ["%s in %s: its manifest entry is invalid (%s); rebuild that part" % (a.name, path, a.invalid)
+                for path, b in parts for a in b.artifacts if a.invalid]
+    problems += _top_level_conflicts(parts)
     chosen, conflicts = _join(parts)
     problems += conflicts
     arts: List[Artifact] = []
@@ -159,7 +159,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike]) -> Bundl
         if why:
             problems.append("%s in %s: %s" % (a.name, path, why))
         arts.append(replace(a, files=files))
-    problems += _file_conflicts(arts)
+    problems += path_conflicts([a for a in arts if a.built])
     if problems:
         raise BundleError("cannot merge %d bundles into %s:\n  - %s" % (len(parts), out, "\n  - ".join(problems)))
     merged = _merged(parts, arts)

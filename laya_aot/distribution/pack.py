@@ -10,7 +10,10 @@ Unpacking trusts nothing in the archive but what its manifest names: the manifes
 strict reader first; then each member must be a regular file listed there (no absolute path, no `..`,
 no link, device or directory), of the listed size, and its sha256 is checked as it is written.
 Everything goes to a directory beside DIR that is renamed into place at the end (`staging`), so a
-refused or truncated archive leaves nothing behind.
+refused or truncated archive leaves nothing behind. The tar stream is read here, not by tarfile (which
+reads a pax record or GNU long name whole, whatever size it declares): every 512-byte header is bounded
+(`MAX_*` below, README "Merge, pack, fetch") before anything it declares is read, so a hostile archive is
+refused in seconds, in bounded memory.
 """
 from __future__ import annotations
 
@@ -19,20 +22,30 @@ import io
 import json
 import logging
 import os
+import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
 
 from .. import kinds, staging
+from .. import manifest as manifest_mod
 from ..files import cached_sha256
-from ..manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, FileRecord, read_bundle, unsafe_relpath
-from .bundle_files import check_files, files_of, manifest_files, refuse_foreign
+from ..manifest import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    Bundle,
+    BundleError,
+    FileRecord,
+    bundle_file,
+    read_bundle,
+    unsafe_relpath,
+)
+from .bundle_files import check_files, files_of, manifest_files
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".tar.zst"
 LEVEL = 10  # zstd level: packs are written once in CI and read many times
-_MAX_MANIFEST = 64 << 20
 _CHUNK = 1 << 20
 
 
@@ -56,6 +69,8 @@ def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecor
     problems = []
     upgraded = False
     for a in manifest.artifacts:
+        if a.invalid:
+            problems.append("%s: its manifest entry is invalid (%s)" % (a.name, a.invalid))
         if not a.built:
             continue
         files, why = files_of(bundle, a)
@@ -76,11 +91,37 @@ def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecor
     return raw, manifest, files
 
 
-def pack(bundle: str | os.PathLike, file: str | os.PathLike) -> PackInfo:
-    """Write `bundle` (checked against its manifest) to `file` as a zstd tar, atomically."""
+class _Hashing:
+    """A file object that hashes what is read from it: the bytes packed are the bytes checked."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        block = self.f.read(n)
+        self.sha.update(block)
+        return block
+
+
+def _not_a_pack(file: Path) -> Optional[str]:
+    """Why `file` is not a pack (None: `laya-aot pack` wrote it, and replacing it loses nothing)."""
+    try:
+        read_pack_manifest(file)
+    except BundleError as e:
+        return str(e).split(";")[0]
+    return None
+
+
+def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = False) -> PackInfo:
+    """Write `bundle` (checked against its manifest) to `file` as a zstd tar, atomically. `file` is never
+    inside the bundle and never a directory; an existing file that is not a pack needs `overwrite`."""
     import zstandard
 
     bundle, file = Path(bundle), Path(file)
+    if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
+        raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
+                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name, SUFFIX))
+    staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(".%s.partial-%d" % (file.name, os.getpid()))
@@ -90,8 +131,14 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike) -> PackInfo:
                 with tarfile.open(fileobj=z, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                     tar.addfile(_member(MANIFEST, len(raw)), io.BytesIO(raw))
                     for rel in sorted(files, key=lambda r: PurePosixPath(r).parts):
-                        with open(bundle / rel, "rb") as src:
-                            tar.addfile(_member(rel, files[rel].size), src)
+                        fd = os.open(bundle_file(bundle, rel, "file %s" % rel),
+                                     os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                        with os.fdopen(fd, "rb") as src:
+                            hashing = _Hashing(src)
+                            tar.addfile(_member(rel, files[rel].size), hashing)
+                        if hashing.sha.hexdigest() != files[rel].sha256:  # changed since it was checked
+                            raise BundleError("cannot pack %s: %s changed while it was packed; pack it again"
+                                              % (bundle, rel))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -104,49 +151,214 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike) -> PackInfo:
     return info
 
 
-def _open(file: Path):
+# Limits on what a pack may declare, checked on each 512-byte header before anything it declares is read
+# (tarfile would read a pax record or a GNU long name whole, whatever its size): a refusal costs the bytes
+# read so far, and memory stays bounded whatever the archive says.
+MAX_PAX_BYTES = 64 << 10  # one pax extended header (`laya-aot pack` writes a path and a size: < 1 KiB)
+MAX_NAME_BYTES = 4096  # a member's name, from a pax `path` or a GNU long name (PATH_MAX)
+MAX_MEMBERS = 100_000  # files a pack's manifest may list; headers read are bounded by 4 per listed file + 4
+MAX_UNPACKED_BYTES = 1 << 40  # the sum of the manifest's file sizes (1 TiB), also checked against free space
+MAX_MANIFEST_BYTES = manifest_mod.MAX_MANIFEST_BYTES  # bundle.json, the first member, read into memory
+MAX_ZSTD_WINDOW = 1 << 27  # zstd's default limit (128 MiB), stated: a frame asking for more is refused
+_BLOCK = 512
+_EXTENSIONS_PER_MEMBER = 3  # pax `x`, GNU `L`/`K` headers before one member; more is not an archive we wrote
+_KIND = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a device", b"4": "a device", b"5": "a directory",
+         b"6": "a FIFO"}
+
+
+class _Member(NamedTuple):
+    name: str
+    size: int
+    type: bytes
+
+    def isreg(self) -> bool:
+        return self.type in (b"0", b"\0")
+
+
+class _TarStream:
+    """A ustar/pax reader over a stream that bounds every header before reading what it declares."""
+
+    def __init__(self, stream: IO[bytes], file: Path, max_headers: int):
+        self.f, self.file, self.max_headers = stream, file, max_headers
+        self.headers = 0
+        self._left = 0  # bytes of the current member's data not yet read, then its padding
+        self._pad = 0
+
+    def _refuse(self, why: str) -> BundleError:
+        return BundleError("pack %s refused: %s; nothing was unpacked" % (self.file, why))
+
+    def _exact(self, n: int) -> bytes:
+        parts, got = [], 0
+        while got < n:
+            block = self.f.read(min(_CHUNK, n - got))
+            if not block:
+                raise EOFError("the archive ends after %d of %d bytes" % (got, n))
+            parts.append(block)
+            got += len(block)
+        return b"".join(parts)
+
+    def _skip(self, n: int) -> None:
+        while n:
+            n -= len(self._exact(min(_CHUNK, n)))
+
+    def read(self, n: int) -> bytes:
+        """Up to `n` bytes of the current member's data (b"" at its end)."""
+        n = min(n, self._left)
+        if not n:
+            return b""
+        block = self._exact(n)
+        self._left -= len(block)
+        return block
+
+    def _number(self, field: bytes, what: str) -> int:
+        if field[:1] and field[0] & 0x80:  # base-256 (GNU): big sizes
+            value = int.from_bytes(field[1:], "big")
+            if field[0] & 0x40:
+                raise self._refuse("a negative %s" % what)
+            return value
+        text = field.split(b"\0", 1)[0].strip(b" ")
+        try:
+            return int(text or b"0", 8)
+        except ValueError:
+            raise self._refuse("a header whose %s is not a number" % what) from None
+
+    def _data(self, size: int, limit: int, what: str) -> bytes:
+        if size > limit:
+            raise self._refuse("a %s of %d bytes (at most %d are read)" % (what, size, limit))
+        data = self._exact(size)
+        self._skip(-size % _BLOCK)
+        return data
+
+    def _pax(self, data: bytes) -> Dict[str, str]:
+        out, pos = {}, 0
+        while pos < len(data):
+            sp = data.find(b" ", pos)
+            try:
+                length = int(data[pos:sp]) if sp > pos else 0
+            except ValueError:
+                length = 0
+            record = data[pos:pos + length]
+            if length <= sp - pos or pos + length > len(data) or not record.endswith(b"\n") or b"=" not in record:
+                raise self._refuse("a malformed pax header")
+            key, _, value = record[sp - pos + 1:-1].partition(b"=")
+            out[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
+            pos += length
+        return out
+
+    def next(self) -> Optional[_Member]:
+        """The next member's header (its data then readable with `read`), or None at the archive's end."""
+        self._skip(self._left + self._pad)
+        self._left = self._pad = 0
+        name: Optional[str] = None
+        size: Optional[int] = None
+        extensions = 0
+        while True:
+            block = self.f.read(_BLOCK)
+            while block and len(block) < _BLOCK:
+                more = self.f.read(_BLOCK - len(block))
+                if not more:
+                    break
+                block += more
+            if not block or block == bytes(_BLOCK):
+                return None  # the end-of-archive marker (or the stream's end: missing files are found after)
+            if len(block) < _BLOCK:
+                raise EOFError("the archive ends inside a header")
+            self.headers += 1
+            if self.headers > self.max_headers:
+                raise self._refuse("more than %d headers (%d per file its manifest lists)"
+                                   % (self.max_headers, _EXTENSIONS_PER_MEMBER + 1))
+            stored = self._number(block[148:156], "checksum")
+            if stored != sum(block[:148]) + 256 + sum(block[156:]):
+                raise self._refuse("a header whose checksum does not match (not a tar, or damaged)")
+            kind = block[156:157]
+            declared = self._number(block[124:136], "size")
+            if kind in (b"x", b"g", b"L", b"K"):
+                extensions += 1
+                if extensions > _EXTENSIONS_PER_MEMBER:
+                    raise self._refuse("more than %d extension headers before one member" % _EXTENSIONS_PER_MEMBER)
+                if kind in (b"x", b"g"):
+                    records = self._pax(self._data(declared, MAX_PAX_BYTES, "pax header"))
+                    if kind == b"x":
+                        if "path" in records:
+                            name = records["path"]
+                        if "size" in records:
+                            try:
+                                size = int(records["size"])
+                            except ValueError:
+                                raise self._refuse("a pax size that is not a number") from None
+                else:
+                    long = self._data(declared, MAX_NAME_BYTES, "GNU long name")
+                    if kind == b"L":
+                        name = long.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                continue
+            if name is None:
+                base = block[0:100].split(b"\0", 1)[0]
+                posix = block[257:263] == b"ustar\0"  # a GNU header keeps times where POSIX keeps the prefix
+                prefix = block[345:500].split(b"\0", 1)[0] if posix else b""
+                name = ((prefix + b"/" if prefix else b"") + base).decode("utf-8", "surrogateescape")
+            if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+                raise self._refuse("a member name of more than %d bytes" % MAX_NAME_BYTES)
+            size = declared if size is None else size
+            if size < 0:
+                raise self._refuse("a negative size")
+            member = _Member(name, size if kind in (b"0", b"\0", b"7") else 0, kind)
+            self._left, self._pad = member.size, -member.size % _BLOCK
+            return member
+
+
+def _open(file: Path, max_headers: int = 4 * MAX_MEMBERS + 4):
     import zstandard
 
     try:
         f = open(file, "rb")
     except OSError as e:
-        raise BundleError("cannot read pack %s (%s); check the path" % (file, e)) from None
-    reader = zstandard.ZstdDecompressor().stream_reader(f, closefd=True)
-    return tarfile.open(fileobj=reader, mode="r|")
+        raise BundleError("cannot read pack %s (%s); check the path" % (file, e.strerror or e)) from None
+    reader = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW).stream_reader(f, closefd=True)
+    return reader, _TarStream(reader, file, max_headers)
 
 
 def _damaged(file: Path, e: BaseException) -> BundleError:
     return BundleError("pack %s is truncated or damaged (%s: %s); copy or download it again, or re-create it "
-                       "with `laya-aot pack`" % (file, type(e).__name__, e))
+                       "with `laya-aot pack`" % (file, type(e).__name__, str(e)[:200]))
 
 
 def _broken() -> tuple:
-    """What a truncated or corrupted stream raises (a short zstd frame ends the tar early: tarfile.ReadError)."""
+    """What a truncated or corrupted stream raises."""
     import zstandard
 
-    return (tarfile.TarError, EOFError, zstandard.ZstdError)
+    return (EOFError, zstandard.ZstdError)
 
 
-def _read_manifest_member(tar: tarfile.TarFile, file: Path) -> Tuple[bytes, Bundle]:
+def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
     first = tar.next()
     if first is None or first.name != MANIFEST or not first.isreg():
         raise BundleError("pack %s does not start with %s (its first member is %r): it was not written by "
-                          "`laya-aot pack`" % (file, MANIFEST, first.name if first else None))
-    if first.size > _MAX_MANIFEST:
-        raise BundleError("pack %s: its %s is %d bytes, more than a manifest ever is; re-create the pack"
-                          % (file, MANIFEST, first.size))
-    raw = tar.extractfile(first).read()
-    if len(raw) != first.size:
-        raise EOFError("the archive ends inside %s" % MANIFEST)
+                          "`laya-aot pack`" % (file, MANIFEST, first.name[:200] if first else None))
+    if first.size > MAX_MANIFEST_BYTES:
+        raise BundleError("pack %s: its %s is %d bytes, more than a manifest ever is (%d); re-create the pack"
+                          % (file, MANIFEST, first.size, MAX_MANIFEST_BYTES))
+    raw = tar.read(first.size)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise BundleError("pack %s: its %s is unreadable (%s); re-create the pack" % (file, MANIFEST, str(e)[:200])) \
             from None
+    listed = sum(len(a.get("files") or ()) for a in data.get("artifacts") or () if isinstance(a, dict)) \
+        if isinstance(data, dict) and isinstance(data.get("artifacts"), list) else 0
+    if listed > MAX_MEMBERS:  # before the typed reader spends seconds on them
+        raise BundleError("pack %s: its manifest lists %d files, more than a pack may hold (%d); re-create the pack"
+                          % (file, listed, MAX_MEMBERS))
     manifest = Bundle.from_dict(data, kinds.NAMES, "%s:%s" % (file, MANIFEST))
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("pack %s: its manifest lists no files for its artifacts (schema %d); re-create the pack "
                           "with this laya-aot's `laya-aot pack`" % (file, manifest.schema_version))
+    files = manifest_files(manifest)
+    total = sum(r.size for r in files.values())
+    if len(files) > MAX_MEMBERS or total > MAX_UNPACKED_BYTES:
+        raise BundleError("pack %s: its manifest lists %d files of %d bytes in all, more than a pack may hold (%d "
+                          "files, %d bytes); re-create the pack" % (file, len(files), total, MAX_MEMBERS,
+                                                                   MAX_UNPACKED_BYTES))
+    tar.max_headers = min(tar.max_headers, (_EXTENSIONS_PER_MEMBER + 1) * (len(files) + 1))
     return raw, manifest
 
 
@@ -154,26 +366,29 @@ def read_pack_manifest(file: str | os.PathLike) -> Bundle:
     """The manifest of a pack, read from its first member only (the rest is not decompressed)."""
     file = Path(file)
     try:
-        with _open(file) as tar:
+        reader, tar = _open(file)
+        with reader:
             return _read_manifest_member(tar, file)[1]
     except BundleError:
         raise
     except _broken() as e:
         raise _damaged(file, e) from None
+    except OSError as e:
+        raise BundleError("cannot read pack %s (%s); check the path and its permissions" % (file, e.strerror or e)) \
+            from None
 
 
-def _refuse(file: Path, member: tarfile.TarInfo, expected: Dict[str, FileRecord], seen: set) -> Optional[str]:
+def _refuse(member: _Member, expected: Dict[str, FileRecord], seen: set) -> Optional[str]:
     name = member.name
     why = unsafe_relpath(name)
     if why:
-        return "member %r is %s" % (name, why)
+        return "member %r is %s" % (name[:200], why)
     if not member.isreg():
-        kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else
-                "a device" if member.isdev() else "a directory" if member.isdir() else "not a regular file")
-        return "member %r is %s (a pack holds regular files only)" % (name, kind)
+        kind = _KIND.get(member.type, "not a regular file")
+        return "member %r is %s (a pack holds regular files only)" % (name[:200], kind)
     norm = PurePosixPath(name).as_posix()
     if norm not in expected:
-        return "member %r is not a file its manifest lists" % name
+        return "member %r is not a file its manifest lists" % name[:200]
     if norm in seen:
         return "member %r appears twice" % name
     if member.size != expected[norm].size:
@@ -181,7 +396,7 @@ def _refuse(file: Path, member: tarfile.TarInfo, expected: Dict[str, FileRecord]
     return None
 
 
-def _extract(src: IO[bytes], dst: Path, size: int) -> str:
+def _extract(src: _TarStream, dst: Path, size: int) -> str:
     h = hashlib.sha256()
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -197,32 +412,43 @@ def _extract(src: IO[bytes], dst: Path, size: int) -> str:
     return h.hexdigest()
 
 
-def unpack(file: str | os.PathLike, out: str | os.PathLike) -> Bundle:
-    """Extract pack `file` into directory `out` (absent, empty, or a bundle it replaces); refuse anything the
-    manifest does not name exactly, leaving nothing behind."""
+def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Bundle:
+    """Extract pack `file` into directory `out` (absent, empty, or a bundle it replaces: `staging.may_replace`);
+    refuse anything the manifest does not name exactly, leaving nothing behind. Every header is bounded
+    before what it declares is read (MAX_* above), so a hostile archive costs seconds and little memory."""
     file, out = Path(file), Path(out)
-    refuse_foreign(out, "unpack")
+    staging.may_replace(out, "unpack", overwrite)
     if not file.is_file():
         raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE`"
                           % file)
-    tmp = staging.new_staging(out)
+    try:
+        tmp = staging.new_staging(out)
+    except OSError as e:
+        raise BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e)) \
+            from None
     try:
         try:
-            with _open(file) as tar:
+            reader, tar = _open(file)
+            with reader:
                 raw, manifest = _read_manifest_member(tar, file)
                 expected = manifest_files(manifest)
+                need = sum(r.size for r in expected.values())
+                free = shutil.disk_usage(tmp).free
+                if need > free:
+                    raise BundleError("pack %s needs %d bytes unpacked, %s has %d free; free some space or unpack "
+                                      "elsewhere" % (file, need, out.parent, free))
                 (tmp / MANIFEST).write_bytes(raw)
                 seen: set = set()
-                while True:  # tar.next(), not iteration: iterating starts again at the manifest
+                while True:
                     member = tar.next()
                     if member is None:
                         break
-                    why = _refuse(file, member, expected, seen)
+                    why = _refuse(member, expected, seen)
                     if why:
                         raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
                     rel = PurePosixPath(member.name).as_posix()
                     seen.add(rel)
-                    digest = _extract(tar.extractfile(member), tmp / rel, member.size)
+                    digest = _extract(tar, tmp / rel, member.size)
                     if digest != expected[rel].sha256:
                         raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest says "
                                           "%s...; nothing was unpacked" % (file, rel, digest[:12],
@@ -231,6 +457,9 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike) -> Bundle:
             raise
         except _broken() as e:
             raise _damaged(file, e) from None
+        except OSError as e:
+            raise BundleError("cannot unpack %s into %s (%s); check the space and permissions there"
+                              % (file, out, e.strerror or e)) from None
         missing = sorted(set(expected) - seen)
         if missing:
             raise BundleError("pack %s lacks %d file(s) its manifest lists (%s); re-create the pack"
@@ -244,4 +473,5 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike) -> Bundle:
     return manifest
 
 
-__all__ = ["SUFFIX", "PackInfo", "pack", "read_pack_manifest", "unpack"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES", "SUFFIX",
+           "PackInfo", "pack", "read_pack_manifest", "unpack"]

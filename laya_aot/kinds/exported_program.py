@@ -16,7 +16,7 @@ from torch.export import Dim, ExportedProgram
 
 from ..manifest import Artifact, Needs
 from ..model import ExplicitDtypeModel, torch_dtype
-from ..padding import TOKEN_MULTIPLE, Ranges
+from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Kind, LoadEnv, Runner
 
@@ -52,8 +52,9 @@ def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max
     if max_tokens < 2 * TOKEN_MULTIPLE or max_tokens % TOKEN_MULTIPLE:
         raise ValueError("export.max_tokens=%d must be a multiple of %d and at least %d"
                          % (max_tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
-    if max_rows < 2:
-        raise ValueError("export.max_rows=%d must be at least 2 (wider requests run in slices of it)" % max_rows)
+    if not 2 <= max_rows <= MAX_ROWS:
+        raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
+                         % (max_rows, MAX_ROWS))
     args = example_inputs(max_tokens, pad_id, device, max_rows)
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,

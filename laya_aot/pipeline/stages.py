@@ -30,12 +30,10 @@ from ..manifest import (
     SCHEMA_VERSION,
     Artifact,
     Bundle,
-    BundleError,
     CheckpointInfo,
     Fingerprint,
     Needs,
     VerifyResult,
-    read_manifest,
     record_files,
     write_manifest,
 )
@@ -294,17 +292,22 @@ def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], 
     report(rec)
 
 
-def _refuse_foreign_output(out: Path) -> None:
-    """A rebuild replaces a previous bundle; anything else at the output path is never touched."""
-    if not out.exists():
-        return
-    if out.is_dir() and not any(out.iterdir()):
-        return
-    try:
-        read_manifest(out)
-    except BundleError:
-        raise BuildError("output_dir %s exists and is not a laya-aot bundle; a build replaces the whole "
-                         "directory, so choose another output_dir or remove it first" % out) from None
+def _prune_unlisted(stage_dir: Path, bundle: Bundle) -> None:
+    """Remove what a failed stage left behind: a published bundle holds its manifest's files and nothing else,
+    which is how the next build (`staging.complete_bundle`) knows the directory is its own to replace."""
+    listed = {rel for a in bundle.artifacts for rel in a.files}
+    for dirpath, dirnames, filenames in os.walk(stage_dir, topdown=False):
+        for name in filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(stage_dir).as_posix()
+            if rel not in listed and rel != staging.OWNER:
+                log.info("not publishing %s: no artifact of the manifest lists it", rel)
+                p.unlink()
+        for name in dirnames:
+            try:
+                (Path(dirpath) / name).rmdir()  # only when empty
+            except OSError:
+                pass
 
 
 def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
@@ -323,7 +326,9 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
         raise BuildError(str(e)) from e
     out = Path(output_path(cfg.output_dir, info["name"], str(cfg.target.name)))
     try:
-        _refuse_foreign_output(out)
+        staging.may_replace(out, "a build", bool(cfg.get("overwrite", False)), fix="overwrite=true")
+    except staging.OutputRefused as e:
+        raise BuildError(str(e)) from None
     except OSError as e:
         raise BuildError(_unwritable(out, e)) from None
     device = str(cfg.target.device)
@@ -353,6 +358,7 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
             raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
         _hash_artifacts(ctx)
         bundle = bundle_of(ctx)
+        _prune_unlisted(stage_dir, bundle)
         make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
         write_manifest(stage_dir, bundle)
         staging.publish(stage_dir, out)

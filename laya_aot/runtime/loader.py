@@ -284,7 +284,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
                                    "`laya-aot build`" % (bundle,)))
     elif pin is not None and not _is_sha256(pin):
         rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
-                                   "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % pin[:80]))
+                                   "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % str(pin)[:80]))
     usable = not rejected
     early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
     # laya's own accelerations replace the forward themselves: those agents are built whole
