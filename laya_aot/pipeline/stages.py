@@ -56,7 +56,16 @@ from .children import ChildGuard
 log = logging.getLogger(__name__)
 
 # rows x tokens x markers at which latency is recorded for ranking (tokens capped at the context)
+# the calls an artifact's latency is measured on at build (rows, tokens, markers; capped by its ranges): one row
+# short, a few rows medium and, on a GPU, many rows long; the loader ranks artifacts by their sum (select.rank)
 REFERENCE_SHAPES = ((1, 128, 4), (8, 256, 4))
+LONG_SHAPE = (32, 512, 4)
+
+
+def reference_shapes(device: str) -> Tuple[Tuple[int, int, int], ...]:
+    """The mix measured on `device`: the long call only on a GPU (on a CPU it costs minutes of every build of a
+    large checkpoint and ranks the same artifacts as the medium one)."""
+    return REFERENCE_SHAPES + ((LONG_SHAPE,) if device == "cuda" else ())
 
 Report = Callable[[Dict[str, Any]], None]
 
@@ -98,7 +107,7 @@ def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: p
     case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
     reference = ctx.agent.model.float().eval()
     ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
-    ref_batches = {shape: _reference_batch(ctx, shape) for shape in REFERENCE_SHAPES}
+    ref_batches = {shape: _reference_batch(ctx, shape) for shape in reference_shapes(ctx.device)}
     repeats = ctx.cfg.verify.latency_repeats
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
         lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}

@@ -422,7 +422,11 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
         backend.load_stats.update(stats)
         laya_api.install_backend(agent, backend)
         margin = backend.tie_margin
-        log.info("laya-aot: %s runs %s (%s); %s; laya's eager module %s", ckpt, art.name, art.variant,
+        lat = art.latency_ms.get(device) or {}
+        shapes = ", ".join("%s %.2f ms" % kv for kv in lat.items())
+        why_first = ("chosen by its build latency on %s, %s (the lowest sum of those usable here)" % (device, shapes)
+                     if lat else "no latency measured on %s: chosen by the kinds' order" % device)
+        log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", ckpt, art.name, art.variant, why_first,
                  "every answer is the artifact's" if margin is None else
                  "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
                  % (margin, near_ties),
