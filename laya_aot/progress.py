@@ -73,14 +73,19 @@ class Task:
 
 
 class _Count(ProgressColumn):
-    """"3/12" when the task is counted, nothing when it is not."""
+    """"3/12" when the task is counted ("1.5/40.2 MB" when it counts bytes), nothing when it is not."""
 
     def render(self, task: Any) -> Text:
-        return Text("" if task.total is None else "%d/%d" % (task.completed, task.total), style="progress.download")
+        if task.total is None:
+            return Text("")
+        if task.fields.get("unit") == "bytes":
+            return Text("%.1f/%.1f MB" % (task.completed / 1e6, task.total / 1e6), style="progress.download")
+        return Text("%d/%d" % (task.completed, task.total), style="progress.download")
 
 
-def start(description: str, total: Optional[int] = None) -> Task:
-    """Open a live line (a no-op Task when lines do not show); `close()` it when the step ends."""
+def start(description: str, total: Optional[int] = None, unit: Optional[str] = None) -> Task:
+    """Open a live line (a no-op Task when lines do not show); `close()` it when the step ends. `unit="bytes"`:
+    `total` and `advance` count bytes."""
     global _progress, _open
     if not shown():
         return Task()
@@ -92,13 +97,13 @@ def start(description: str, total: Optional[int] = None) -> Task:
                                  console=console(), transient=True)
             _progress.start()
         _open += 1
-        return Task(_progress, _progress.add_task(description, total=total))
+        return Task(_progress, _progress.add_task(description, total=total, unit=unit))
 
 
 @contextlib.contextmanager
-def task(description: str, total: Optional[int] = None) -> Iterator[Task]:
+def task(description: str, total: Optional[int] = None, unit: Optional[str] = None) -> Iterator[Task]:
     """A live line while the block runs: `with progress.task("verify", total=n) as t: ... t.advance()`."""
-    t = start(description, total)
+    t = start(description, total, unit)
     try:
         yield t
     finally:

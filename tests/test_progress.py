@@ -68,3 +68,34 @@ def test_no_live_line_when_quiet_or_not_a_terminal(monkeypatch):
         progress.set_quiet(False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert not progress.shown()
+
+
+def test_pack_and_unpack_count_their_bytes(small_bundle, tmp_path, monkeypatch):
+    """pack and unpack open a live line counting bytes (issue 22, item 4); the column shows megabytes."""
+    import contextlib
+
+    from rich.progress import Progress
+
+    from laya_aot.distribution.pack import pack, unpack
+
+    opened = []
+    real = progress.task
+
+    @contextlib.contextmanager
+    def spy(description, total=None, unit=None):
+        with real(description, total, unit) as t:
+            calls = []
+            t.advance = lambda n=1, calls=calls: calls.append(n)
+            opened.append((description.split()[0], total, unit, calls))
+            yield t
+
+    monkeypatch.setattr(progress, "task", spy)
+    info = pack(small_bundle, tmp_path / "b.tar.zst")
+    unpack(info.path, tmp_path / "out")
+    assert [(name, unit) for name, _, unit, _ in opened] == [("pack", "bytes"), ("unpack", "bytes")]
+    for _, total, _, calls in opened:
+        assert total > 0 and sum(calls) == total   # every byte counted once
+    with Progress(progress._Count()) as p:
+        tid = p.add_task("x", total=3_500_000, unit="bytes", completed=1_200_000)
+        task = next(t for t in p.tasks if t.id == tid)
+        assert progress._Count().render(task).plain == "1.2/3.5 MB"

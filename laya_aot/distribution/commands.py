@@ -75,7 +75,7 @@ def _machine(m: dict) -> str:
 def pack(argv: List[str], start: float) -> int:
     def setup(p: argparse.ArgumentParser) -> None:
         p.description = "Write a bundle as one zstd-compressed tar, bundle.json first."
-        p.add_argument("bundle", type=Path)
+        p.add_argument("bundle", type=Path, help="the bundle directory to pack (the one holding bundle.json)")
         p.add_argument("file", type=Path, help="the pack to write, e.g. demo.tar.zst")
         p.add_argument("--overwrite", action="store_true", help="replace FILE even if it is not a pack")
 
@@ -92,7 +92,7 @@ def pack(argv: List[str], start: float) -> int:
 def unpack(argv: List[str], start: float) -> int:
     def setup(p: argparse.ArgumentParser) -> None:
         p.description = "Extract a pack into a bundle directory, checking every file against its manifest."
-        p.add_argument("file", type=Path)
+        p.add_argument("file", type=Path, help="the pack to read (written by `laya-aot pack`)")
         p.add_argument("dir", type=Path, help="the bundle directory to create (absent, empty, or a bundle)")
         p.add_argument("--overwrite", action="store_true", help="replace DIR even if laya-aot did not write it")
 
@@ -109,7 +109,7 @@ def fetch(argv: List[str], start: float) -> int:
     def setup(p: argparse.ArgumentParser) -> None:
         p.description = ("Fetch what this machine can use of a bundle: hf://ORG/REPO[/PATH][@REVISION], a pack "
                          "(*.tar.zst) or a directory of packs.")
-        p.add_argument("spec")
+        p.add_argument("spec", help="hf://ORG/REPO[/PATH][@REVISION], a pack file, or a directory of packs")
         p.add_argument("--device", default=None, type=_device,
                        help="the device the agent will run on: cpu, cuda or cuda:N (default: cuda if visible)")
         p.add_argument("--out", type=Path, default=None, help="put the bundle here instead of the laya-aot cache")

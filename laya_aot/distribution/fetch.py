@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .. import kinds, precision, staging
+from .. import kinds, precision, progress, staging
 from ..files import cache_dir, cached_sha256
 from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
 from ..usable import reject_reason
@@ -223,13 +223,15 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
     wanted: Dict[str, FileRecord] = {rel: rec for a in ok for rel, rec in a.files.items()}
     local: Dict[str, Path] = {}
     downloaded = 0
-    for rel in sorted(wanted):
-        cached = try_to_load_from_cache(repo, name(rel), revision=commit)
-        downloaded += not isinstance(cached, str)
-        try:
-            local[rel] = Path(hf_hub_download(repo, name(rel), revision=commit))
-        except Exception as e:  # noqa: BLE001
-            raise _hub_error(spec, rel, e) from None
+    with progress.task("fetch %s" % spec, total=sum(r.size for r in wanted.values()), unit="bytes") as line:
+        for rel in sorted(wanted):
+            cached = try_to_load_from_cache(repo, name(rel), revision=commit)
+            downloaded += not isinstance(cached, str)
+            try:
+                local[rel] = Path(hf_hub_download(repo, name(rel), revision=commit))
+            except Exception as e:  # noqa: BLE001
+                raise _hub_error(spec, rel, e) from None
+            line.advance(wanted[rel].size)
     folder = "%s--%s" % tuple(repo.split("/"))
     target = out or cache_dir() / "hub" / folder / commit / (sub.replace("/", "--") or "_")
     _link_bundle(target, raw, local, wanted, spec, overwrite)

@@ -27,7 +27,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
 
-from .. import kinds, staging
+from .. import kinds, progress, staging
 from .. import manifest as manifest_mod
 from ..files import cached_sha256
 from ..manifest import (
@@ -126,7 +126,8 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(".%s.partial-%d" % (file.name, os.getpid()))
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, progress.task("pack %s" % bundle, total=sum(r.size for r in files.values()),
+                                                 unit="bytes") as line:
             with zstandard.ZstdCompressor(level=LEVEL).stream_writer(f, closefd=False) as z:
                 with tarfile.open(fileobj=z, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                     tar.addfile(_member(MANIFEST, len(raw)), io.BytesIO(raw))
@@ -136,6 +137,7 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
                         with os.fdopen(fd, "rb") as src:
                             hashing = _Hashing(src)
                             tar.addfile(_member(rel, files[rel].size), hashing)
+                        line.advance(files[rel].size)
                         if hashing.sha.hexdigest() != files[rel].sha256:  # changed since it was checked
                             raise BundleError("cannot pack %s: %s changed while it was packed; pack it again"
                                               % (bundle, rel))
@@ -439,20 +441,22 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
                                       "elsewhere" % (file, need, out.parent, free))
                 (tmp / MANIFEST).write_bytes(raw)
                 seen: set = set()
-                while True:
-                    member = tar.next()
-                    if member is None:
-                        break
-                    why = _refuse(member, expected, seen)
-                    if why:
-                        raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
-                    rel = PurePosixPath(member.name).as_posix()
-                    seen.add(rel)
-                    digest = _extract(tar, tmp / rel, member.size)
-                    if digest != expected[rel].sha256:
-                        raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest says "
-                                          "%s...; nothing was unpacked" % (file, rel, digest[:12],
-                                                                          expected[rel].sha256[:12]))
+                with progress.task("unpack %s" % file, total=need, unit="bytes") as line:
+                    while True:
+                        member = tar.next()
+                        if member is None:
+                            break
+                        why = _refuse(member, expected, seen)
+                        if why:
+                            raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
+                        rel = PurePosixPath(member.name).as_posix()
+                        seen.add(rel)
+                        digest = _extract(tar, tmp / rel, member.size)
+                        line.advance(member.size)
+                        if digest != expected[rel].sha256:
+                            raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest "
+                                              "says %s...; nothing was unpacked" % (file, rel, digest[:12],
+                                                                                   expected[rel].sha256[:12]))
         except BundleError:
             raise
         except _broken() as e:
