@@ -43,8 +43,12 @@ Keys (KEY=VALUE overrides one value):
   verify.tolerance.fp32, verify.tolerance.bf16, verify.tolerance.fp16, verify.tolerance.argmax_fp32,
   verify.tolerance.relative, verify.tolerance.argmax_margin
                           the verification rule (laya_aot/tolerance.py); stored in bundle.json
+  verify.tolerance.decisions, verify.tolerance.decisions_alpha
+                          a 16-bit artifact's decision suite: its size (default 2048) and the significance
+                          level at which it fails for being less faithful to fp32 than laya eager (0.01)
   verify.latency_repeats  calls per artifact when measuring latency
   output_dir              where the bundle goes (default artifacts/<checkpoint name>)
+  overwrite               replace output_dir even if laya-aot did not write it (default false)
   jobs                    parallel compile jobs (default: all cores)
 
 Options:
@@ -70,4 +74,4 @@ def described_keys() -> List[str]:
     import re
 
     return re.findall(r"\b(?:checkpoint|target|export|aoti|stages|verify)\.[a-z_]+(?:\.[a-z_0-9]+)?|\boutput_dir\b|"
-                      r"\bjobs\b", _TEXT)
+                      r"\bjobs\b|\boverwrite\b", _TEXT)
