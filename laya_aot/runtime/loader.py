@@ -431,6 +431,6 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
                  "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
                  % (margin, near_ties),
                  "built" if backend.eager_module is None or backend.eager_module.model is not None else
-                 "not built (built on first need)" if margin is None else "building in the background")
+                 "not built yet (the log says when and why it is)")
         return backend
     return None
