@@ -447,9 +447,9 @@ def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check
     agent = laya.load(str(demo_ckpt), device="cpu")
     runner = kinds.load(demo_bundle / art.path, art, kinds.LoadEnv(device="cpu"))
     stats = {}
-    here = loader._verify_here(agent, runner, art, manifest, current_machine("cpu"), stats)
+    here = loader._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), stats)
     assert here.passed and here.tolerance == 1e-4 and "verify_here_s" in stats
-    again = loader._verify_here(agent, runner, art, manifest, current_machine("cpu"), {})
+    again = loader._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), {})
     assert again.passed and again.tolerance == here.tolerance           # from the cache
     art = dataclasses.replace(art, verify=here)
     backend = AOTBackend(agent, runner, art, 0)
