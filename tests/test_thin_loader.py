@@ -72,3 +72,13 @@ def test_no_usable_artifact_falls_back_to_a_whole_laya_agent(demo_ckpt, bundle_c
     assert agent.backend_object.stats["eager_module"] == "built"
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"], tol=0.0)   # laya's own forward: identical
+
+
+def test_a_checkpoint_of_another_shape_serves_thin_with_laya_eagers_answers(alt_ckpt, alt_bundle):
+    """tiny-alt: head dim 32, three heads, one decision-head layer, four actions, amp_dtype fp16 written out."""
+    eager = laya.load(str(alt_ckpt), device="cpu")
+    agent = laya_aot.load(str(alt_ckpt), bundle=str(alt_bundle), device="cpu", strict=True)
+    assert agent.backend.startswith("aot:") and laya_api.is_thin(agent)
+    assert laya_api.vocab(agent) == laya_api.vocab(eager) and laya_api.pad_id(agent) == laya_api.pad_id(eager)
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), eager.predict_batch(STATES, question_suite())):
+        assert_same_answers(got["answers"], ref["answers"])
