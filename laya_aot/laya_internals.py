@@ -35,6 +35,9 @@ CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every b
     ("laya.backends.base", "bucket_tokens"),
     ("laya.common", "build_model"),
     ("laya.agent", "build_model"),       # the thin agent replaces it with a shell while laya builds an Agent
+    ("laya.agent", "_load_tokenizer"),   # ... and loads the fast tokenizer class directly, into laya's cache
+    ("laya.agent", "_TOKENIZERS"),
+    ("laya.agent", "_TOKENIZERS_LOCK"),
 )
 SERVE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya-aot serve: laya's app and settings, the Router's one Agent build
     ("laya.serve", "build_router"),
@@ -240,8 +243,8 @@ def serve_settings() -> Tuple[str, int, str]:
 # the H200, all of it replaced when an artifact serves. `thin_agent` runs that same __init__ (tokenizer, config,
 # temperatures, calibration, device and autocast policy: everything but the forward stays laya's) with the model
 # a shell: a module tree of meta tensors named and shaped as the checkpoint's weights, read from the
-# safetensors header. `Agent.__init__` looks up `build_model` in laya.agent and `load_file` in
-# safetensors.torch at call time; both are wrapped once, and the wrappers change nothing unless the calling
+# safetensors header. `Agent.__init__` looks up `build_model` and `_load_tokenizer` in laya.agent and `load_file`
+# in safetensors.torch at call time; each is wrapped once, and the wrappers change nothing unless the calling
 # thread is inside `thin_agent`.
 _THIN = threading.local()
 _HOOKS_LOCK = threading.Lock()
@@ -290,6 +293,32 @@ def _shell(weights: Dict[str, torch.Tensor], encoder_dir: Optional[str]) -> torc
     return root
 
 
+# The tokenizer classes `AutoTokenizer` resolves to the fast tokenizers backend (after laya's own
+# `_fix_tokenizer_config`). Importing `AutoTokenizer` imports transformers' modelling and generation code
+# (torch.distributed, torch._dynamo; 1.5 s on 2 CPU cores, ~4 s on the H200 host with transformers 5.17);
+# importing the class it resolves to does not.
+_FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _fast_tokenizer(tok_dir: str) -> Any:
+    """The tokenizer `AutoTokenizer.from_pretrained(tok_dir)` returns, loaded by the class it resolves to, or
+    None where that class is not the fast tokenizers backend (anything else goes through laya's own path)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(tok_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            tcfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(tcfg, dict) or tcfg.get("tokenizer_class") not in _FAST_TOKENIZER_CLASSES \
+            or tcfg.get("auto_map") or not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(tok_dir)
+
+
 def _install_thin_hooks() -> None:
     import laya.agent
     import safetensors.torch
@@ -299,6 +328,25 @@ def _install_thin_hooks() -> None:
             return
         build_original = laya.agent.build_model
         load_original = safetensors.torch.load_file
+        tokenizer_original = laya.agent._load_tokenizer
+
+        def load_tokenizer(tok_dir: str, cfg: Dict) -> Any:
+            """laya's `_load_tokenizer`, sharing its per-process cache, with the fast class loaded directly."""
+            import os
+
+            if not getattr(_THIN, "on", False) or not os.path.isdir(tok_dir):
+                return tokenizer_original(tok_dir, cfg)
+            try:
+                stamp = (os.path.abspath(tok_dir), os.path.getmtime(os.path.join(tok_dir, "tokenizer_config.json")))
+            except OSError:
+                return tokenizer_original(tok_dir, cfg)
+            with laya.agent._TOKENIZERS_LOCK:
+                cached = laya.agent._TOKENIZERS.get(stamp)
+                if cached is None:
+                    cached = _fast_tokenizer(tok_dir)
+                    if cached is not None:
+                        laya.agent._TOKENIZERS[stamp] = cached
+            return cached if cached is not None else tokenizer_original(tok_dir, cfg)
 
         def build_model(cfg: Any, encoder_dir: Optional[str] = None, *args: Any, **kwargs: Any):
             if not getattr(_THIN, "on", False):
@@ -313,6 +361,7 @@ def _install_thin_hooks() -> None:
         build_model._laya_aot_thin = True  # type: ignore[attr-defined]
         laya.agent.build_model = build_model
         safetensors.torch.load_file = load_file
+        laya.agent._load_tokenizer = load_tokenizer
 
 
 def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
