@@ -185,6 +185,23 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
 
 
+def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, monkeypatch, caplog):
+    """torch 2.11 saves autocast regions it cannot read back: the portable file is left out (said in the stage
+    record and the log), and the compiled artifacts, built from the program in memory, still verify."""
+    import torch
+
+    def unreadable(*a, **k):
+        raise RuntimeError("SpecViolationError: Node.meta wrap_with_autocast_2 is missing val field")
+    monkeypatch.setattr(torch.export, "load", unreadable)
+    m = build_bundle(demo_ckpt, tmp_path / "b", "stages.onnx=false", "aoti.cpu_frozen=false")
+    names = {a["name"]: a["status"] for a in m["artifacts"]}
+    assert names == {"aoti-cpu": "verified"}, names
+    (export,) = [s for s in m["stages"] if s["name"] == "export"]
+    assert "exported_program-fp32 not shipped" in export["summary"] and "wrap_with_autocast_2" in export["summary"]
+    assert not list((tmp_path / "b").glob("exported_program/*"))
+    assert any("is not shipped" in r.getMessage() for r in caplog.records)
+
+
 def test_nothing_to_build_fails(demo_ckpt, tmp_path):
     with pytest.raises(BuildError, match="no artifact could be built"):
         build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false", "stages.onnx=false")
