@@ -1,5 +1,5 @@
 """`laya-aot build --help`: the config groups and every key, in laya-aot's words (Hydra's own help names
-its internals; `laya-aot build --hydra-help` still shows it). tests/test_cli.py checks that every key of
+its internals; `laya-aot build --hydra-help` still shows it). tests/cli/test_cli.py checks that every key of
 the schema (`config.py`) is described here."""
 from __future__ import annotations
 

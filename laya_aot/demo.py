@@ -95,7 +95,7 @@ DEMO_SHAPE = "tiny-trained"
 # Checkpoints the defaults were never tuned on, spread over what users have: amp_dtype bf16 / fp16 /
 # absent, head dims 16-64, 1-16 encoder heads, 1-3 decision-head layers, 2-8 actions, contexts 128-2048,
 # several local-attention windows, BPE and WordPiece, decisive answers (large head weights), a tokenizer
-# config as laya's trainer leaves it. tests/test_matrix.py runs each on the CPU; benchmarks/gpu_matrix.py
+# config as laya's trainer leaves it. tests/pipeline/test_matrix.py runs each on the CPU; benchmarks/gpu_matrix.py
 # on a GPU.
 _SMALL = dict(tokenizer_vocab=900)
 MATRIX: Dict[str, DemoShape] = {

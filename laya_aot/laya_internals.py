@@ -6,7 +6,7 @@ only. So a bundle's backend is installed the way `set_backend` does it itself, u
 reader/writer lock (`_gate`), replacing `_backend` and clearing `_fast`. `check(routes=...)` lists the
 names a route relies on that this laya lacks (core: `laya_aot.load`; serve: `laya-aot serve`; tilelang:
 `laya_aot.kernels`, whose laya modules import tilelang), and `require` names the extra to install when a
-route's packages are missing; `tests/test_laya_internals.py` fails naming the first one a new laya renamed.
+route's packages are missing; `tests/shared/test_laya_internals.py` fails naming the first one a new laya renamed.
 
 `laya-aot serve` runs laya's own HTTP app over a Router whose checkpoint builds it takes over: laya's
 `Router._build` is the one place a Router constructs an Agent, and `laya.serve.build_router` reads every

@@ -8,7 +8,7 @@ laya 0.4.15 (`laya.agent.Agent.__init__`, `laya.common.amp_dtype`):
 
 A bundle is built in that dtype (`target.dtypes` builds more), and the loader installs only an
 artifact computing in the dtype the agent actually serves in (`laya_internals.serving_dtype`).
-`tests/test_precision.py` checks this module against laya's own functions.
+`tests/shared/test_precision.py` checks this module against laya's own functions.
 """
 from __future__ import annotations
 

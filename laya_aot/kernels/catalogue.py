@@ -7,7 +7,7 @@ shape-dynamic up to `DYNAMIC_MAX_L` tokens and static per (rows, tokens) bucket 
 the set of kernels a process can ever request is finite once rows and tokens are bounded.
 This module writes that set down without importing TileLang or building a model, so a build
 machine (or the manifest writer) can know what to compile from the config alone;
-`tests/test_kernels.py` proves it equals what FastLaya requests.
+`tests/kernels/test_kernels.py` proves it equals what FastLaya requests.
 
 Every call is normalised the way TileLang keys its own JIT cache: bound to the factory's
 signature with defaults applied. Two call spellings of one kernel are therefore one spec, and

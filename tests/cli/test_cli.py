@@ -14,7 +14,7 @@ from laya_aot import __version__
 from laya_aot.build_help import described_keys, text
 from laya_aot.usage import build_mistake, schema_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # runs the CLI, then says which heavy modules it imported
 PROBE = ("import sys; from laya_aot.cli import main; rc = main(sys.argv[1:]); "
          "print('HEAVY', sorted(m for m in ('torch', 'laya', 'transformers') if m in sys.modules)); sys.exit(rc)")

@@ -13,7 +13,7 @@ import pytest
 from laya_aot import kinds
 from laya_aot.config import StagesConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "laya_aot"
 
 

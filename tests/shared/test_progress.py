@@ -12,7 +12,7 @@ from pathlib import Path
 
 from laya_aot import progress
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 

@@ -45,7 +45,7 @@ class Server:
         cmd = [sys.executable, "-m", "laya.serve"] if laya else [sys.executable, "-m", "laya_aot.cli", "serve"]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, env=full, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parents[1])
+                                     cwd=Path(__file__).resolve().parents[2])
 
     def wait_ready(self) -> "Server":
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -371,7 +371,7 @@ def test_this_laya_has_what_serve_relies_on():
 
 def _readme_serving_blocks():
     """The README's Serving section: the block that builds and serves, and the block that asks."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("\n## Serving\n"):]
     section = section[:section.index("\n## ", 1)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)

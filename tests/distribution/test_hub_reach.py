@@ -10,7 +10,7 @@ from pathlib import Path
 
 from laya_aot import hub_reach
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _closed_port() -> int:

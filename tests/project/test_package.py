@@ -10,7 +10,7 @@ from pathlib import Path
 
 import laya_aot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_licence_changelog_and_type_marker_ship():

