@@ -1,6 +1,16 @@
-"""Shared fixtures: demo checkpoints and bundles made once per test session (AOTInductor takes ~20 s)."""
+"""Shared fixtures: demo checkpoints and bundles made once per test session (AOTInductor takes ~20 s), and
+the `slow` and `heavy` markers.
+
+`slow` marks what builds: a bundle, an AOTInductor package, an Inductor cache, TileLang kernels, a
+checkpoint by training, or a build in a child process (and the few other tests that take tens of seconds,
+each saying why). Any test whose fixtures include one of BUILDS is marked here; a test that builds in its own
+body carries `@pytest.mark.slow`. A test left unmarked that builds in this process fails, naming what it
+started (`_Guard`), so `python -m pytest -m "not slow"` stays the fast loop it claims to be.
+`heavy` marks the long reliability runs: they run only when `-m` names `heavy`.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -73,3 +83,92 @@ def bundle_copy(demo_bundle, tmp_path) -> Path:
     dst = tmp_path / "bundle"
     shutil.copytree(demo_bundle, dst)
     return dst
+
+
+# fixtures that build a bundle, compile a package, train a checkpoint or start builds in child processes; a
+# test that uses one (directly or through another fixture) is marked slow
+BUILDS = {
+    "demo_bundle", "alt_bundle", "small_bundle", "bundle_copy",  # this file
+    "parts",             # distribution/test_distribution.py: two `laya-aot build` processes
+    "tiny_build",        # kernels/test_kernels.py: the tiny demo's TileLang kernels for two architectures
+    "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
+    "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
+    "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark what builds slow; leave `heavy` out unless `-m` names it (a `-m "not slow"` given on the command
+    line replaces pyproject's `-m`, so the heavy runs are held back here rather than there)."""
+    for item in items:
+        if BUILDS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    if "heavy" not in (config.option.markexpr or ""):
+        heavy = [i for i in items if i.get_closest_marker("heavy")]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [i for i in items if not i.get_closest_marker("heavy")]
+
+
+class _Guard:
+    """Set while a test not marked slow sets up and runs: then exporting a program, packaging with
+    AOTInductor, torch.compile, compiling a TileLang kernel and training a demo checkpoint raise in this
+    process (a build in a child process is not seen here: such tests carry the mark themselves). The wrappers
+    are installed once and stay, so a test's own monkeypatching of the same names undoes cleanly."""
+    on = False
+
+
+def _refused(what: str) -> None:
+    raise AssertionError("this test %s but is not marked slow: mark it @pytest.mark.slow or use a fixture from "
+                         "conftest.BUILDS" % what)
+
+
+def _guarded(fn, what: str):
+    def guarded(*args, **kwargs):
+        if _Guard.on:
+            _refused(what)
+        return fn(*args, **kwargs)
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+def _install_guard() -> None:
+    import torch
+    import torch._inductor
+
+    import laya_aot.demo_training
+    import laya_aot.kernels.compile
+
+    torch.export.export = _guarded(torch.export.export, "exports a program (torch.export.export)")
+    torch.compile = _guarded(torch.compile, "compiles with torch.compile")
+    torch._inductor.aoti_compile_and_package = _guarded(torch._inductor.aoti_compile_and_package,
+                                                        "compiles an AOTInductor package")
+    laya_aot.demo_training.train = _guarded(laya_aot.demo_training.train, "trains a demo checkpoint")
+    laya_aot.kernels.compile._compile_one = _guarded(laya_aot.kernels.compile._compile_one,
+                                                     "compiles a TileLang kernel")
+
+
+def pytest_sessionstart(session):
+    _install_guard()
+
+
+@contextlib.contextmanager
+def _guard(item):
+    _Guard.on = item.get_closest_marker("slow") is None
+    try:
+        yield
+    finally:
+        _Guard.on = False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guard(item):
+        return (yield)

@@ -152,6 +152,7 @@ def test_merge_unpack_fetch_and_build_refuse_a_directory_of_user_files(small, sm
     assert not (out / "notes.txt").exists() and read_bundle(out, kinds.NAMES)
 
 
+@pytest.mark.slow  # builds a bundle
 def test_a_build_replaces_user_files_only_with_overwrite_true(demo_ckpt, tmp_path):
     from laya_aot.config import compose
     from laya_aot.pipeline import build

@@ -55,12 +55,14 @@ def _run(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the race script runs for 10-25 s on 2 cores
 def test_serial_ast_parse_removes_the_thread_race():
     locked = _run("locked")
     assert locked["errors"] == 0, locked["first"]
     assert locked["restored"]   # the block leaves ast.parse as it found it
 
 
+@pytest.mark.slow  # the race script runs for 10-25 s on 2 cores
 @pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the race was shown on CPython 3.11; "
                     "this baseline says nothing about other versions")
 def test_the_race_is_real_without_the_lock():

@@ -114,6 +114,7 @@ def _drive(fast, rows, tokens, device):
     ("base-1024-rows24", BASE, 1024, 24, torch.bfloat16),
     ("odd-head-dim-eps", ODD, 300, 8, torch.bfloat16),   # head dim 32, head attn 1x96, max_len off the 64 grid
 ])
+@pytest.mark.slow  # drives FastLaya over every shape of a large model: 5-20 s each
 def test_catalogue_is_exactly_what_fastlaya_requests(monkeypatch, name, encoder, max_len, max_rows, dtype):
     from laya.fast import FastLaya
 
@@ -127,6 +128,7 @@ def test_catalogue_is_exactly_what_fastlaya_requests(monkeypatch, name, encoder,
     assert set(rec.calls) == set(expected)
 
 
+@pytest.mark.slow  # makes a checkpoint and drives FastLaya over 70 shapes: about 10 s
 @needs_tilelang
 def test_catalogue_matches_a_real_demo_checkpoint_on_cpu(monkeypatch, tmp_path):
     """Same proof on real weights loaded by laya.load (tiny-alt: context 384, so static buckets exist)."""
@@ -213,6 +215,7 @@ def test_cross_compile_demo_every_kernel_hashed(tiny_build):
         assert json.loads((out / arch / "kernels.json").read_text())["kernels"] == rep["kernels"]
 
 
+@pytest.mark.slow  # compiles TileLang kernels
 @needs_tilelang
 @needs_nvcc
 def test_failed_kernel_is_recorded_and_the_rest_go_on(tmp_path):
@@ -232,6 +235,7 @@ def test_failed_kernel_is_recorded_and_the_rest_go_on(tmp_path):
     assert rep["ok"] == 1 and rep["failed"] == 2
 
 
+@pytest.mark.slow  # compiles a TileLang kernel
 @needs_tilelang
 @needs_nvcc
 def test_kernel_cache_reuses_a_compiled_kernel_and_ignores_a_bad_entry(tmp_path, monkeypatch):

@@ -62,6 +62,7 @@ def _untraceable(*args, **kwargs):
     return _FUSED(*args, **kwargs)
 
 
+@pytest.mark.slow  # compiles with Inductor, and again in a fresh process
 def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, monkeypatch):
     import laya
 
@@ -128,6 +129,7 @@ def test_a_cache_compiled_with_other_options_is_refused(demo_ckpt, tmp_path):
 
 
 
+@pytest.mark.slow  # compiles with Inductor, and again in a fresh process
 def test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check(demo_ckpt, tmp_path):
     # what AOTInductor packaging did to the build process (aot_inductor.metadata filled in place): the
     # saved graphs carry a key no fresh process computes, so the runtime would compile from scratch

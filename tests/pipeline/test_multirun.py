@@ -76,6 +76,7 @@ def test_partial_bundles_merge_into_one_per_checkpoint(multirun):
     assert not (multirun / "artifacts" / "mixed").exists()
 
 
+@pytest.mark.slow  # a sweep of `laya-aot build` jobs
 def test_a_failed_job_fails_the_multirun_after_the_others_ran(tmp_path):
     """A job that cannot build makes the sweep exit non-zero, naming the job; the other job still wrote its part."""
     (tmp_path / "cfg" / "checkpoint").mkdir(parents=True)

@@ -115,6 +115,7 @@ def _kills(demo_ckpt, tmp_path, times, compiler_kills):
     return runs
 
 
+@pytest.mark.slow  # `laya-aot build` processes
 def test_builds_killed_mid_compile_leave_nothing_running_and_nothing_half_written(demo_ckpt, tmp_path):
     _kills(demo_ckpt, tmp_path, [random.uniform(1.0, 8.0)], compiler_kills=1)
 
@@ -126,6 +127,7 @@ def test_twenty_builds_killed_at_random_moments(demo_ckpt, tmp_path):
     assert len(runs) == 20
 
 
+@pytest.mark.slow  # two `laya-aot build` processes
 def test_two_builds_into_one_output_at_once(demo_ckpt, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))

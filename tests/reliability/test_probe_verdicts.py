@@ -110,6 +110,7 @@ def _race(tmp_path, procs, seconds):
     return failed, torn, n, leftovers
 
 
+@pytest.mark.slow  # four spawned processes race for 3 s: 10-15 s on 2 cores
 def test_four_processes_writing_one_verdict_at_once(tmp_path):
     failed, torn, n, leftovers = _race(tmp_path, 4, 3.0)
     print("\ncache race: %d writes+reads, %d failed writes, %d torn reads" % (n, failed, torn))

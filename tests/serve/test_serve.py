@@ -381,6 +381,7 @@ def _readme_serving_blocks():
     return serve, ask
 
 
+@pytest.mark.slow  # `laya-aot demo` trains and builds
 def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(tmp_path):
     """The README's Serving commands, run as written in a fresh directory (the environment is already made: CI's
     serve environment is the README's `pip install -e ".[serve]"` without the tilelang extra), answer from the

@@ -80,6 +80,7 @@ def test_an_existing_directory_is_reused_only_for_the_same_shape_and_seed(tmp_pa
     assert (foreign / "model.safetensors").read_bytes() == b"not ours"   # nothing lost
 
 
+@pytest.mark.slow  # trains the demo checkpoint twice
 def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(tmp_path):
     """`laya-aot demo`'s checkpoint answers its three states as a person would, and decisively (issue 22)."""
     import laya

@@ -90,6 +90,7 @@ def decisive(tmp_path_factory):
         return ckpt, laya.load(str(ckpt), device="cpu")
 
 
+@pytest.mark.slow  # laya eager in 16 bits over the verification cases: 15-30 s
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
     from laya_aot.model import ExplicitDtypeModel, torch_dtype
@@ -116,6 +117,7 @@ def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
     assert not bad.passed and "laya eager %s" % dtype in bad.reason
 
 
+@pytest.mark.slow  # builds a bundle with TileLang kernels
 @pytest.mark.parametrize("amp, kernel_dtype", [(None, "float16"), ("bf16", "bfloat16")])
 def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, tmp_path):
     """On a CPU machine: the exported program and the TileLang kernels for sm_90 are in the dtype laya
@@ -190,6 +192,7 @@ def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, mo
         assert "near_tie_whole_calls" not in stats
 
 
+@pytest.mark.slow  # builds a bundle
 def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
     from laya_aot.commands import inspect
 

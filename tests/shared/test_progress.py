@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from laya_aot import progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +45,7 @@ def _on_a_terminal(args, cwd: Path, timeout: float = 600) -> str:
     return ANSI.sub("", out.decode(errors="replace").replace("\r", "\n"))
 
 
+@pytest.mark.slow  # a `laya-aot build` process
 def test_a_cpu_build_shows_a_live_line_per_stage_and_per_artifact_and_case(demo_ckpt, tmp_path):
     # AOTInductor is left out to keep the test short: its stage is a stage like the others
     text = _on_a_terminal(["build", "checkpoint.path=%s" % demo_ckpt, "output_dir=%s" % (tmp_path / "b"),
