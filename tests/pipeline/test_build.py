@@ -136,13 +136,19 @@ def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
         assert a["verify"]["max_abs_option_prob"] <= 1e-4
 
 
+# the builds of the failure tests: one AOTInductor package (the frozen one is built the same way) and 8 rows,
+# which is all a stage that fails or is left out needs; the demo bundle covers the full build
+FAILURES = ["aoti.cpu_frozen=false", "export.max_rows=8"]
+
+
+@pytest.mark.slow  # builds a bundle
 def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
     import laya_aot.kinds.aoti as aoti
 
     def boom(*a, **k):
         raise RuntimeError("simulated inductor crash")
     monkeypatch.setattr(aoti, "package", boom)
-    m = build_bundle(demo_ckpt, tmp_path / "b")
+    m = build_bundle(demo_ckpt, tmp_path / "b", *FAILURES)
     stage = next(s for s in m["stages"] if s["name"] == "aoti")
     assert stage["status"] == "failed" and "simulated inductor crash" in stage["error"]
     failed = [a for a in m["artifacts"] if a["kind"] == "aoti"]
@@ -150,16 +156,18 @@ def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, mon
     assert _by_kind(read_manifest(tmp_path / "b"), "onnx")["status"] == "verified"
 
 
+@pytest.mark.slow  # builds a bundle
 def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
     import laya_aot.kinds.onnx as onnx_export
 
     monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **k: (_ for _ in ()).throw(ValueError("no opset")))
-    m = build_bundle(demo_ckpt, tmp_path / "b")
+    m = build_bundle(demo_ckpt, tmp_path / "b", *FAILURES)
     stage = next(s for s in m["stages"] if s["name"] == "onnx")
     assert stage["status"] == "failed" and "no opset" in stage["error"]
     assert _by_name(read_manifest(tmp_path / "b"), "aoti-cpu")["status"] == "verified"
 
 
+@pytest.mark.slow  # builds a bundle
 def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, tmp_path, monkeypatch):
     from laya_aot.kinds import onnx as runners
 
@@ -170,7 +178,7 @@ def test_artifact_over_tolerance_is_marked_unusable_with_the_figure(demo_ckpt, t
         return logits + 0.5 * torch.arange(logits.shape[1]), act
     monkeypatch.setattr(runners.ONNXRunner, "__call__", noisy)
     with pytest.raises(BuildError, match="no artifact could be built and verified"):
-        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false")
+        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false", *FAILURES)
     assert not (tmp_path / "b").exists()
 
 
@@ -185,6 +193,7 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
 
 
+@pytest.mark.slow  # builds a bundle
 def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, monkeypatch, caplog):
     """torch 2.11 saves autocast regions it cannot read back: the portable file is left out (said in the stage
     record and the log), and the compiled artifacts, built from the program in memory, still verify."""
@@ -193,7 +202,7 @@ def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, mo
     def unreadable(*a, **k):
         raise RuntimeError("SpecViolationError: Node.meta wrap_with_autocast_2 is missing val field")
     monkeypatch.setattr(torch.export, "load", unreadable)
-    m = build_bundle(demo_ckpt, tmp_path / "b", "stages.onnx=false", "aoti.cpu_frozen=false")
+    m = build_bundle(demo_ckpt, tmp_path / "b", "stages.onnx=false", *FAILURES)
     names = {a["name"]: a["status"] for a in m["artifacts"]}
     assert names == {"aoti-cpu": "verified"}, names
     (export,) = [s for s in m["stages"] if s["name"] == "export"]
@@ -202,9 +211,10 @@ def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, mo
     assert any("is not shipped" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # exports the program before it finds nothing to build
 def test_nothing_to_build_fails(demo_ckpt, tmp_path):
     with pytest.raises(BuildError, match="no artifact could be built"):
-        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false", "stages.onnx=false")
+        build_bundle(demo_ckpt, tmp_path / "b", "stages.aoti=false", "stages.onnx=false", *FAILURES)
 
 
 def test_max_tokens_beyond_context_is_refused(demo_ckpt, tmp_path):
@@ -243,6 +253,7 @@ def test_killed_build_leaves_the_previous_bundle_intact(bundle_copy, demo_ckpt):
     assert not list(bundle_copy.parent.glob(".bundle.partial-*"))
 
 
+@pytest.mark.slow  # a `laya-aot build` process, killed after its export
 def test_killed_first_build_leaves_nothing_that_looks_complete(demo_ckpt, tmp_path):
     from laya_aot.manifest import BundleError
 
@@ -255,6 +266,7 @@ def test_killed_first_build_leaves_nothing_that_looks_complete(demo_ckpt, tmp_pa
         read_manifest(out)
 
 
+@pytest.mark.slow  # builds a bundle with TileLang kernels
 def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(demo_ckpt, tmp_path):
     """No GPU here: AOTInductor and the Inductor cache say why they skipped; TileLang kernels are built
     for sm_90a, each hashed in the manifest, and left for the GPU machine to verify."""
