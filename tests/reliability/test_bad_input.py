@@ -2,6 +2,8 @@
 and pinning the exact bundle a service deployed."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import stat
 import subprocess
@@ -73,10 +75,23 @@ def test_verify_with_a_missing_checkpoint_says_so(demo_bundle, tmp_path):
     assert rc == 2 and "does not exist" in text and "e3b0c44298fc" not in text
 
 
+def _cli_here(*args):
+    """`laya-aot ARGS` in this process, as tests/distribution/test_safety.py runs it: the same command without
+    an interpreter start (seconds on 2 cores); a traceback would fail the test as an exception."""
+    from laya_aot.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    text = out.getvalue() + err.getvalue()
+    assert "Traceback" not in text, text[-3000:]
+    return rc, text
+
+
 def test_inspect_and_verify_of_a_missing_bundle_say_so(demo_ckpt, tmp_path):
     for args in (("inspect", str(tmp_path / "nope")), ("verify", str(tmp_path / "nope"), "--checkpoint",
                                                          str(demo_ckpt))):
-        rc, text = _cli(*args)
+        rc, text = _cli_here(*args)
         assert rc == 2 and "does not exist" in text, text
 
 
