@@ -95,6 +95,7 @@ def test_inspect_and_verify_of_a_missing_bundle_say_so(demo_ckpt, tmp_path):
         assert rc == 2 and "does not exist" in text, text
 
 
+@pytest.mark.slow  # a `laya-aot build` process each (it stops at the output directory, after 3-6 s of imports)
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])
 def test_an_unwritable_output_dir_is_one_message(demo_ckpt, tmp_path, where):
     # this suite runs as root in CI, where mode bits do not stop a write: a path below a regular file, and
