@@ -309,10 +309,10 @@ def test_strict_refuses_at_start_even_for_a_checkpoint_loaded_on_first_use(demo_
     ('{"demo": "%(tmp)s"}', "has no bundle.json, so it is not a finished bundle"),
     ('{"demo": 3}', "the bundle of 'demo' must be a directory path"),
 ])
-def test_bad_laya_aot_bundles_is_one_clear_error(demo_ckpt, demo_bundle, tmp_path, bundles, says):
+def test_bad_laya_aot_bundles_is_one_clear_error(demo_ckpt, bundle_dir, tmp_path, bundles, says):
     from laya_aot.serve import ServeConfigError, config_from_env
 
-    subst = {"bundle": demo_bundle, "tmp": tmp_path}
+    subst = {"bundle": bundle_dir, "tmp": tmp_path}
     env = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}), "LAYA_AOT_BUNDLES": bundles % subst}
     with pytest.raises(ServeConfigError) as e:
         config_from_env(env)
@@ -328,12 +328,12 @@ def test_a_bad_setting_stops_the_command_with_one_line(demo_ckpt):
         "`laya-aot build checkpoint.path=CHECKPOINT output_dir=/no/such`"]
 
 
-def test_strict_and_pins_are_checked(demo_ckpt, demo_bundle):
+def test_strict_and_pins_are_checked(demo_ckpt, bundle_dir):
     from laya_aot.runtime.loader import load
     from laya_aot.serve import ServeConfigError, config_from_env
 
     base = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}),
-            "LAYA_AOT_BUNDLES": json.dumps({"demo": str(demo_bundle)})}
+            "LAYA_AOT_BUNDLES": json.dumps({"demo": str(bundle_dir)})}
     cfg = config_from_env(dict(base, LAYA_AOT_STRICT="1"))
     assert cfg.strict and cfg.bundles["demo"].checkpoint == demo_ckpt
     with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_STRICT 'maybe': use 1"):
@@ -352,7 +352,7 @@ def test_strict_and_pins_are_checked(demo_ckpt, demo_bundle):
         assert pinned.bundles["demo"].sha256 == "a" * 64
         two = dict(base, LAYA_AOT_BUNDLE_SHA256="a" * 64, LAYA_EXTRA_MODELS=json.dumps({"demo": str(demo_ckpt),
                                                                                       "other": str(demo_ckpt)}),
-                   LAYA_AOT_BUNDLES=json.dumps({"demo": str(demo_bundle), "other": str(demo_bundle)}))
+                   LAYA_AOT_BUNDLES=json.dumps({"demo": str(bundle_dir), "other": str(bundle_dir)}))
         with pytest.raises(ServeConfigError, match="LAYA_AOT_BUNDLE_SHA256 pins one bundle, and this server loads 2"):
             config_from_env(two)
     else:  # this laya_aot.load cannot pin: the setting is refused rather than ignored
