@@ -41,6 +41,8 @@ def build(name: str, work: Path, build_args: str) -> dict:
     ckpt, bundle = work / ("ckpt-" + name), work / ("bundle-" + name)
     if not (ckpt / "model.safetensors").exists():
         make_checkpoint(ckpt, name, seed=0)
+    if (bundle / "bundle.json").exists():
+        return {"name": name, "ckpt": str(ckpt), "bundle": str(bundle), "build_rc": "kept from an earlier run"}
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                         "output_dir=%s" % bundle, "--quiet", *build_args.split()], capture_output=True, text=True)
@@ -110,22 +112,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in a.names.split(",") if n]
+    from laya_aot.demo import make_checkpoint
+
+    for n in names:  # serially: transformers' lazy imports are not safe from several threads at once
+        if not (work / ("ckpt-" + n) / "model.safetensors").exists():
+            make_checkpoint(work / ("ckpt-" + n), n, seed=0)
     with ThreadPoolExecutor(max(1, a.parallel)) as pool:
         built = list(pool.map(lambda n: build(n, work, a.build_args), names))
     for spec in filter(None, a.bundles.split(",")):
         name, paths = spec.split("=", 1)
         ckpt, bundle = paths.split(":", 1)
         built.append({"name": name, "ckpt": ckpt, "bundle": bundle})
-    for b in built:
+    (out / "build_logs.txt").write_text("\n\n".join("## %s\n%s" % (b["name"], b.pop("log", "")) for b in built))
+    res = {"command": " ".join(sys.argv), "bundles": built}
+    for b in built:  # results written after each load, so a run cut short keeps what it measured
         print(b["name"], "build", b.get("build_rc"), b.get("build_s"), flush=True)
         if (Path(b["bundle"]) / "bundle.json").exists():
             b["artifacts"] = artifacts(b["bundle"])
             b["choice"] = choice(b["ckpt"], b["bundle"])
             print(b["name"], b["choice"], flush=True)
-    (out / "build_logs.txt").write_text("\n\n".join("## %s\n%s" % (b["name"], b.pop("log", "")) for b in built))
-    res = {"command": " ".join(sys.argv), "bundles": built}
-    (out / "gpu_decisions.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "gpu_decisions.md").write_text(markdown(res))
+        (out / "gpu_decisions.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "gpu_decisions.md").write_text(markdown(res))
     print(markdown(res))
 
 

@@ -168,8 +168,10 @@ def main() -> None:
     ckpt, bundle = Path(a.ckpt), Path(a.bundle)
     res: dict = {"shape": a.shape, "command": " ".join(sys.argv), "starts": [], "calls": {},
                  "bytecode_beside_torch": _bytecode_beside_torch()}
-    if a.bytecode:
+    res["PYTHONDONTWRITEBYTECODE"] = os.environ.get("PYTHONDONTWRITEBYTECODE")
+    if a.bytecode:  # the H200 image sets PYTHONDONTWRITEBYTECODE: no process there ever writes bytecode
         os.environ["PYTHONPYCACHEPREFIX"] = a.bytecode
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     t = time.time()
     if not (ckpt / "model.safetensors").exists():
         from laya_aot.demo import make_checkpoint
@@ -237,8 +239,9 @@ def _bytecode_beside_torch() -> bool:
 
 def markdown(r: dict) -> str:
     lines = ["# Starts and realistic calls, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
-             "torch's bytecode cache beside it: %s; untimed warm-up starts (s): %s" % (
-                 r.get("bytecode_beside_torch"), r.get("warmup", "none")), "",
+             "torch's bytecode cache beside it: %s; PYTHONDONTWRITEBYTECODE in the host's environment: %r; "
+             "untimed warm-up starts (s): %s" % (r.get("bytecode_beside_torch"), r.get("PYTHONDONTWRITEBYTECODE"),
+                                                 r.get("warmup", "none")), "",
              "| path | start | first answer (s) | agent_load_s | select_s | artifact_load_s | constants_s | "
              "smoke_check_s | probe |", "|---|---|---|---|---|---|---|---|---|"]
     for s in r["starts"]:
