@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from .errors import LayaAotError
 from .files import cached_sha256
 from .manifest import BundleError, read_manifest
 
@@ -22,8 +23,12 @@ FINGERPRINT_FILES = ("model.safetensors", "rl_agent_config.json", "encoder/confi
 TOKENIZER_DIR = "tokenizer"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LayaAotError, RuntimeError):
     """The checkpoint cannot be found or is not a Laya checkpoint."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """`laya_aot.load`'s checkpoint is not a directory here (still a FileNotFoundError, as it always was)."""
 
 
 def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
@@ -172,11 +177,11 @@ def locate(checkpoint: str) -> Path:
     if os.path.isdir(checkpoint):
         return Path(checkpoint)
     if os.path.lexists(checkpoint):
-        raise FileNotFoundError("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
+        raise CheckpointNotFound("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
                                 "bundle was built from" % checkpoint)
     if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
         return from_hf_cache(checkpoint, None)
-    raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
+    raise CheckpointNotFound("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
                             "built from" % checkpoint)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
+from .errors import LayaAotError
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -64,7 +65,7 @@ Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (autho
 detail is) says what serves each resident checkpoint and why each other artifact was not used.""" % _EXAMPLE
 
 
-class ServeConfigError(ValueError):
+class ServeConfigError(LayaAotError, ValueError):
     """A `LAYA_AOT_*` setting that cannot be served; the message names the cause and the fix."""
 
 

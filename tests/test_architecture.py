@@ -175,3 +175,32 @@ def test_ruff_check_passes():
     cmd = [str(ruff)] if ruff.exists() else [sys.executable, "-m", "ruff"]
     p = subprocess.run(cmd + ["check", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _error_classes():
+    """Every exception class the package defines (from the source): (module, class name)."""
+    out = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Refused", "Missing", "Forbidden",
+                                                                      "Unavailable", "Incompatible", "NotFound")):
+                out.append((m, node.name))
+    return out
+
+
+def test_every_public_error_is_a_laya_aot_error_and_keeps_its_builtin_base():
+    import importlib
+
+    from laya_aot import LayaAotError
+
+    found = _error_classes()
+    assert len(found) >= 10, found
+    for m, name in found:
+        if name == "LayaAotError":
+            continue
+        cls = getattr(importlib.import_module(m), name)
+        assert issubclass(cls, LayaAotError), "%s.%s is not under laya_aot.LayaAotError" % (m, name)
+        assert issubclass(cls, (RuntimeError, ValueError)), "%s.%s lost its builtin base" % (m, name)
+    from laya_aot.checkpoint import CheckpointNotFound
+
+    assert issubclass(CheckpointNotFound, FileNotFoundError)  # `except FileNotFoundError` around load() still works

@@ -23,6 +23,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, precision, progress, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
+from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Kind, Skip, model_tensors
 from ..manifest import (
@@ -70,7 +71,7 @@ def reference_shapes(device: str) -> Tuple[Tuple[int, int, int], ...]:
 Report = Callable[[Dict[str, Any]], None]
 
 
-class BuildError(RuntimeError):
+class BuildError(LayaAotError, RuntimeError):
     """The build cannot produce a bundle: unusable checkpoint or config, export failure, nothing verified."""
 
 

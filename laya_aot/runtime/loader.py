@@ -33,6 +33,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, precision
 from .. import laya_internals as laya_api
 from ..distribution.fetch import resolve_for_load
+from ..errors import LayaAotError
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
 from ..tolerance import Agreement, DecisionAgreement, rule_for
 from ..variant import current_machine
@@ -113,7 +114,7 @@ class _Early:
 EAGER_MODULE_MODES = ("lazy", "background", "now")
 
 
-class NoArtifactError(RuntimeError):
+class NoArtifactError(LayaAotError, RuntimeError):
     """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
 
