@@ -248,8 +248,7 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             and check_files(target, wanted, cached_sha256) is None:
         return  # fetched before (another device's variant may be missing: then it is made again below)
     staging.may_replace(target, "fetch", overwrite)
-    tmp = staging.new_staging(target)
-    try:
+    with staging.staged(target) as tmp:
         for rel, src in local.items():
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -262,10 +261,6 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             raise BundleError("the files fetched from %s do not match its manifest (%s); the repository was changed "
                               "by hand or the download was damaged: fetch again, or rebuild and publish" % (spec, why))
         (tmp / MANIFEST).write_bytes(raw)
-        staging.publish(tmp, target)
-    except BaseException:
-        staging.discard(tmp)
-        raise
 
 
 __all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load", "usable_here"]

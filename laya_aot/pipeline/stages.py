@@ -349,35 +349,30 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
                                         list(cfg.target.dtypes or []))
     except ValueError as e:
         raise BuildError(str(e)) from e
-    try:
-        stage_dir = staging.new_staging(out)
-    except OSError as e:
-        raise BuildError(_unwritable(out, e)) from None
-    guard = ChildGuard()  # compiler processes die with the build, even a build killed with SIGKILL
-    ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
-                       device=device, dtypes=dtypes)
-    try:
+    # the guard: compiler processes die with the build, even a build killed with SIGKILL
+    with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
+        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
+                           device=device, dtypes=dtypes)
         for name, fn, fatal, kind, dtype in stages(dtypes):
             enabled = fatal or bool(getattr(cfg.stages, name))
             _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
-        usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
-        if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
-            why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
-            why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
-                    for a in ctx.artifacts if a.status != "verified"]
-            raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
+        _require_something_usable(ctx)
         _hash_artifacts(ctx)
         bundle = bundle_of(ctx)
         _prune_unlisted(stage_dir, bundle)
         make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
         write_manifest(stage_dir, bundle)
-        staging.publish(stage_dir, out)
-    except BaseException:
-        staging.discard(stage_dir)
-        raise
-    finally:
-        guard.close()
     return BuildResult(bundle, out)
+
+
+def _require_something_usable(ctx: BuildContext) -> None:
+    """A BuildError listing every failure when no artifact serves and none is left for a GPU to verify."""
+    usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
+    if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
+        why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
+        why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
+                for a in ctx.artifacts if a.status != "verified"]
+        raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
 
 
 def _unwritable(out: Path, e: OSError) -> str:
