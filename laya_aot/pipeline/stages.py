@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, progress, staging
+from .. import kinds, precision, progress, staging, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
 from ..errors import LayaAotError
@@ -39,19 +39,9 @@ from ..manifest import (
     write_manifest,
 )
 from ..padding import Ranges
-from ..tolerance import Tolerance, rule_for
+from ..tolerance import Tolerance
 from ..variant import current_gpu_arch, current_machine
-from ..verification import (
-    EagerFigures,
-    cases,
-    decision_cases,
-    latency_ms,
-    random_rows,
-    reference_outputs,
-    run_padded,
-    smoke_record,
-    verify_runner,
-)
+from ..verification import latency_ms, random_rows, run_padded, smoke_record
 from .children import ChildGuard
 
 log = logging.getLogger(__name__)
@@ -105,31 +95,26 @@ def stage_verify(ctx: BuildContext) -> str:
 
 
 def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: progress.Task) -> str:
-    case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
-    reference = ctx.agent.model.float().eval()
-    ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
+    model = ctx.agent.model.float().eval()
+    ctx.smoke = smoke_record(model, ctx.ranges, ctx.vocab, ctx.pad_id)
     ref_batches = {shape: _reference_batch(ctx, shape) for shape in reference_shapes(ctx.device)}
     repeats = ctx.cfg.verify.latency_repeats
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
-        lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
-    tensors = model_tensors(reference)
-    references = reference_outputs(reference, case_list)
-    suite = decision_cases(ctx.cfg.verify.seed + 1, ctx.ranges, ctx.vocab, ctx.pad_id, None, tol.decisions)
-    eager_figures = EagerFigures(reference, case_list, references, suite, tol.decisions_alpha)
+        lambda b=batch: _no_grad(model, b), repeats), 3) for shape, batch in ref_batches.items()}
+    tensors = model_tensors(model)
+    ref = verification.reference(model, ctx.ranges, ctx.vocab, ctx.pad_id, ctx.cfg.verify.seed, tol)
     gpu_agents: Dict[str, Any] = {}
     summary = []
     for art in todo:
         line.describe("verify: %s" % art.name)
-        summary.append(_verify_one(ctx, tol, art, case_list, reference, ref_batches, tensors, references,
-                                   eager_figures, gpu_agents))
+        summary.append(_verify_one(ctx, art, ref, ref_batches, tensors, gpu_agents))
         line.advance()
     return ", ".join(summary)
 
 
-def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, reference, ref_batches, tensors,
-                references, eager_figures, gpu_agents: Dict[str, Any]) -> str:
+def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, ref_batches, tensors,
+                gpu_agents: Dict[str, Any]) -> str:
     """One artifact against the eager fp32 forward: its verdict goes into `art`; returns its summary word."""
-    repeats = ctx.cfg.verify.latency_repeats
     kind = kinds.get(art.kind)
     why_not_here = _cannot_verify_here(kind, art)
     if why_not_here:
@@ -143,26 +128,27 @@ def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, ref
         art.status = "failed_verification"
         return "%s FAILED (%s)" % (art.name, crash)
     try:
-        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
+        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=ref.model)
         if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
             env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
         runner = kind.load(ctx.staging / art.path, art, env)
-        eager = eager_figures.get(art.dtype, art.device)
-        result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                               rule_for(art.dtype, tol, eager), references, eager, label=art.name,
-                               decisions=eager_figures.decisions(runner, art.dtype, ctx.ranges, ctx.pad_id))
+        result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name)
         if kind.serves:
-            sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-            art.latency_ms = {art.device: {
-                "x".join(map(str, shape)): round(latency_ms(
-                    lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
-                for shape, batch in ref_batches.items()}}
+            art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
     except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
         result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
     result.seconds = round(time.perf_counter() - t0, 3)
     art.verify = result
     art.status = "verified" if result.passed else "failed_verification"
     return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
+
+
+def _latencies(ctx: BuildContext, runner, ref_batches) -> Dict[str, float]:
+    """The artifact's median latency (ms) on each reference call, padded as the runtime pads it."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+    return {"x".join(map(str, shape)): round(latency_ms(
+        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), ctx.cfg.verify.latency_repeats,
+        sync), 3) for shape, batch in ref_batches.items()}
 
 
 def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:
