@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
+from .errors import LayaAotError
+
 # (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
 # checked only when that route runs, so a laya installed without an optional extra still serves the others
 CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every backend
@@ -64,11 +66,11 @@ AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "d
 ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
 
 
-class RouteUnavailable(RuntimeError):
+class RouteUnavailable(LayaAotError, RuntimeError):
     """A route's optional packages are not installed; the message is one line naming the extra to install."""
 
 
-class LayaIncompatible(RuntimeError):
+class LayaIncompatible(LayaAotError, RuntimeError):
     """This laya lacks names a route relies on; the message names them and the fix."""
 
     def __init__(self, missing: List[str], who: str):

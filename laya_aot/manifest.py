@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Collection, Dict, List, Optional
 
+from .errors import LayaAotError
 from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
 from .padding import MAX_ROWS, Ranges
 from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
@@ -38,7 +39,7 @@ STATUSES = ("built", "verified", "unverified", "failed_verification", "build_fai
 _REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
 
 
-class BundleError(RuntimeError):
+class BundleError(LayaAotError, RuntimeError):
     """A bundle that cannot be used: missing, partial, tampered, foreign or from a newer laya-aot."""
 
 

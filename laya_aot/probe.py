@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .errors import LayaAotError
 from .files import cache_dir, write_json_atomic
 from .manifest import Artifact
 from .variant import Machine
@@ -46,7 +47,7 @@ def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
 
-class SettingError(ValueError):
+class SettingError(LayaAotError, ValueError):
     """A setting (an environment variable) holds a value that cannot mean anything; the message names it."""
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
+from .errors import LayaAotError
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -64,7 +65,7 @@ Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (autho
 detail is) says what serves each resident checkpoint and why each other artifact was not used.""" % _EXAMPLE
 
 
-class ServeConfigError(ValueError):
+class ServeConfigError(LayaAotError, ValueError):
     """A `LAYA_AOT_*` setting that cannot be served; the message names the cause and the fix."""
 
 
@@ -232,7 +233,7 @@ def precheck(spec: BundleSpec) -> Optional[str]:
     """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
     check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
     from . import kinds
-    from .checkpoint import fingerprint
+    from .checkpoint import mismatch
     from .manifest import BundleError, read_bundle
 
     try:
@@ -240,12 +241,8 @@ def precheck(spec: BundleSpec) -> Optional[str]:
         manifest = read_bundle(spec.bundle, kinds.NAMES, **kw)
     except BundleError as e:
         return str(e)
-    here = fingerprint(spec.checkpoint)["sha256"]
-    if manifest.checkpoint.fingerprint.sha256 != here:
-        return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...); rebuild it with "
-                "`laya-aot build checkpoint.path=%s`" % (spec.checkpoint, manifest.checkpoint.fingerprint.sha256[:12],
-                                                          here[:12], spec.checkpoint))
-    return None
+    why = mismatch(manifest, spec.checkpoint)
+    return None if why is None else "%s; rebuild it with `laya-aot build checkpoint.path=%s`" % (why, spec.checkpoint)
 
 
 def describe(agent: Any) -> Dict[str, Any]:

@@ -280,12 +280,16 @@ def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, m
     assert again.backend_object.artifact.name == agent.backend_object.artifact.name
 
 
-def test_built_from_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt, tmp_path):
-    from laya_aot.checkpoint import built_from
+def test_mismatch_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt):
+    from laya_aot import kinds
+    from laya_aot.checkpoint import mismatch
+    from laya_aot.manifest import read_bundle
 
-    assert built_from(demo_bundle, demo_ckpt)
-    assert not built_from(demo_bundle, alt_ckpt)
-    assert not built_from(tmp_path, demo_ckpt)  # no manifest at all
+    manifest = read_bundle(demo_bundle, kinds.NAMES)
+    assert mismatch(manifest, demo_ckpt) is None
+    assert mismatch(manifest.checkpoint.fingerprint, demo_ckpt) is None  # the recorded fingerprint alone
+    why = mismatch(manifest, alt_ckpt)
+    assert "built from another checkpoint than %s" % alt_ckpt in why and "differing: " in why
 
 
 # ------------------------------------------------------------------ the load-time smoke check, the probe

@@ -8,7 +8,7 @@ Addresses (`resolve(spec)`, used by `laya_aot.load(..., bundle=spec)` and `laya-
   checkpoint is known), and the pack with the most artifacts this machine can use is unpacked as above;
 - `hf://ORG/REPO[/PATH][@REVISION]`: a bundle published on the Hugging Face Hub, as the huggingface/kernels
   library fetches one build variant: bundle.json is downloaded first, then only the files of the
-  artifacts this machine can use (`usable.reject_reason`, the loader's own rule), all through
+  artifacts this machine can use (`usable.usable_here`, the loader's own rule), all through
   `huggingface_hub` into its cache, pinned to the commit the manifest came from. HF_HUB_OFFLINE=1 and
   HF_ENDPOINT are honoured by the library; offline, the cache answers.
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .. import kinds, precision, progress, staging
+from .. import kinds, progress, staging
 from ..files import cache_dir, cached_sha256
-from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
-from ..usable import reject_reason
+from ..manifest import MANIFEST, Bundle, BundleError, FileRecord
+from ..usable import usable_here
 from .bundle_files import check_files
 
 log = logging.getLogger(__name__)
@@ -50,28 +50,6 @@ class Fetched:
     files: int = 0
     bytes: int = 0
     downloaded: int = 0  # files that were not in the cache before (hf:// only)
-
-
-def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
-    """The artifacts an agent on `device` (default: cuda when a GPU is visible) could use here, and a reason
-    for each other one; the same rule as the loader's first check."""
-    import torch
-
-    from ..variant import current_machine
-
-    dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dev_type = torch.device(dev).type
-    machine = current_machine(dev)
-    serving = precision.expected_serving_dtype({"amp_dtype": manifest.checkpoint.amp_dtype}, dev_type,
-                                               machine.gpu_arch)
-    ok, skipped = [], []
-    for a in manifest.artifacts:
-        why = reject_reason(a, machine, dev_type, serving)
-        if why is None:
-            ok.append(a)
-        else:
-            skipped.append((a.name, why))
-    return ok, skipped
 
 
 def parse_hf(spec: str) -> Tuple[str, str, Optional[str]]:
@@ -173,13 +151,12 @@ def _choose_pack(d: Path, device: Optional[str], checkpoint: Optional[Path]) -> 
     if len(prints) > 1:
         if checkpoint is None:
             raise BundleError("%s holds packs of %d checkpoints; name the pack file itself" % (d, len(prints)))
-        from ..checkpoint import fingerprint
+        from ..checkpoint import fingerprint, mismatch
 
-        here = fingerprint(checkpoint)["sha256"]
-        cands = [(p, m) for p, m in cands if m.checkpoint.fingerprint.sha256 == here]
+        cands = [(p, m) for p, m in cands if mismatch(m, checkpoint) is None]
         if not cands:
             raise BundleError("no pack in %s was built from checkpoint %s (fingerprint %s...); build and pack one"
-                              % (d, checkpoint, here[:12]))
+                              % (d, checkpoint, fingerprint(checkpoint)["sha256"][:12]))
     scored = [(-len(usable_here(m, device)[0]), i, p) for i, (p, m) in enumerate(cands)]
     best = min(scored)[2]
     log.info("directory of packs %s: using %s", d, best.name)
@@ -248,8 +225,7 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             and check_files(target, wanted, cached_sha256) is None:
         return  # fetched before (another device's variant may be missing: then it is made again below)
     staging.may_replace(target, "fetch", overwrite)
-    tmp = staging.new_staging(target)
-    try:
+    with staging.staged(target) as tmp:
         for rel, src in local.items():
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -262,10 +238,6 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             raise BundleError("the files fetched from %s do not match its manifest (%s); the repository was changed "
                               "by hand or the download was damaged: fetch again, or rebuild and publish" % (spec, why))
         (tmp / MANIFEST).write_bytes(raw)
-        staging.publish(tmp, target)
-    except BaseException:
-        staging.discard(tmp)
-        raise
 
 
-__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load", "usable_here"]
+__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load"]

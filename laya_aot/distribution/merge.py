@@ -163,8 +163,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
     if problems:
         raise BundleError("cannot merge %d bundles into %s:\n  - %s" % (len(parts), out, "\n  - ".join(problems)))
     merged = _merged(parts, arts)
-    tmp = staging.new_staging(out)
-    try:
+    with staging.staged(out) as tmp:
         for (path, _), a in zip(chosen, arts):
             for rel in a.files:
                 dst = tmp / rel
@@ -175,10 +174,6 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
             raise BundleError("an input changed during the merge: %s; run the merge again" % again)
         write_manifest(tmp, merged)
         read_bundle(tmp, kinds.NAMES)  # what was written reads back under the strict reader
-        staging.publish(tmp, out)
-    except BaseException:
-        staging.discard(tmp)
-        raise
     log.info("merged %d bundles into %s: %d artifacts", len(parts), out, len(arts))
     return merged
 

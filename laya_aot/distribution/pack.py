@@ -423,40 +423,13 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     if not file.is_file():
         raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE`"
                           % file)
-    try:
-        tmp = staging.new_staging(out)
-    except OSError as e:
-        raise BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e)) \
-            from None
-    try:
+
+    def unwritable(e: OSError) -> BundleError:
+        return BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e))
+
+    with staging.staged(out, unwritable) as tmp:
         try:
-            reader, tar = _open(file)
-            with reader:
-                raw, manifest = _read_manifest_member(tar, file)
-                expected = manifest_files(manifest)
-                need = sum(r.size for r in expected.values())
-                free = shutil.disk_usage(tmp).free
-                if need > free:
-                    raise BundleError("pack %s needs %d bytes unpacked, %s has %d free; free some space or unpack "
-                                      "elsewhere" % (file, need, out.parent, free))
-                (tmp / MANIFEST).write_bytes(raw)
-                seen: set = set()
-                with progress.task("unpack %s" % file, total=need, unit="bytes") as line:
-                    while True:
-                        member = tar.next()
-                        if member is None:
-                            break
-                        why = _refuse(member, expected, seen)
-                        if why:
-                            raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
-                        rel = PurePosixPath(member.name).as_posix()
-                        seen.add(rel)
-                        digest = _extract(tar, tmp / rel, member.size)
-                        line.advance(member.size)
-                        if digest != expected[rel].sha256:
-                            raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest "
-                                              "says %s...; nothing was unpacked" % (file, rel, digest[:12],
-                                                                                   expected[rel].sha256[:12]))
+            manifest, expected, seen = _extract_all(file, tmp, out)
         except BundleError:
             raise
         except _broken() as e:
@@ -469,12 +442,41 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
             raise BundleError("pack %s lacks %d file(s) its manifest lists (%s); re-create the pack"
                               % (file, len(missing), ", ".join(missing[:3])))
         read_bundle(tmp, kinds.NAMES)  # the manifest, read back from disk under the strict reader
-        staging.publish(tmp, out)
-    except BaseException:
-        staging.discard(tmp)
-        raise
     log.info("unpacked %s into %s: %d files", file, out, len(expected))
     return manifest
+
+
+def _extract_all(file: Path, tmp: Path, out: Path) -> Tuple[Bundle, Dict[str, FileRecord], set]:
+    """Every member of pack `file` into the staging directory `tmp`, each checked against the manifest (its
+    first member) as it is written: the manifest, the files it lists and the paths extracted."""
+    reader, tar = _open(file)
+    with reader:
+        raw, manifest = _read_manifest_member(tar, file)
+        expected = manifest_files(manifest)
+        need = sum(r.size for r in expected.values())
+        free = shutil.disk_usage(tmp).free
+        if need > free:
+            raise BundleError("pack %s needs %d bytes unpacked, %s has %d free; free some space or unpack "
+                              "elsewhere" % (file, need, out.parent, free))
+        (tmp / MANIFEST).write_bytes(raw)
+        seen: set = set()
+        with progress.task("unpack %s" % file, total=need, unit="bytes") as line:
+            while True:
+                member = tar.next()
+                if member is None:
+                    break
+                why = _refuse(member, expected, seen)
+                if why:
+                    raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
+                rel = PurePosixPath(member.name).as_posix()
+                seen.add(rel)
+                digest = _extract(tar, tmp / rel, member.size)
+                line.advance(member.size)
+                if digest != expected[rel].sha256:
+                    raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest "
+                                      "says %s...; nothing was unpacked" % (file, rel, digest[:12],
+                                                                           expected[rel].sha256[:12]))
+    return manifest, expected, seen
 
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES", "SUFFIX",

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ..errors import LayaAotError
 from ..laya_internals import Backend, BackendUnavailable
 from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
 from .catalogue import FACTORIES, KernelSpec, encoder_dims, shape_specs
@@ -36,7 +37,7 @@ _ACTIVE: contextvars.ContextVar[Optional["KernelBundle"]] = contextvars.ContextV
 _HOOK_LOCK = threading.Lock()
 
 
-class KernelMissing(RuntimeError):
+class KernelMissing(LayaAotError, RuntimeError):
     """A kernel the fast path needs is not in the bundle (shape outside the export range, or a
     kernel that failed to compile for this architecture). Nothing is compiled instead."""
 

@@ -20,9 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, progress, staging
+from .. import kinds, precision, progress, staging, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
+from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Kind, Skip, model_tensors
 from ..manifest import (
@@ -38,19 +39,9 @@ from ..manifest import (
     write_manifest,
 )
 from ..padding import Ranges
-from ..tolerance import Tolerance, rule_for
+from ..tolerance import Tolerance
 from ..variant import current_gpu_arch, current_machine
-from ..verification import (
-    EagerFigures,
-    cases,
-    decision_cases,
-    latency_ms,
-    random_rows,
-    reference_outputs,
-    run_padded,
-    smoke_record,
-    verify_runner,
-)
+from ..verification import latency_ms, random_rows, run_padded, smoke_record
 from .children import ChildGuard
 
 log = logging.getLogger(__name__)
@@ -70,7 +61,7 @@ def reference_shapes(device: str) -> Tuple[Tuple[int, int, int], ...]:
 Report = Callable[[Dict[str, Any]], None]
 
 
-class BuildError(RuntimeError):
+class BuildError(LayaAotError, RuntimeError):
     """The build cannot produce a bundle: unusable checkpoint or config, export failure, nothing verified."""
 
 
@@ -104,31 +95,26 @@ def stage_verify(ctx: BuildContext) -> str:
 
 
 def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: progress.Task) -> str:
-    case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
-    reference = ctx.agent.model.float().eval()
-    ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
+    model = ctx.agent.model.float().eval()
+    ctx.smoke = smoke_record(model, ctx.ranges, ctx.vocab, ctx.pad_id)
     ref_batches = {shape: _reference_batch(ctx, shape) for shape in reference_shapes(ctx.device)}
     repeats = ctx.cfg.verify.latency_repeats
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
-        lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
-    tensors = model_tensors(reference)
-    references = reference_outputs(reference, case_list)
-    suite = decision_cases(ctx.cfg.verify.seed + 1, ctx.ranges, ctx.vocab, ctx.pad_id, None, tol.decisions)
-    eager_figures = EagerFigures(reference, case_list, references, suite, tol.decisions_alpha)
+        lambda b=batch: _no_grad(model, b), repeats), 3) for shape, batch in ref_batches.items()}
+    tensors = model_tensors(model)
+    ref = verification.reference(model, ctx.ranges, ctx.vocab, ctx.pad_id, ctx.cfg.verify.seed, tol)
     gpu_agents: Dict[str, Any] = {}
     summary = []
     for art in todo:
         line.describe("verify: %s" % art.name)
-        summary.append(_verify_one(ctx, tol, art, case_list, reference, ref_batches, tensors, references,
-                                   eager_figures, gpu_agents))
+        summary.append(_verify_one(ctx, art, ref, ref_batches, tensors, gpu_agents))
         line.advance()
     return ", ".join(summary)
 
 
-def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, reference, ref_batches, tensors,
-                references, eager_figures, gpu_agents: Dict[str, Any]) -> str:
+def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, ref_batches, tensors,
+                gpu_agents: Dict[str, Any]) -> str:
     """One artifact against the eager fp32 forward: its verdict goes into `art`; returns its summary word."""
-    repeats = ctx.cfg.verify.latency_repeats
     kind = kinds.get(art.kind)
     why_not_here = _cannot_verify_here(kind, art)
     if why_not_here:
@@ -142,26 +128,27 @@ def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, ref
         art.status = "failed_verification"
         return "%s FAILED (%s)" % (art.name, crash)
     try:
-        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
+        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=ref.model)
         if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
             env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
         runner = kind.load(ctx.staging / art.path, art, env)
-        eager = eager_figures.get(art.dtype, art.device)
-        result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                               rule_for(art.dtype, tol, eager), references, eager, label=art.name,
-                               decisions=eager_figures.decisions(runner, art.dtype, ctx.ranges, ctx.pad_id))
+        result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name)
         if kind.serves:
-            sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-            art.latency_ms = {art.device: {
-                "x".join(map(str, shape)): round(latency_ms(
-                    lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
-                for shape, batch in ref_batches.items()}}
+            art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
     except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
         result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
     result.seconds = round(time.perf_counter() - t0, 3)
     art.verify = result
     art.status = "verified" if result.passed else "failed_verification"
     return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
+
+
+def _latencies(ctx: BuildContext, runner, ref_batches) -> Dict[str, float]:
+    """The artifact's median latency (ms) on each reference call, padded as the runtime pads it."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+    return {"x".join(map(str, shape)): round(latency_ms(
+        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), ctx.cfg.verify.latency_repeats,
+        sync), 3) for shape, batch in ref_batches.items()}
 
 
 def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:
@@ -348,35 +335,30 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
                                         list(cfg.target.dtypes or []))
     except ValueError as e:
         raise BuildError(str(e)) from e
-    try:
-        stage_dir = staging.new_staging(out)
-    except OSError as e:
-        raise BuildError(_unwritable(out, e)) from None
-    guard = ChildGuard()  # compiler processes die with the build, even a build killed with SIGKILL
-    ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
-                       device=device, dtypes=dtypes)
-    try:
+    # the guard: compiler processes die with the build, even a build killed with SIGKILL
+    with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
+        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
+                           device=device, dtypes=dtypes)
         for name, fn, fatal, kind, dtype in stages(dtypes):
             enabled = fatal or bool(getattr(cfg.stages, name))
             _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
-        usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
-        if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
-            why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
-            why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
-                    for a in ctx.artifacts if a.status != "verified"]
-            raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
+        _require_something_usable(ctx)
         _hash_artifacts(ctx)
         bundle = bundle_of(ctx)
         _prune_unlisted(stage_dir, bundle)
         make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
         write_manifest(stage_dir, bundle)
-        staging.publish(stage_dir, out)
-    except BaseException:
-        staging.discard(stage_dir)
-        raise
-    finally:
-        guard.close()
     return BuildResult(bundle, out)
+
+
+def _require_something_usable(ctx: BuildContext) -> None:
+    """A BuildError listing every failure when no artifact serves and none is left for a GPU to verify."""
+    usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
+    if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
+        why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
+        why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
+                for a in ctx.artifacts if a.status != "verified"]
+        raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
 
 
 def _unwritable(out: Path, e: OSError) -> str:
