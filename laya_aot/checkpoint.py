@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from .bundle_format import read_manifest
 from .files import cached_sha256
-from .manifest import BundleError, read_manifest
+from .manifest import BundleError
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import progress
+from .bundle_format import bundle_sha256, check_artifact_hash, read_bundle
 from .demo_training import QUESTIONS as DEMO_QUESTIONS
-from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
+from .manifest import MANIFEST, Artifact, BundleError
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _inspect(a: argparse.Namespace) -> int:
 
     try:
         raw_sha = bundle_sha256(a.bundle)
-        m = read_bundle(a.bundle, kinds.NAMES, sha256=raw_sha)
+        m = read_bundle(a.bundle, kinds.BY_NAME, sha256=raw_sha)
     except BundleError as e:
         print("laya-aot inspect: %s" % e, file=sys.stderr)
         return 2
@@ -322,7 +323,7 @@ def _verify(a: argparse.Namespace) -> int:
 
     con = _console()
     try:
-        m = read_bundle(a.bundle, kinds.NAMES)
+        m = read_bundle(a.bundle, kinds.BY_NAME)
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
@@ -376,7 +377,7 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any,
 
     from . import kinds
     from . import laya_internals as laya_api
-    from .manifest import artifact_path
+    from .bundle_format import artifact_path
     from .tolerance import rule_for
     from .variant import current_machine, mismatch
     from .verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner

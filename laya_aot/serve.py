@@ -232,12 +232,13 @@ def precheck(spec: BundleSpec) -> Optional[str]:
     """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
     check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
     from . import kinds
+    from .bundle_format import read_bundle
     from .checkpoint import fingerprint
-    from .manifest import BundleError, read_bundle
+    from .manifest import BundleError
 
     try:
         kw = {"sha256": spec.sha256} if spec.sha256 else {}
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **kw)
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **kw)
     except BundleError as e:
         return str(e)
     here = fingerprint(spec.checkpoint)["sha256"]
@@ -270,7 +271,7 @@ def _pin_words(spec: BundleSpec, text: str) -> str:
     """`text` with the loader's name for a pin replaced by the setting this server read it from."""
     if spec.sha256 is None:
         return text
-    from .manifest import PIN_SETTING
+    from .bundle_format import PIN_SETTING
 
     return text.replace(PIN_SETTING, "%s[%r]" % (ENV_PINS, spec.model))
 
@@ -280,13 +281,14 @@ def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> L
     stopped at the first that serves) and whose files do not match the manifest: a damaged bundle is named at
     its first load, not when the artifact ranked above it fails. Digests are cached, so this is a few stats."""
     from . import kinds
-    from .manifest import BundleError, check_artifact_hash, read_bundle
+    from .bundle_format import check_artifact_hash, read_bundle
+    from .manifest import BundleError
     from .usable import reject_reason
     from .variant import current_machine
 
     examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}
     try:
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **({"sha256": spec.sha256} if spec.sha256 else {}))
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **({"sha256": spec.sha256} if spec.sha256 else {}))
     except BundleError:
         return []  # the load read this manifest; a change since is the next load's to report
     machine = current_machine(str(agent.device))

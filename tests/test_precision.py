@@ -230,7 +230,7 @@ def test_a_bf16_cpu_artifact_states_its_decisions_and_a_worse_one_fails(demo_ckp
 
     from laya_aot import kinds
     from laya_aot import laya_internals as laya_api
-    from laya_aot.manifest import artifact_path, read_bundle
+    from laya_aot.bundle_format import artifact_path, read_bundle
     from laya_aot.tolerance import Tolerance
     from laya_aot.verification import EagerFigures, decision_cases
 

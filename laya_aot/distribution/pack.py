@@ -28,19 +28,17 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
 
 from .. import kinds, progress, staging
-from .. import manifest as manifest_mod
-from ..files import cached_sha256
-from ..manifest import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    Bundle,
-    BundleError,
-    FileRecord,
+from ..bundle_format import (
+    MAX_MANIFEST_BYTES,
     bundle_file,
+    check_files,
+    files_of,
+    manifest_files,
+    parse,
     read_bundle,
-    unsafe_relpath,
 )
-from .bundle_files import check_files, files_of, manifest_files
+from ..files import cached_sha256
+from ..manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, FileRecord, unsafe_relpath
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +62,7 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 
 def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecord]]:
     """bundle.json's bytes as they travel, the manifest, and every file it names (checked on disk)."""
-    manifest = read_bundle(bundle, kinds.NAMES)
+    manifest = read_bundle(bundle, kinds.BY_NAME)
     raw = (bundle / MANIFEST).read_bytes()
     problems = []
     upgraded = False
@@ -160,7 +158,6 @@ MAX_PAX_BYTES = 64 << 10  # one pax extended header (`laya-aot pack` writes a pa
 MAX_NAME_BYTES = 4096  # a member's name, from a pax `path` or a GNU long name (PATH_MAX)
 MAX_MEMBERS = 100_000  # files a pack's manifest may list; headers read are bounded by 4 per listed file + 4
 MAX_UNPACKED_BYTES = 1 << 40  # the sum of the manifest's file sizes (1 TiB), also checked against free space
-MAX_MANIFEST_BYTES = manifest_mod.MAX_MANIFEST_BYTES  # bundle.json, the first member, read into memory
 MAX_ZSTD_WINDOW = 1 << 27  # zstd's default limit (128 MiB), stated: a frame asking for more is refused
 _BLOCK = 512
 _EXTENSIONS_PER_MEMBER = 3  # pax `x`, GNU `L`/`K` headers before one member; more is not an archive we wrote
@@ -340,17 +337,14 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
         raise BundleError("pack %s: its %s is %d bytes, more than a manifest ever is (%d); re-create the pack"
                           % (file, MANIFEST, first.size, MAX_MANIFEST_BYTES))
     raw = tar.read(first.size)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise BundleError("pack %s: its %s is unreadable (%s); re-create the pack" % (file, MANIFEST, str(e)[:200])) \
-            from None
+    source = "%s:%s" % (file, MANIFEST)
+    data = parse(raw, source, "re-create the pack")
     listed = sum(len(a.get("files") or ()) for a in data.get("artifacts") or () if isinstance(a, dict)) \
         if isinstance(data, dict) and isinstance(data.get("artifacts"), list) else 0
     if listed > MAX_MEMBERS:  # before the typed reader spends seconds on them
         raise BundleError("pack %s: its manifest lists %d files, more than a pack may hold (%d); re-create the pack"
                           % (file, listed, MAX_MEMBERS))
-    manifest = Bundle.from_dict(data, kinds.NAMES, "%s:%s" % (file, MANIFEST))
+    manifest = Bundle.from_dict(data, kinds.BY_NAME, source)
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("pack %s: its manifest lists no files for its artifacts (schema %d); re-create the pack "
                           "with this laya-aot's `laya-aot pack`" % (file, manifest.schema_version))
@@ -468,7 +462,7 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
         if missing:
             raise BundleError("pack %s lacks %d file(s) its manifest lists (%s); re-create the pack"
                               % (file, len(missing), ", ".join(missing[:3])))
-        read_bundle(tmp, kinds.NAMES)  # the manifest, read back from disk under the strict reader
+        read_bundle(tmp, kinds.BY_NAME)  # the manifest, read back from disk under the strict reader
         staging.publish(tmp, out)
     except BaseException:
         staging.discard(tmp)

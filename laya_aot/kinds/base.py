@@ -136,6 +136,9 @@ class Kind:
     needs_module: bool = False
     # what a probe child loads it with (stand-in weights, or laya's agent); only for native kinds
     probe_env: Optional[Callable[[Path, Artifact, Path, str], LoadEnv]] = None
+    # the manifest reader's hook: why `Artifact.details` breaks this kind's layout ("FIELD: expected ..., got
+    # ..."), or None; the reader refuses the bundle with it, naming the field
+    check_details: Callable[[Dict[str, Any]], Optional[str]] = lambda details: None
 
 
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from .. import laya_internals as laya_api
-from ..manifest import Artifact, Needs
+from ..manifest import Artifact, Needs, unsafe_relpath
 from ..variant import Machine, cuda_tag
 from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
 
@@ -83,6 +83,28 @@ def variant(m: Machine, device: str) -> str:
     return "%s-%s-%s-%s" % (cuda_tag(m.cuda or torch.version.cuda or "13.0"), m.gpu_arch, m.machine, m.os)
 
 
+def check_details(details: Dict[str, Any]) -> Optional[str]:
+    """The manifest reader's hook: the kernel files `details.kernels` names stay inside the artifact's directory
+    (the driver opens them there); None when they do, else "FIELD: expected ..., got ..."."""
+    kernels = details.get("kernels")
+    if kernels is None:
+        return None
+    if not isinstance(kernels, list):
+        return "kernels: expected a list, got %s" % repr(kernels)[:80]
+    for j, entry in enumerate(kernels):
+        if not isinstance(entry, dict):
+            return "kernels[%d]: expected an object, got %s" % (j, repr(entry)[:80])
+        for key in ("path", "meta_path"):
+            rel = entry.get(key)
+            if rel is None or rel == "":
+                continue
+            why = unsafe_relpath(rel) if isinstance(rel, str) else "a file name"
+            if why:
+                return "kernels[%d].%s: expected a path inside the artifact (%s), got %s" % (j, key, why,
+                                                                                           repr(rel)[:80])
+    return None
+
+
 def refuse_device(device: str) -> Optional[str]:
     """On a GPU without the tilelang extra: refused from the manifest with the extra to install, before any probe
     (elsewhere the device mismatch is the reason)."""
@@ -97,4 +119,4 @@ def refuse_device(device: str) -> Optional[str]:
 
 KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
             reverify=False, needs_module=True, needs=needs, variant=variant, probe_env=probe_env,
-            refuse_device=refuse_device)
+            refuse_device=refuse_device, check_details=check_details)

@@ -23,20 +23,10 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, precision, progress, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
+from ..bundle_format import record_files, write_manifest
 from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Kind, Skip, model_tensors
-from ..manifest import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Artifact,
-    Bundle,
-    CheckpointInfo,
-    Fingerprint,
-    Needs,
-    VerifyResult,
-    record_files,
-    write_manifest,
-)
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, CheckpointInfo, Fingerprint, Needs, VerifyResult
 from ..padding import Ranges
 from ..tolerance import Tolerance, rule_for
 from ..variant import current_gpu_arch, current_machine

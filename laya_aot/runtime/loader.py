@@ -32,8 +32,9 @@ import torch
 from .. import checkpoint as ckpt_mod
 from .. import kinds, precision
 from .. import laya_internals as laya_api
+from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
-from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
+from ..manifest import Artifact, Bundle, BundleError, VerifyResult
 from ..tolerance import Agreement, DecisionAgreement, rule_for
 from ..variant import current_machine
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
@@ -70,7 +71,7 @@ class _Early:
         from ..probe import start
 
         try:
-            manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
+            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
             if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
                 return                                                                       # or tokenizer
             dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -342,7 +343,7 @@ def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool,
     from ..probe import finish
     from ..probe import probe as run_probe
 
-    manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
+    manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
     device = agent.device.type
     machine = current_machine(str(agent.device))
     if laya_api.parallel_options(agent):
