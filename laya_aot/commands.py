@@ -47,11 +47,10 @@ def _console() -> Console:
 
 
 def _demo_checkpoint() -> Path:
-    from . import checkpoint as ckpt_mod
     from .config import CheckpointConfig
-    from .demo import DEMO_SHAPE
+    from .demo import DEMO_SHAPE, resolve
 
-    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
+    return resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
 
 
 def demo(argv: List[str], start: float) -> int:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
+from .distribution import HF_SCHEME
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -42,7 +43,6 @@ ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
 ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
 ENV_NEAR_TIES = "LAYA_AOT_NEAR_TIES"
-HF_PREFIX = "hf://"
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -79,7 +79,7 @@ class BundleSpec:
 
     @property
     def remote(self) -> bool:
-        return self.bundle.startswith(HF_PREFIX)
+        return self.bundle.startswith(HF_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
             raise ServeConfigError("invalid %s: the bundle of %r must be a directory path (a string), got %r"
                                    % (ENV_BUNDLES, name, bundle))
         bundle = bundle.strip()
-        if not bundle.startswith(HF_PREFIX):
+        if not bundle.startswith(HF_SCHEME):
             bundle = os.path.expanduser(bundle)
             if not Path(bundle).is_dir():
                 raise ServeConfigError("invalid %s: bundle directory %s of %r does not exist; build it with "

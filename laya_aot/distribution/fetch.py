@@ -31,11 +31,10 @@ from ..bundle_format import check_files, parse_bundle, read_bundle
 from ..files import cache_dir, cached_sha256
 from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
 from ..usable import reject_reason
+from . import HF_SCHEME, PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-HF_SCHEME = "hf://"
-PACK_SUFFIX = ".tar.zst"
 
 
 @dataclass

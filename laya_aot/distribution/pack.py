@@ -39,10 +39,10 @@ from ..bundle_format import (
 )
 from ..files import cached_sha256
 from ..manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, FileRecord, unsafe_relpath
+from . import PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".tar.zst"
 LEVEL = 10  # zstd level: packs are written once in CI and read many times
 _CHUNK = 1 << 20
 
@@ -118,7 +118,8 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     bundle, file = Path(bundle), Path(file)
     if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
         raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
-                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name, SUFFIX))
+                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name,
+                                                         PACK_SUFFIX))
     staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -471,5 +472,5 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     return manifest
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES", "SUFFIX",
+__all__ = ["MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES",
            "PackInfo", "pack", "read_pack_manifest", "unpack"]

@@ -30,8 +30,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..manifest import Artifact
-from ..model import ExplicitDtypeModel, torch_dtype
+from ..model import ExplicitDtypeModel
 from ..padding import Ranges
 from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
 

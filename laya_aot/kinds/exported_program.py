@@ -14,8 +14,9 @@ from typing import Dict, Tuple
 import torch
 from torch.export import Dim, ExportedProgram
 
+from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs
-from ..model import ExplicitDtypeModel, torch_dtype
+from ..model import ExplicitDtypeModel
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Kind, LoadEnv, Runner

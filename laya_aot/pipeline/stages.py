@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, progress, staging
+from .. import demo, kinds, precision, progress, staging
 from .. import laya_internals as laya_api
 from .._version import __version__
 from ..bundle_format import record_files, write_manifest
@@ -319,7 +319,7 @@ def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
     try:
-        ckpt = ckpt_mod.resolve(cfg.checkpoint)
+        ckpt = demo.resolve(cfg.checkpoint)  # a path, a hub id, or the demo checkpoint (made when absent)
         info = ckpt_mod.describe(ckpt, cfg.checkpoint)
     except ckpt_mod.CheckpointError as e:
         raise BuildError(str(e)) from e
