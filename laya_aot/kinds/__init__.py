@@ -10,11 +10,11 @@ from types import MappingProxyType
 from typing import Dict, List, Mapping, Tuple
 
 from ..manifest import Artifact
-from . import aoti, compile, exported_program, onnx, tilelang
-from .base import BuildContext, Kind, LoadEnv, Runner, Skip, model_tensors
+from . import aoti, exported_program, inductor_cache, onnx, tilelang
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner, Skip, model_tensors
 
 # in build order: the exported program first, everything else is compiled from it
-REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, compile.KIND)
+REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, inductor_cache.KIND)
 _BY_NAME: Dict[str, Kind] = {k.name: k for k in REGISTRY}
 # the kinds by name, read-only: what the manifest reader takes to run each kind's `check_details`
 BY_NAME: Mapping[str, Kind] = MappingProxyType(_BY_NAME)
@@ -42,5 +42,5 @@ def runtime_kinds() -> List[Kind]:
     return [_BY_NAME[n] for n in RUNTIME_ORDER]
 
 
-__all__ = ["BY_NAME", "BuildContext", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "Runner",
-           "Skip", "get", "load", "model_tensors", "runtime_kinds"]
+__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY",
+           "RUNTIME_ORDER", "Runner", "Skip", "get", "load", "model_tensors", "runtime_kinds"]

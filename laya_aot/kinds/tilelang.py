@@ -15,7 +15,7 @@ import torch
 from .. import laya_internals as laya_api
 from ..manifest import Artifact, Needs, unsafe_relpath
 from ..variant import Machine, cuda_tag
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 NAME = "tilelang"
 
@@ -35,7 +35,7 @@ class TileLangRunner(Runner):
         return self._fast.forward(ids, att, mpos, mmask, qtype)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """Cross-compile the checkpoint's kernel catalogue for every architecture the target names."""
     archs = list(ctx.cfg.target.tilelang_archs or [])
     if ctx.device != "cuda" or not archs:
@@ -47,7 +47,7 @@ def build(ctx: BuildContext) -> str:
     from .. import kernels
     t0 = time.perf_counter()
     folder = ctx.artifact_name(KIND, NAME)  # tilelang, or tilelang-<dtype> when the build makes several
-    out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
+    out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, exported.ranges.max_tokens, exported.ranges.max_rows,
                                        ctx.staging / folder, jobs=ctx.cfg.jobs)
     lines = []
     for arch, res in out.items():
@@ -56,8 +56,7 @@ def build(ctx: BuildContext) -> str:
                          ctx.dtype, res["seconds"], details=res, gpu_arch=arch)
         lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
                                                                      res.get("from_cache", 0)))
-    ctx.stages[-1]["seconds_compile"] = time.perf_counter() - t0
-    return ", ".join(lines)
+    return Built(", ".join(lines), record={"seconds_compile": time.perf_counter() - t0})
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
