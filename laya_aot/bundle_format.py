@@ -84,6 +84,9 @@ def _manifest_bytes(bundle: Path) -> bytes:
 def parse(raw: bytes, source: str, fix: str = "rebuild the bundle with `laya-aot build`") -> Any:
     """bundle.json's bytes as JSON: the one place they are parsed (a bundle directory, a pack's first member,
     the Hub). `source` names them in a message, `fix` ends the message about bytes that are not JSON."""
+    if len(raw) > MAX_MANIFEST_BYTES:  # a directory and a pack refuse before reading; the Hub's file only here
+        raise BundleError("%s is %d bytes, more than a laya-aot manifest ever is (%d); %s"
+                          % (source, len(raw), MAX_MANIFEST_BYTES, REBUILD))
     try:
         return json.loads(raw.decode("utf-8"))
     except RecursionError:
