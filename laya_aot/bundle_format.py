@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
+from .files import cached_sha256, sha256_file, sha256_tree, write_bytes_atomic
 from .manifest import (
     MANIFEST,
     REBUILD,
@@ -127,10 +127,16 @@ def read_bundle(bundle: str | os.PathLike, kinds: Kinds, sha256: Optional[str] =
     return parse_bundle(raw, kinds, str(bundle / MANIFEST))
 
 
+def encode(bundle: Bundle) -> bytes:
+    """bundle.json's bytes for a manifest: what a build, merge and pack write (indented JSON, field order kept)."""
+    return (json.dumps(bundle.to_dict(), indent=2) + "\n").encode("utf-8")
+
+
 def write_manifest(directory: str | os.PathLike, bundle: Bundle) -> None:
+    """Write bundle.json atomically (`files.write_bytes_atomic`), the smoke record's hash filled in first."""
     if bundle.smoke is not None:
         bundle.smoke.sha256 = smoke_digest(bundle.smoke)
-    write_json_atomic(Path(directory) / MANIFEST, bundle.to_dict())
+    write_bytes_atomic(Path(directory) / MANIFEST, encode(bundle))
 
 
 def record_files(root: str | os.PathLike, art: Artifact) -> None:

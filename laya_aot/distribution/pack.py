@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from ..bundle_format import (
     MAX_MANIFEST_BYTES,
     bundle_file,
     check_files,
+    encode,
     files_of,
     manifest_files,
     parse,
@@ -85,7 +85,7 @@ def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecor
                           % (bundle, "; ".join(problems)))
     if upgraded:
         manifest.schema_version = SCHEMA_VERSION
-        raw = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode("utf-8")
+        raw = encode(manifest)
     return raw, manifest, files
 
 
