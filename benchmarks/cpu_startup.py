@@ -110,9 +110,10 @@ def main() -> None:
         return
     command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
     from laya_aot.checkpoint import mismatch
     from laya_aot.demo import make_checkpoint
-    from laya_aot.manifest import BundleError, read_bundle
+    from laya_aot.manifest import BundleError
 
     ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
     bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)

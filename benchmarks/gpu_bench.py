@@ -215,8 +215,9 @@ def build(ckpt: Path, bundle: Path, work: Path, args: str, timeout: float, kerne
 def _built_from(bundle: Path, ckpt: Path) -> bool:
     """Whether `bundle` reads as a bundle built from `ckpt` (checkpoint.mismatch, the loader's own test)."""
     from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
     from laya_aot.checkpoint import mismatch
-    from laya_aot.manifest import BundleError, read_bundle
+    from laya_aot.manifest import BundleError
 
     try:
         return mismatch(read_bundle(bundle, kinds.NAMES), ckpt) is None

@@ -18,7 +18,9 @@ from .files import cached_sha256
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_FILES = ("model.safetensors", "rl_agent_config.json", "encoder/config.json")
+AGENT_CONFIG = "rl_agent_config.json"  # laya's agent settings (max_len, amp_dtype, head_layers, act_costs, ...)
+ENCODER_CONFIG = "encoder/config.json"
+FINGERPRINT_FILES = ("model.safetensors", AGENT_CONFIG, ENCODER_CONFIG)
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -116,7 +118,7 @@ def check_layout(ckpt: Path) -> None:
     if not ckpt.is_dir():
         raise CheckpointError("checkpoint %s is a file, not a directory; pass checkpoint.path=DIR with %s (the "
                               "directory that holds the file, if it is one of them)" % (ckpt, _LAYOUT))
-    missing = [n for n in ("rl_agent_config.json", "model.safetensors", "tokenizer", "encoder/config.json")
+    missing = [n for n in (AGENT_CONFIG, "model.safetensors", TOKENIZER_DIR, ENCODER_CONFIG)
                if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError("%s is not a Laya checkpoint: missing %s. A checkpoint holds rl_agent_config.json, "
@@ -163,25 +165,20 @@ def weights_problem(path: Path) -> Optional[str]:
     return None
 
 
-def read_config(ckpt: Path) -> Dict[str, Any]:
-    with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
+def read_config(ckpt: str | os.PathLike, name: str = AGENT_CONFIG) -> Dict[str, Any]:
+    """A checkpoint's JSON config: laya's rl_agent_config.json, or `ENCODER_CONFIG`; the one reader of them."""
+    with open(Path(ckpt) / name, encoding="utf-8") as f:
         return json.load(f)
 
 
 def resolve(cfg: Any) -> Path:
-    """The checkpoint directory a `CheckpointConfig` names; makes the demo checkpoint when asked."""
+    """The checkpoint directory a `CheckpointConfig` names by `path` or `hub_id` (the demo's: `demo.resolve`)."""
     if cfg.path:
         ckpt = Path(os.path.expanduser(str(cfg.path)))
         check_layout(ckpt)
         return ckpt
     if cfg.hub_id:
         return from_hf_cache(cfg.hub_id, cfg.subfolder)
-    if cfg.demo_shape:
-        from .demo import make_checkpoint
-
-        name = cfg.name or "demo"
-        out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
-        return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
     raise CheckpointError("no checkpoint given: set checkpoint.path=DIR, pick a shipped one (checkpoint=laya), "
                           "or use the demo (checkpoint=demo)")
 

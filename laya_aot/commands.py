@@ -18,8 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import progress
+from .bundle_format import bundle_sha256, check_artifact_hash, read_bundle
 from .demo_training import QUESTIONS as DEMO_QUESTIONS
-from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
+from .manifest import MANIFEST, Artifact, BundleError
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,10 @@ def _console() -> Console:
 
 
 def _demo_checkpoint() -> Path:
-    from . import checkpoint as ckpt_mod
     from .config import CheckpointConfig
-    from .demo import DEMO_SHAPE
+    from .demo import DEMO_SHAPE, resolve
 
-    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
+    return resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
 
 
 def demo(argv: List[str], start: float) -> int:
@@ -168,7 +168,7 @@ def _inspect(a: argparse.Namespace) -> int:
 
     try:
         raw_sha = bundle_sha256(a.bundle)
-        m = read_bundle(a.bundle, kinds.NAMES, sha256=raw_sha)
+        m = read_bundle(a.bundle, kinds.BY_NAME, sha256=raw_sha)
     except BundleError as e:
         print("laya-aot inspect: %s" % e, file=sys.stderr)
         return 2
@@ -316,7 +316,7 @@ def _verify(a: argparse.Namespace) -> int:
 
     con = _console()
     try:
-        m = read_bundle(a.bundle, kinds.NAMES)
+        m = read_bundle(a.bundle, kinds.BY_NAME)
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
@@ -369,7 +369,7 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, machines: Dict[str
     import torch
 
     from . import kinds, verification
-    from .manifest import artifact_path
+    from .bundle_format import artifact_path
     from .variant import current_machine, mismatch
 
     if e.invalid:  # values no build writes: the entry is not trusted enough to run

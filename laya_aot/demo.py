@@ -19,9 +19,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
+
+from .checkpoint import read_config
+from .checkpoint import resolve as resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -321,10 +324,19 @@ def _not_a_demo_checkpoint(ckpt: Path) -> Optional[str]:
 def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:
     """The seed and shape a demo checkpoint was written with (None: not one of ours, or unreadable)."""
     try:
-        with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
-            return json.load(f).get("laya_aot_demo")
-    except (OSError, ValueError):
+        return read_config(ckpt).get("laya_aot_demo")
+    except (OSError, ValueError, AttributeError):
         return None
+
+
+def resolve(cfg: Any) -> Path:
+    """The checkpoint directory a `CheckpointConfig` names (`checkpoint.resolve`), the demo checkpoint made
+    under `demo_dir` when it names neither a path nor a hub id but a demo shape."""
+    if cfg.demo_shape and not cfg.path and not cfg.hub_id:
+        name = cfg.name or "demo"
+        out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
+        return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
+    return resolve_checkpoint(cfg)
 
 
 def demo_shape(name: str, **overrides) -> DemoShape:

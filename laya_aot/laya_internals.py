@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
+from .dtypes import name_of
 from .errors import LayaAotError
 
 # (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
@@ -154,7 +155,7 @@ def serving_dtype(agent: Any) -> str:
     """The precision laya runs this agent's forward in: its autocast dtype when on, else fp32."""
     if not getattr(agent, "amp_enabled", False):
         return "fp32"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(agent.dtype, "fp32")
+    return name_of(agent.dtype)
 
 
 def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> type:

@@ -19,15 +19,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
 OUTPUT_NAMES = ("logits", "act_logits")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError("unknown dtype %r; use one of %s" % (name, ", ".join(DTYPES)))
-    return DTYPES[name]
 
 
 def _cast_linears(module: torch.nn.Module, dtype: torch.dtype) -> None:

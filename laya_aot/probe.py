@@ -216,7 +216,7 @@ def _child(bundle: str, checkpoint: str, device: str) -> int:
     import torch
 
     from . import kinds
-    from .manifest import artifact_path
+    from .bundle_format import artifact_path
 
     timeline = {"imports_s": time.perf_counter() - t0}
     entry = _entry_from_env()
@@ -255,7 +255,7 @@ def _entry_from_env() -> Artifact:
     from . import kinds
     from .manifest import read_artifact
 
-    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.NAMES, "the probe's entry")
+    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.BY_NAME, "the probe's entry")
 
 
 if __name__ == "__main__":

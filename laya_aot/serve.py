@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
+from .distribution import HF_SCHEME
 from .errors import LayaAotError
 
 log = logging.getLogger("laya_aot.serve")
@@ -43,7 +44,6 @@ ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
 ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
 ENV_NEAR_TIES = "LAYA_AOT_NEAR_TIES"
-HF_PREFIX = "hf://"
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -80,7 +80,7 @@ class BundleSpec:
 
     @property
     def remote(self) -> bool:
-        return self.bundle.startswith(HF_PREFIX)
+        return self.bundle.startswith(HF_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
             raise ServeConfigError("invalid %s: the bundle of %r must be a directory path (a string), got %r"
                                    % (ENV_BUNDLES, name, bundle))
         bundle = bundle.strip()
-        if not bundle.startswith(HF_PREFIX):
+        if not bundle.startswith(HF_SCHEME):
             bundle = os.path.expanduser(bundle)
             if not Path(bundle).is_dir():
                 raise ServeConfigError("invalid %s: bundle directory %s of %r does not exist; build it with "
@@ -233,12 +233,13 @@ def precheck(spec: BundleSpec) -> Optional[str]:
     """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
     check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
     from . import kinds
+    from .bundle_format import read_bundle
     from .checkpoint import mismatch
-    from .manifest import BundleError, read_bundle
+    from .manifest import BundleError
 
     try:
         kw = {"sha256": spec.sha256} if spec.sha256 else {}
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **kw)
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **kw)
     except BundleError as e:
         return str(e)
     why = mismatch(manifest, spec.checkpoint)
@@ -267,7 +268,7 @@ def _pin_words(spec: BundleSpec, text: str) -> str:
     """`text` with the loader's name for a pin replaced by the setting this server read it from."""
     if spec.sha256 is None:
         return text
-    from .manifest import PIN_SETTING
+    from .bundle_format import PIN_SETTING
 
     return text.replace(PIN_SETTING, "%s[%r]" % (ENV_PINS, spec.model))
 
@@ -277,13 +278,14 @@ def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> L
     stopped at the first that serves) and whose files do not match the manifest: a damaged bundle is named at
     its first load, not when the artifact ranked above it fails. Digests are cached, so this is a few stats."""
     from . import kinds
-    from .manifest import BundleError, check_artifact_hash, read_bundle
+    from .bundle_format import check_artifact_hash, read_bundle
+    from .manifest import BundleError
     from .usable import reject_reason
     from .variant import current_machine
 
     examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}
     try:
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **({"sha256": spec.sha256} if spec.sha256 else {}))
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **({"sha256": spec.sha256} if spec.sha256 else {}))
     except BundleError:
         return []  # the load read this manifest; a change since is the next load's to report
     machine = current_machine(str(agent.device))

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator, Optional
 
-from .manifest import BundleError, read_manifest
+from .bundle_format import read_manifest
+from .manifest import BundleError
 
 log = logging.getLogger(__name__)
 

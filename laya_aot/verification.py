@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import progress
+from .dtypes import torch_dtype
 from .manifest import SmokeRecord, VerifyResult
-from .model import torch_dtype
 from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
 from .tolerance import Agreement, DecisionAgreement, Rule, Tolerance, decision_statement, rule_for
 

@@ -19,7 +19,6 @@ rejects them with a reason (another device, a missing file), never a crash.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -28,15 +27,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .. import kinds, progress, staging
+from ..bundle_format import check_files, parse_bundle, read_bundle
 from ..files import cache_dir, cached_sha256
-from ..manifest import MANIFEST, Bundle, BundleError, FileRecord
+from ..manifest import MANIFEST, BundleError, FileRecord
 from ..usable import usable_here
-from .bundle_files import check_files
+from . import HF_SCHEME, PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-HF_SCHEME = "hf://"
-PACK_SUFFIX = ".tar.zst"
 
 
 @dataclass
@@ -118,9 +116,7 @@ def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[P
     if p.is_dir() and (p / MANIFEST).exists():
         if out is not None:
             raise BundleError("%s is already a local bundle; copy it, or pack it (`laya-aot pack`) to move it" % p)
-        from ..manifest import read_bundle
-
-        ok, skipped = usable_here(read_bundle(p, kinds.NAMES), device)
+        ok, skipped = usable_here(read_bundle(p, kinds.BY_NAME), device)
         return Fetched(p, str(p), [a.name for a in ok], skipped)
     if p.is_dir() and _packs_only(p):
         p = _choose_pack(p, device, checkpoint)
@@ -187,11 +183,7 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
     parts = mpath.parts
     commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts else (revision or "main")
     raw = mpath.read_bytes()
-    try:
-        manifest = Bundle.from_dict(json.loads(raw.decode("utf-8")), kinds.NAMES, "%s:%s" % (spec, MANIFEST))
-    except ValueError as e:
-        raise BundleError("%s:%s is unreadable (%s); publish a bundle written by laya-aot" % (spec, MANIFEST, e)) \
-            from None
+    manifest = parse_bundle(raw, kinds.BY_NAME, "%s:%s" % (spec, MANIFEST), "publish a bundle written by laya-aot")
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("%s: its manifest lists no files per artifact (schema %d), so one variant cannot be "
                           "fetched; publish a bundle written by this laya-aot (`laya-aot merge` or `build`)"

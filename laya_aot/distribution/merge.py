@@ -32,18 +32,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from .. import kinds, staging
+from ..bundle_format import check_files, files_of, read_bundle, write_manifest
 from ..files import cached_sha256
-from ..manifest import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Artifact,
-    Bundle,
-    BundleError,
-    path_conflicts,
-    read_bundle,
-    write_manifest,
-)
-from .bundle_files import check_files, files_of
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, BundleError, path_conflicts
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +134,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
         raise BundleError("merge needs at least one bundle: laya-aot merge OUT BUNDLE [BUNDLE...]")
     out = Path(out)
     staging.may_replace(out, "merge", overwrite)
-    parts = [(Path(b), read_bundle(b, kinds.NAMES)) for b in bundles]
+    parts = [(Path(b), read_bundle(b, kinds.BY_NAME)) for b in bundles]
     problems = ["%s in %s: its manifest entry is invalid (%s); rebuild that part" % (a.name, path, a.invalid)
                 for path, b in parts for a in b.artifacts if a.invalid]
     problems += _top_level_conflicts(parts)
@@ -173,7 +164,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
         if again:  # an input changed while it was copied
             raise BundleError("an input changed during the merge: %s; run the merge again" % again)
         write_manifest(tmp, merged)
-        read_bundle(tmp, kinds.NAMES)  # what was written reads back under the strict reader
+        read_bundle(tmp, kinds.BY_NAME)  # what was written reads back under the strict reader
     log.info("merged %d bundles into %s: %d artifacts", len(parts), out, len(arts))
     return merged
 

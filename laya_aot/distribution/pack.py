@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -28,23 +27,22 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
 
 from .. import kinds, progress, staging
-from .. import manifest as manifest_mod
-from ..files import cached_sha256
-from ..manifest import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    Bundle,
-    BundleError,
-    FileRecord,
+from ..bundle_format import (
+    MAX_MANIFEST_BYTES,
     bundle_file,
+    check_files,
+    encode,
+    files_of,
+    manifest_files,
+    parse,
     read_bundle,
-    unsafe_relpath,
 )
-from .bundle_files import check_files, files_of, manifest_files
+from ..files import cached_sha256
+from ..manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, FileRecord, unsafe_relpath
+from . import PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".tar.zst"
 LEVEL = 10  # zstd level: packs are written once in CI and read many times
 _CHUNK = 1 << 20
 
@@ -64,7 +62,7 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 
 def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecord]]:
     """bundle.json's bytes as they travel, the manifest, and every file it names (checked on disk)."""
-    manifest = read_bundle(bundle, kinds.NAMES)
+    manifest = read_bundle(bundle, kinds.BY_NAME)
     raw = (bundle / MANIFEST).read_bytes()
     problems = []
     upgraded = False
@@ -87,7 +85,7 @@ def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecor
                           % (bundle, "; ".join(problems)))
     if upgraded:
         manifest.schema_version = SCHEMA_VERSION
-        raw = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode("utf-8")
+        raw = encode(manifest)
     return raw, manifest, files
 
 
@@ -120,7 +118,8 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     bundle, file = Path(bundle), Path(file)
     if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
         raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
-                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name, SUFFIX))
+                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name,
+                                                         PACK_SUFFIX))
     staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +159,6 @@ MAX_PAX_BYTES = 64 << 10  # one pax extended header (`laya-aot pack` writes a pa
 MAX_NAME_BYTES = 4096  # a member's name, from a pax `path` or a GNU long name (PATH_MAX)
 MAX_MEMBERS = 100_000  # files a pack's manifest may list; headers read are bounded by 4 per listed file + 4
 MAX_UNPACKED_BYTES = 1 << 40  # the sum of the manifest's file sizes (1 TiB), also checked against free space
-MAX_MANIFEST_BYTES = manifest_mod.MAX_MANIFEST_BYTES  # bundle.json, the first member, read into memory
 MAX_ZSTD_WINDOW = 1 << 27  # zstd's default limit (128 MiB), stated: a frame asking for more is refused
 _BLOCK = 512
 _EXTENSIONS_PER_MEMBER = 3  # pax `x`, GNU `L`/`K` headers before one member; more is not an archive we wrote
@@ -340,17 +338,14 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
         raise BundleError("pack %s: its %s is %d bytes, more than a manifest ever is (%d); re-create the pack"
                           % (file, MANIFEST, first.size, MAX_MANIFEST_BYTES))
     raw = tar.read(first.size)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise BundleError("pack %s: its %s is unreadable (%s); re-create the pack" % (file, MANIFEST, str(e)[:200])) \
-            from None
+    source = "%s:%s" % (file, MANIFEST)
+    data = parse(raw, source, "re-create the pack")
     listed = sum(len(a.get("files") or ()) for a in data.get("artifacts") or () if isinstance(a, dict)) \
         if isinstance(data, dict) and isinstance(data.get("artifacts"), list) else 0
     if listed > MAX_MEMBERS:  # before the typed reader spends seconds on them
         raise BundleError("pack %s: its manifest lists %d files, more than a pack may hold (%d); re-create the pack"
                           % (file, listed, MAX_MEMBERS))
-    manifest = Bundle.from_dict(data, kinds.NAMES, "%s:%s" % (file, MANIFEST))
+    manifest = Bundle.from_dict(data, kinds.BY_NAME, source)
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("pack %s: its manifest lists no files for its artifacts (schema %d); re-create the pack "
                           "with this laya-aot's `laya-aot pack`" % (file, manifest.schema_version))
@@ -441,7 +436,7 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
         if missing:
             raise BundleError("pack %s lacks %d file(s) its manifest lists (%s); re-create the pack"
                               % (file, len(missing), ", ".join(missing[:3])))
-        read_bundle(tmp, kinds.NAMES)  # the manifest, read back from disk under the strict reader
+        read_bundle(tmp, kinds.BY_NAME)  # the manifest, read back from disk under the strict reader
     log.info("unpacked %s into %s: %d files", file, out, len(expected))
     return manifest
 
@@ -479,5 +474,5 @@ def _extract_all(file: Path, tmp: Path, out: Path) -> Tuple[Bundle, Dict[str, Fi
     return manifest, expected, seen
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES", "SUFFIX",
+__all__ = ["MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES",
            "PackInfo", "pack", "read_pack_manifest", "unpack"]

@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from ..dtypes import LONG, canonical
+
 FACTORIES = ("gemm_kernel", "gemm_geglu_kernel", "add_ln_kernel", "rope_kernel", "attn_kernel")
 HEAD_EPS = 1e-5          # nn.TransformerEncoderLayer's LayerNorm eps, hard-coded in FastLaya too
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16"}
 
 
 # ------------------------------------------------------------------------------------ signatures
@@ -191,10 +191,11 @@ def encoder_dims(encoder_config: Any) -> EncoderDims:
 
 
 def kernel_dtype(dtype: Any) -> str:
-    key = str(dtype).lower()
-    if key not in _DTYPES:
+    """TileLang's dtype string for a 16-bit dtype in any spelling `dtypes.canonical` knows."""
+    name = canonical(dtype)
+    if name not in ("bf16", "fp16"):
         raise ValueError("the TileLang fast path runs bf16 or fp16, got %r" % (dtype,))
-    return _DTYPES[key]
+    return LONG[name]
 
 
 def _padding_policy() -> Tuple[int, int]:

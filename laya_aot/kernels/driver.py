@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import LayaAotError
+from ..files import sha256_file
 from ..laya_internals import Backend, BackendUnavailable
 from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
 from .catalogue import FACTORIES, KernelSpec, encoder_dims, shape_specs
-from .compile import INDEX_NAME, META_FORMAT, cuda_target, sha256_file
+from .cross_compile import INDEX_NAME, META_FORMAT, cuda_target
 
 log = logging.getLogger(__name__)
 

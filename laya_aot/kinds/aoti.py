@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 
 from ..manifest import Artifact
 from .aoti_compiler import _default_cxx, choose_compiler
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def load_aoti_package(path: Path, device_index: int):
     return load_package(str(path), device_index=device_index)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """The package for the target, weights not inside; on the CPU also the frozen package."""
     from safetensors import safe_open
 
@@ -256,16 +256,17 @@ def build(ctx: BuildContext) -> str:
         keys = list(f.keys())
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
+    facts = package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
     if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
         t0 = time.perf_counter()
-        frozen = package(ctx.ep, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx, frozen=True)
+        frozen = package(exported.program, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx,
+                         frozen=True)
         ctx.add_artifact(KIND, name + "-frozen", name + "-frozen", ctx.device, ctx.dtype, time.perf_counter() - t0,
                          details=frozen)
         done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)
-    return done
+    return Built(done)
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:

@@ -1,8 +1,8 @@
 """`laya-aot build`: checkpoint -> verified bundle, one stage at a time.
 
 Stages, each recorded in the manifest with status, duration and error text: `load`, then one stage per
-artifact kind in the registry's order (`export`, `aoti`, `onnx`, `tilelang`, `inductor_cache`), then
-`verify`. `load` and the portable program's `export` are fatal (every artifact derives from it); any
+artifact kind in the registry's order (`exported_program`, `aoti`, `onnx`, `tilelang`, `inductor_cache`),
+then `verify`. `load` and the portable program's stage are fatal (every artifact derives from it); any
 other kind may fail without stopping the build. The build fails only when the checkpoint or config is
 unusable or when no artifact at all could be built and verified.
 """
@@ -14,30 +14,20 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, progress, staging, verification
+from .. import demo, kinds, precision, progress, staging, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
+from ..bundle_format import record_files, write_manifest
 from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
-from ..kinds import BuildContext, Kind, Skip, model_tensors
-from ..manifest import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Artifact,
-    Bundle,
-    CheckpointInfo,
-    Fingerprint,
-    Needs,
-    VerifyResult,
-    record_files,
-    write_manifest,
-)
+from ..kinds import BuildContext, Built, Kind, Skip, model_tensors
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, CheckpointInfo, Fingerprint, Needs, VerifyResult
 from ..padding import Ranges
 from ..tolerance import Tolerance
 from ..variant import current_gpu_arch, current_machine
@@ -239,7 +229,13 @@ def bundle_of(ctx: BuildContext) -> Bundle:
         smoke=ctx.smoke, stages=ctx.stages, config=OmegaConf.to_container(ctx.cfg, resolve=True))
 
 
-Stage = Tuple[str, Callable[[BuildContext], str], bool, Optional[Kind], Optional[str]]
+Step = Callable[[BuildContext], Union[str, Built]]
+Stage = Tuple[str, Step, bool, Optional[Kind], Optional[str]]
+
+
+def _kind_step(kind: Kind) -> Step:
+    """A kind's build step, handed the program the last exported_program stage returned."""
+    return lambda ctx: kind.build(ctx, ctx.exported)
 
 
 def stages(dtypes: List[str]) -> List[Stage]:
@@ -247,12 +243,12 @@ def stages(dtypes: List[str]) -> List[Stage]:
     with a fixed dtype once); verify."""
     out: List[Stage] = [("load", stage_load, True, None, None)]
     for i, dtype in enumerate(dtypes):
-        out += [(k.stage, k.build, not k.optional, k, k.fixed_dtype or dtype) for k in kinds.REGISTRY
+        out += [(k.stage, _kind_step(k), not k.optional, k, k.fixed_dtype or dtype) for k in kinds.REGISTRY
                 if not (k.fixed_dtype and i)]
     return out + [("verify", stage_verify, True, None, None)]
 
 
-def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], fatal: bool, enabled: bool,
+def _run_stage(ctx: BuildContext, name: str, fn: Step, fatal: bool, enabled: bool,
                report: Report, kind: Optional[Kind], dtype: Optional[str]) -> None:
     rec: Dict[str, Any] = {"name": name, "status": "running"}
     if dtype is not None:
@@ -267,7 +263,14 @@ def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], 
         return
     report(rec)
     try:
-        rec["summary"] = fn(ctx)
+        done = fn(ctx)
+        if isinstance(done, Built):  # a kind's step: its facts go into the record, a program to the next kinds
+            rec["summary"] = done.summary
+            rec.update(done.record)
+            if done.exported is not None:
+                ctx.exported = done.exported
+        else:
+            rec["summary"] = done
         rec["status"] = "ok"
     except Skip as e:
         rec.update(status="skipped", error=str(e))
@@ -316,7 +319,7 @@ def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
     try:
-        ckpt = ckpt_mod.resolve(cfg.checkpoint)
+        ckpt = demo.resolve(cfg.checkpoint)  # a path, a hub id, or the demo checkpoint (made when absent)
         info = ckpt_mod.describe(ckpt, cfg.checkpoint)
     except ckpt_mod.CheckpointError as e:
         raise BuildError(str(e)) from e

@@ -32,9 +32,10 @@ import torch
 from .. import checkpoint as ckpt_mod
 from .. import kinds, usable
 from .. import laya_internals as laya_api
+from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
 from ..errors import LayaAotError
-from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
+from ..manifest import Artifact, Bundle, BundleError, VerifyResult
 from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
@@ -71,7 +72,7 @@ class _Early:
         from ..probe import start
 
         try:
-            manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
+            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
             if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
                 return                                                                       # or tokenizer
             # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
@@ -385,7 +386,7 @@ def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
             load_stats: Dict[str, Any], early: Optional[_Early], eager: Optional[EagerModule]) -> Optional[AOTBackend]:
     """The first artifact of `bundle` in the loader's order (`select.rank`) that passes every check, installed
     into `agent`; None when none does, each with its reason in `rejected`."""
-    manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
+    manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
     why = _bundle_refused(agent, manifest, ckpt, load_stats)
     if why is not None:
         rejected.append(("bundle", why))

@@ -1,4 +1,8 @@
-"""The compile route with a pre-populated Inductor cache (CUDA targets).
+"""The compile route with a pre-populated Inductor cache (CUDA targets): stage and switch `inductor_cache`.
+
+The kind keeps the name it has in every manifest, `compile` (artifacts `compile-<target>`), so bundles
+built before load and `stages.inductor_cache=false` still turns the stage off; `NAME` and `STAGE` below
+are the one place where the two names meet.
 
 At build time the explicit-dtype model is compiled once, as one full graph whose rows, tokens and
 markers are dynamic (`mark_dynamic_batch`), and the compiled code is saved with
@@ -30,14 +34,16 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..manifest import Artifact
-from ..model import ExplicitDtypeModel, torch_dtype
+from ..model import ExplicitDtypeModel
 from ..padding import Ranges
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
 
-NAME = "compile"
+NAME = "compile"  # the manifest's kind and the artifacts' names; the stage and switch: STAGE
+STAGE = "inductor_cache"
 
 CACHE_FILE = "inductor_cache.bin"
 INFO_FILE = "compile.json"
@@ -214,7 +220,7 @@ def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
     print(FRESH_MARK + json.dumps(runner.stats), flush=True)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """Compile on the build machine's GPU, save the cache, and keep it only if a fresh process hits it."""
     if ctx.device != "cuda":
         raise Skip("the compile route with a warm Inductor cache is built for CUDA targets; on the CPU the "
@@ -224,7 +230,7 @@ def build(ctx: BuildContext) -> str:
                    % ctx.cfg.target.name)
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
+    facts = build_cache(ctx.agent, ctx.staging / name, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
     seconds = time.perf_counter() - t0
     try:
         facts["fresh_process"] = check_in_fresh_process(ctx.staging / name, ctx.ckpt, ctx.device)
@@ -232,8 +238,8 @@ def build(ctx: BuildContext) -> str:
         shutil.rmtree(ctx.staging / name, ignore_errors=True)  # nothing of a cache that would not be used
         raise
     ctx.add_artifact(KIND, name, name, "cuda", ctx.dtype, seconds, details=facts)
-    return "%d shapes, %.1f MB; a fresh process hit it (first call %.1f s)" % (
-        len(facts["shapes"]), facts["bytes"] / 1e6, facts["fresh_process"].get("first_call_s", 0.0))
+    return Built("%d shapes, %.1f MB; a fresh process hit it (first call %.1f s)" % (
+        len(facts["shapes"]), facts["bytes"] / 1e6, facts["fresh_process"].get("first_call_s", 0.0)))
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
@@ -242,7 +248,7 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
 
 # not native: Python plus Triton kernels; a child probe would run its whole torch.compile a second time,
 # so it is loaded in-process, where a failure is an exception the loader catches like any other
-KIND = Kind(name=NAME, stage="inductor_cache", build=build, load=load, order=2, reverify=False, needs_module=True)
+KIND = Kind(name=NAME, stage=STAGE, build=build, load=load, order=2, reverify=False, needs_module=True)
 
 
 if __name__ == "__main__":
