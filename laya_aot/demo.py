@@ -102,7 +102,7 @@ DEMO_SHAPE = "tiny-trained"
 # on a GPU.
 _SMALL = dict(tokenizer_vocab=900)
 MATRIX: Dict[str, DemoShape] = {
-    # the checkpoint: head dim 32, one head layer, four actions, context 256, decisive, no amp_dtype
+    # head dim 32, one head layer, four actions, context 256, decisive, no amp_dtype
     "hd32-absent-decisive": DemoShape(hidden_size=96, num_attention_heads=3, num_hidden_layers=2,
                                       intermediate_size=128, head_layers=1, n_actions=4, max_len=256,
                                       local_attention=32, head_gain=8.0, tokenizer="wordpiece",

@@ -1,7 +1,7 @@
 """Load-and-run a native artifact once in a short-lived child process before trusting it in-process.
 
-A native artifact can kill the process that loads it (on the H200 host every AOTInductor package
-tried segfaulted inside the loader), and a segfault cannot be caught. So the first time an artifact
+A native artifact can kill the process that loads it (an AOTInductor package built with the wrong
+compiler segfaults inside the loader), and a segfault cannot be caught. So the first time an artifact
 meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
 disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
 

@@ -1,20 +1,11 @@
 """`laya-aot serve`: laya's own HTTP server, with every load of a bundled checkpoint going through a bundle.
 
-`laya serve` (laya.serve) loads checkpoints on first use, evicts them under `LAYA_MAX_LOADED` and unloads
-idle ones after `LAYA_IDLE_UNLOAD_SECONDS`: every one of those loads is a cold start. This runs the same
-app (`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
-checkpoint named in `LAYA_AOT_BUNDLES` call `laya_aot.load`; other checkpoints load exactly as in laya.
-
-    LAYA_AOT_BUNDLES='{"support": "/bundles/support"}'   model name -> bundle directory (or an hf:// spec)
-    LAYA_AOT_STRICT=1                                     a bundle that cannot serve fails that load
-                                                          (at start: the server refuses to start)
-    LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256;
-                                                          load's LAYA_AOT_BUNDLE_SHA256 only with one bundle)
-
-Visible in operation: one log line per load says which artifact serves the checkpoint (and why each other
-artifact was not used) or why it fell back, and `GET /v1/aot` answers the same for every bundled checkpoint, to
-the callers laya's `/health` shows its detail to. Every route laya defines, `/health` included, answers
-byte for byte as laya's own app does (laya's own tests/test_serve.py passes alike against both).
+laya's server loads, evicts and unloads checkpoints, each load a cold start. This runs the same app
+(`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
+checkpoint in `LAYA_AOT_BUNDLES` (JSON: model name -> bundle directory or hf:// spec) call
+`laya_aot.load`; `LAYA_AOT_STRICT=1` makes a bundle that cannot serve fail its load, and
+`LAYA_AOT_BUNDLE_SHA256S` pins each manifest. One log line per load and `GET /v1/aot` say which
+artifact serves and why the others did not; every route laya defines answers as in laya's own app.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """Turn a bundle address into a local bundle directory holding what this machine can use.
 
-Addresses (`resolve(spec)`, used by `laya_aot.load(..., bundle=spec)` and `laya-aot fetch SPEC`):
-- a bundle directory (it has bundle.json): itself;
-- a pack file `*.tar.zst`: unpacked once into the laya-aot cache, keyed by the pack's sha256;
-- a directory of packs (no bundle.json, some `*.tar.zst`; a local or mounted share): each pack's
-  manifest is read from its first member, packs of another checkpoint are left out (when the
-  checkpoint is known), and the pack with the most artifacts this machine can use is unpacked as above;
-- `hf://ORG/REPO[/PATH][@REVISION]`: a bundle published on the Hugging Face Hub, as the huggingface/kernels
-  library fetches one build variant: bundle.json is downloaded first, then only the files of the
-  artifacts this machine can use (`usable.usable_here`, the loader's own rule), all through
-  `huggingface_hub` into its cache, pinned to the commit the manifest came from. HF_HUB_OFFLINE=1 and
-  HF_ENDPOINT are honoured by the library; offline, the cache answers.
-
-The Hub's cache keeps files as symbolic links to its blobs, and a bundle's files must be its own (the
-loader refuses links), so the fetched files are hard-linked (copied across file systems) into a bundle
-directory under the laya-aot cache (or `out`). Artifacts not fetched are absent there: the loader
-rejects them with a reason (another device, a missing file), never a crash.
+`resolve(spec)` (behind `laya_aot.load(..., bundle=spec)` and `laya-aot fetch SPEC`) accepts a bundle
+directory; a pack `*.tar.zst` (unpacked once into the cache, keyed by its sha256); a directory of packs
+(the pack of this checkpoint with the most artifacts usable here); or `hf://ORG/REPO[/PATH][@REVISION]`
+(bundle.json first, then only the files of artifacts `usable.usable_here` accepts, through
+`huggingface_hub`, pinned to the manifest's commit). Hub files are hard-linked (or copied) into a bundle
+directory of their own, since the loader refuses links; artifacts not fetched are rejected with a reason.
 """
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """`laya-aot merge OUT BUNDLE...`: partial bundles of one checkpoint, built on different machines, joined.
 
-What must agree, else one message per conflict, all listed in one error:
-- the checkpoint fingerprint (artifacts of another checkpoint would give wrong answers);
-- the laya-aot version (artifact layouts and the loader's expectations follow it), the tolerance (the
-  loader applies the bundle's to artifacts it verifies itself), the exported ranges and the smoke
-  record's batch (its eager fp32 reference may differ in the last bits between CPUs: it must agree
-  within the fp32 tolerance, and the first bundle's is kept);
-- portable programs (`Kind.interchangeable`: the exported program of one dtype, the ONNX model):
-  torch.export and the ONNX exporter are not byte-reproducible (a random serialization id, buffers in
-  another order from one process to the next: two builds of the demo checkpoint gave two sha256), so
-  they are compared by what they were exported from: checkpoint, ranges, action-head dtype and torch
-  version. Equal: the first is kept (each part verified its own copy against the same eager
-  reference); different: a conflict;
-- artifact names: one name, one content. Identical duplicates (same sha256) are kept once (the first
-  bundle's entry, with its verify figures); a failed entry gives way to a built one of the same name;
-  anything else is a conflict (build each native artifact in one job only);
-- file paths: two artifacts never write one path with different bytes.
-
-Every file of every input is re-hashed against its manifest before anything is written; each artifact
-keeps its own build machine, verify figures and latency. The output is assembled beside OUT and renamed
-into place (`staging`), so a refusal or a crash leaves OUT as it was.
+Whatever must agree is checked and every conflict listed in one error: the checkpoint fingerprint, the
+laya-aot version, tolerance, ranges and smoke batch (its fp32 reference within the fp32 tolerance),
+portable programs (`Kind.interchangeable`, compared by what they were exported from, since they are not
+byte-reproducible), artifact names (one name, one sha256) and file paths (one path, one content).
+Every input file is re-hashed first, each artifact keeps its own build facts, and the output is
+assembled beside OUT (`staging`), so a refusal or a crash leaves OUT as it was.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """`laya-aot pack BUNDLE FILE` and `laya-aot unpack FILE DIR`: a bundle as one zstd-compressed tar.
 
-The manifest is the archive's first member, so a reader learns what a pack holds (and whether this
-machine can use it) from its first few kilobytes. Members follow in sorted order with mtime 0, uid and
-gid 0 and mode 0644: packing one bundle twice gives the same bytes. A schema-2 bundle's bundle.json
-travels byte for byte (a pin on its sha256 still holds after unpacking); a schema-1 one is upgraded,
-its file list recorded after its hashes were checked.
-
-Unpacking trusts nothing in the archive but what its manifest names: the manifest is read with the
-strict reader first; then each member must be a regular file listed there (no absolute path, no `..`,
-no link, device or directory), of the listed size, and its sha256 is checked as it is written.
-Everything goes to a directory beside DIR that is renamed into place at the end (`staging`), so a
-refused or truncated archive leaves nothing behind. The tar stream is read here, not by tarfile (which
-reads a pax record or GNU long name whole, whatever size it declares): every 512-byte header is bounded
-(`MAX_*` below, README "Merge, pack, fetch") before anything it declares is read, so a hostile archive is
-refused in seconds, in bounded memory.
+The manifest is the first member, so a reader learns from a few kilobytes what a pack holds; members
+are sorted with fixed metadata, so one bundle packs to the same bytes. Unpacking trusts only what the
+manifest names: regular files listed there, at their size and sha256, written to a staging directory
+renamed into place at the end. The tar stream is read here rather than by tarfile, which reads a pax
+record or long name whole: every header is bounded (`MAX_*`) first, so a hostile archive is refused
+quickly in bounded memory.
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """The TileLang kernel catalogue of laya's fast path, derived by rule from an encoder config.
 
-`laya.fast.FastLaya` asks `laya.tl_kernels` for its kernels in two places: eleven fixed
-factory calls in its constructor (GEMMs, the fused GEGLU, three add+LayerNorm variants) and,
-per request shape, RoPE plus one flash-attention kernel per attention kind. Attention is
-shape-dynamic up to `DYNAMIC_MAX_L` tokens and static per (rows, tokens) bucket beyond it, so
-the set of kernels a process can ever request is finite once rows and tokens are bounded.
-This module writes that set down without importing TileLang or building a model, so a build
-machine (or the manifest writer) can know what to compile from the config alone;
-`tests/test_kernels.py` proves it equals what FastLaya requests.
-
-Every call is normalised the way TileLang keys its own JIT cache: bound to the factory's
-signature with defaults applied. Two call spellings of one kernel are therefore one spec, and
-a laya upgrade that changes a default tile size changes the spec's key.
+`laya.fast.FastLaya` requests fixed kernels in its constructor and, per request shape, RoPE and
+flash attention (dynamic up to `DYNAMIC_MAX_L` tokens, static per bucket beyond), so the set is finite
+once rows and tokens are bounded. This module writes that set down without TileLang or a model, so a
+build machine knows what to compile from the config alone (`tests/test_kernels.py` proves it equals
+what FastLaya requests). Calls are normalised as TileLang keys its JIT cache (bound, defaults applied).
 """
 from __future__ import annotations
 

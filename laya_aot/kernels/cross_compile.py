@@ -1,19 +1,11 @@
 """Cross-compile a kernel catalogue for one GPU architecture, on a machine with nvcc and no GPU.
 
-Each kernel becomes two files in the output directory:
-  <key>.so    the TVM-FFI executable TileLang builds: host launcher plus the device cubin
-              (nvcc -arch=<arch>), loadable with `tvm.runtime.load_module` and no compiler;
-  <key>.json  what loading it needs besides the library: the spec, TileLang's kernel params
-              and the PrimFunc's signature (its body stripped: the loader only reads params,
-              buffer shapes and attrs), so the runtime neither elaborates nor lowers anything.
-Both are hashed. A kernel that fails records the compiler's message and the rest go on.
-
-Compilation runs in threads: nvcc is a subprocess and TileLang's lowering releases the GIL
-(TileLang's own `par_compile` relies on the same), and a thread pool keeps one import of
-TileLang for all jobs. Elaboration (building the PrimFuncs) runs first, in this thread.
-`ast.parse` is serialised while the pool runs (see `astlock`: a CPython 3.11 race).
-TileLang's kernel and nvcc-binary caches are disabled for the build so every kernel really
-compiles (timings are honest) and nothing leaks into ~/.tilelang.
+Each kernel becomes `<key>.so` (TileLang's TVM-FFI library: host launcher plus device cubin) and
+`<key>.json` (spec, kernel params and the body-less PrimFunc signature), both hashed, so the runtime
+neither elaborates nor lowers anything; a failing kernel records the compiler's message. Compilation
+runs in a thread pool (nvcc is a subprocess and lowering releases the GIL; one TileLang import), with
+`ast.parse` serialised (`astlock`). TileLang's caches are disabled so every kernel really compiles
+and nothing leaks into ~/.tilelang.
 """
 from __future__ import annotations
 

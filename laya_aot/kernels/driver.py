@@ -1,17 +1,11 @@
 """Run laya's TileLang fast path from precompiled kernels: no nvcc, no TileLang JIT.
 
-How: `laya.fast.FastLaya` gets every kernel by calling a `laya.tl_kernels` factory, a TileLang
-`JITImpl`. On a miss in its in-memory cache, `JITImpl.__call__` calls `self.compile(...)`; this
-module gives the five factories an instance-level `compile` that, while a bundle is active in
-the calling context, *loads* the kernel from the bundle (dlopen of the cross-compiled library,
-`JITKernel.from_database`, exactly how TileLang loads its own disk cache) and raises
-`KernelMissing` when the bundle lacks it. TileLang then caches the loaded kernel as if it had
-compiled it. So FastLaya itself is reused unchanged (same padding, CUDA graphs, head decoding),
-and outside an active bundle the factories behave as before (a laya `fast=True` agent in the
-same process still JIT-compiles as usual).
-
-`make_fast_forward(...)` returns a `PrecompiledFast` whose `.forward` replaces
-`DecisionModel.forward`; `PrecompiledTileLangBackend` wraps it in laya's `Backend` contract.
+`laya.fast.FastLaya` gets each kernel from a `laya.tl_kernels` factory (a TileLang `JITImpl`), which
+calls `self.compile(...)` on a cache miss. This module gives those factories an instance-level
+`compile` that, while a bundle is active in the calling context, loads the kernel from the bundle the
+way TileLang loads its disk cache, or raises `KernelMissing`. FastLaya is thus reused unchanged, and
+outside a bundle the factories JIT-compile as before. `make_fast_forward` and
+`PrecompiledTileLangBackend` expose it as a forward and as a laya `Backend`.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """The compile route with a pre-populated Inductor cache (CUDA targets): stage and switch `inductor_cache`.
 
-The kind keeps the name it has in every manifest, `compile` (artifacts `compile-<target>`), so bundles
-built before load and `stages.inductor_cache=false` still turns the stage off; `NAME` and `STAGE` below
-are the one place where the two names meet.
-
-At build time the explicit-dtype model is compiled once, as one full graph whose rows, tokens and
-markers are dynamic (`mark_dynamic_batch`), and the compiled code is saved with
-`torch.compiler.save_cache_artifacts()`. At run time `CompileRunner` loads those bytes with
-`torch.compiler.load_cache_artifacts()` before its first compile, so a fresh process reuses the
-compiled graph and kernels instead of running Inductor and Triton from scratch. Dynamo still traces
-the model and AOTAutograd still looks its graph up (about 11 s for a ModernBERT-large-sized model on
-the CPU machine); `cache_counters` tells a hit from a compile.
-
-Why only the batch's dimensions are dynamic, not `dynamic=True`: `dynamic=True` also makes every float
-attribute of the model symbolic (layer-norm eps, dropout p, rotary scaling), and Dynamo then traces
-the whole model twice (its tensorify pass restarts the analysis): 23.7 s against 11.5 s for the
-large model, Dynamo plus AOTAutograd, on the CPU machine.
+The build compiles the explicit-dtype model once, as one graph with dynamic batch dimensions
+(`mark_dynamic_batch`), and saves `torch.compiler.save_cache_artifacts()`; `CompileRunner` loads them
+before its first compile, so a fresh process skips Inductor and Triton (Dynamo and AOTAutograd still
+run; `cache_counters` tells a hit from a compile). Only the batch's dimensions are dynamic: `dynamic=True`
+would make every float attribute symbolic and Dynamo trace the model twice. The manifest name stays
+`compile` for bundles already built; `NAME` and `STAGE` are where the two names meet.
 """
 from __future__ import annotations
 
@@ -168,8 +158,8 @@ class CompileRunner(Runner):
         n = ids.shape[0]
         # one compile at a time (Dynamo's cache is process-wide); autocast off: laya's agent calls its
         # forward under bf16 autocast on CUDA, and Dynamo guards on the autocast state, so a call under
-        # it would compile a second graph from scratch that the saved cache does not hold (59 s on the
-        # H200, run 6). The module casts to its dtype itself.
+        # it would compile a second graph from scratch that the saved cache does not hold. The module
+        # casts to its dtype itself.
         with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False), no_mha_fastpath():
             if self._first:  # what the first call cost, and whether it came from the saved cache
                 before, t0 = cache_counters(), time.perf_counter()

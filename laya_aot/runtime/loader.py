@@ -1,20 +1,11 @@
 """`laya_aot.load`: a laya Agent whose forward is the best verified artifact this machine can run.
 
-Order of trust, cheapest first, and nothing native is loaded until every check before it passed:
-manifest schema -> checkpoint fingerprint -> machine compatibility and build-time verification ->
-sha256 of the artifact's bytes -> a probe in a child process (native artifacts, once per machine) ->
-in-process load -> a smoke comparison with the build's eager fp32 outputs on one seeded batch -> install.
-Every artifact that falls out gets one reason; when none is left the agent runs eager with one
-RuntimeWarning listing them all (or `strict=True` raises with the same list).
-
-The checks up to the probe do not need laya's agent, so they run in a thread while `laya.load` reads
-the checkpoint: a first start on a machine then pays for the probe child only where it outlasts that.
-The probe child runs the artifact on stand-in weights (probe._child), so what it shows (that the
-package loads and runs here) does not depend on the checkpoint: it starts as soon as the artifact's
-bytes match the manifest and the checkpoint's configs and tokenizer match the build's, while the
-weights' digest is still being computed; a fingerprint that does not match kills it, and its verdict
-is recorded only after the fingerprint matched. The service's own process loads nothing native
-before every check passed.
+Checks run cheapest first, and nothing native is loaded until every earlier one passed: manifest
+schema, checkpoint fingerprint, machine compatibility and build verification, sha256, a probe child
+(native artifacts, once per machine), in-process load, a smoke comparison with the build's fp32
+outputs, install. Each rejected artifact gets one reason; with none left the agent runs eager with one
+warning listing them (`strict=True` raises). The checks before the probe, and the probe itself (on
+stand-in weights), run while `laya.load` reads the checkpoint, so a first start pays little extra.
 """
 from __future__ import annotations
 
