@@ -109,13 +109,20 @@ def main() -> None:
         child(a.child, a.ckpt, a.bundle, a.latency)
         return
     command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
-    from laya_aot.checkpoint import built_from
+    from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
+    from laya_aot.checkpoint import mismatch
     from laya_aot.demo import make_checkpoint
+    from laya_aot.manifest import BundleError
 
     ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
     bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)
     build_s = None
-    if not built_from(bundle, ckpt):
+    try:
+        stale = mismatch(read_bundle(bundle, kinds.NAMES), ckpt)
+    except BundleError as e:
+        stale = str(e)
+    if stale:
         t0 = time.time()
         subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                                "output_dir=%s" % bundle])

@@ -212,6 +212,19 @@ def build(ckpt: Path, bundle: Path, work: Path, args: str, timeout: float, kerne
 
 
 
+def _built_from(bundle: Path, ckpt: Path) -> bool:
+    """Whether `bundle` reads as a bundle built from `ckpt` (checkpoint.mismatch, the loader's own test)."""
+    from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
+    from laya_aot.checkpoint import mismatch
+    from laya_aot.manifest import BundleError
+
+    try:
+        return mismatch(read_bundle(bundle, kinds.NAMES), ckpt) is None
+    except BundleError:
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child")
@@ -243,11 +256,9 @@ def main() -> None:
     subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "make-demo", str(ckpt), "--shape", a.shape])
     results = {"command": command, "checkpoint": a.shape, "checkpoint_write_s": round(time.time() - t0, 1),
                "build": {"reused": str(bundle)}, "modes": {}}
-    from laya_aot.checkpoint import built_from
-
     if a.no_build:
         results["build"] = {"skipped": "--no-build", "bundle_present": (bundle / "bundle.json").exists()}
-    elif not built_from(bundle, ckpt):
+    elif not _built_from(bundle, ckpt):
         results["build"] = build(ckpt, bundle, work, a.build_args, max(60, t_end - time.time()), a.kernel_cache)
         shutil.copyfile(work / "build_log.txt", out / ("build_%s%s.txt" % (a.shape, a.tag)))
     (out / (name + ".json")).write_text(json.dumps(results, indent=2))

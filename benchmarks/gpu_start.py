@@ -157,12 +157,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
+    ap.add_argument("--bytecode", metavar="DIR",
+                    help="PYTHONPYCACHEPREFIX for every process (build, starts, calls), and one untimed start of each "
+                         "path first (with a throwaway laya-aot cache): Python's bytecode cache as a pip install "
+                         "leaves it, on a host whose site-packages have none and cannot be written")
     a = ap.parse_args()
     if a.calls_child:
         calls_child(a.calls_child, a.ckpt, a.bundle, a.device)
         return
     ckpt, bundle = Path(a.ckpt), Path(a.bundle)
-    res: dict = {"shape": a.shape, "command": " ".join(sys.argv), "starts": [], "calls": {}}
+    res: dict = {"shape": a.shape, "command": " ".join(sys.argv), "starts": [], "calls": {},
+                 "bytecode_beside_torch": _bytecode_beside_torch()}
+    res["PYTHONDONTWRITEBYTECODE"] = os.environ.get("PYTHONDONTWRITEBYTECODE")
+    if a.bytecode:  # the H200 image sets PYTHONDONTWRITEBYTECODE: no process there ever writes bytecode
+        os.environ["PYTHONPYCACHEPREFIX"] = a.bytecode
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     t = time.time()
     if not (ckpt / "model.safetensors").exists():
         from laya_aot.demo import make_checkpoint
@@ -180,6 +189,12 @@ def main() -> None:
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     subprocess.run(["rm", "-rf", str(cache)])
     q = ONE
+    if a.bytecode:  # untimed: writes the bytecode of everything a start imports; the timed starts' cache stays empty
+        warm = dict(env, LAYA_AOT_CACHE_DIR="/tmp/laya-aot-warmup-cache")
+        res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device),
+                                           warm, 300).get("first_answer_s")
+                         for path, code in (("eager", START_EAGER), ("bundle", START))}
+        print("warm-up", res["warmup"], flush=True)
     for i in range(a.starts):  # eager and bundle alternate; the first bundle start has an empty cache
         for path, code in (("eager", START_EAGER), ("bundle", START)):
             r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device), env, 300)
@@ -214,8 +229,19 @@ def main() -> None:
     print(markdown(res))
 
 
+def _bytecode_beside_torch() -> bool:
+    """Whether torch's own package has its bytecode cache beside it (what a pip install leaves)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin and os.path.exists(importlib.util.cache_from_source(spec.origin)))
+
+
 def markdown(r: dict) -> str:
     lines = ["# Starts and realistic calls, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
+             "torch's bytecode cache beside it: %s; PYTHONDONTWRITEBYTECODE in the host's environment: %r; "
+             "untimed warm-up starts (s): %s" % (r.get("bytecode_beside_torch"), r.get("PYTHONDONTWRITEBYTECODE"),
+                                                 r.get("warmup", "none")), "",
              "| path | start | first answer (s) | agent_load_s | select_s | artifact_load_s | constants_s | "
              "smoke_check_s | probe |", "|---|---|---|---|---|---|---|---|---|"]
     for s in r["starts"]:

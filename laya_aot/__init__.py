@@ -8,6 +8,7 @@ Importing this package is cheap: torch, laya and Hydra load only when a function
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .errors import LayaAotError
 
 if TYPE_CHECKING:  # type checkers and IDEs see the loader's own signature
     from .runtime.loader import load
@@ -28,4 +29,4 @@ def __dir__() -> list:
     return sorted(set(globals()) | {"load"})
 
 
-__all__ = ["load", "__version__"]
+__all__ = ["LayaAotError", "load", "__version__"]

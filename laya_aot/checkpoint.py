@@ -13,17 +13,23 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from .errors import LayaAotError
 from .files import cached_sha256
-from .manifest import BundleError, read_manifest
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_FILES = ("model.safetensors", "rl_agent_config.json", "encoder/config.json")
+AGENT_CONFIG = "rl_agent_config.json"  # laya's agent settings (max_len, amp_dtype, head_layers, act_costs, ...)
+ENCODER_CONFIG = "encoder/config.json"
+FINGERPRINT_FILES = ("model.safetensors", AGENT_CONFIG, ENCODER_CONFIG)
 TOKENIZER_DIR = "tokenizer"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LayaAotError, RuntimeError):
     """The checkpoint cannot be found or is not a Laya checkpoint."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """`laya_aot.load`'s checkpoint is not a directory here (still a FileNotFoundError, as it always was)."""
 
 
 def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
@@ -40,6 +46,21 @@ def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
             files[p.relative_to(ckpt).as_posix()] = cached_sha256(p)
     combined = hashlib.sha256("".join("%s=%s\n" % kv for kv in sorted(files.items())).encode()).hexdigest()
     return {"sha256": combined, "files": files}
+
+
+def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
+    """Why a bundle was not built from checkpoint `ckpt` (None: it was), the one comparison of fingerprints.
+
+    `built` is the bundle's manifest (`manifest.Bundle`) or the fingerprint it records
+    (`manifest.Fingerprint`). The reason names both fingerprints and the files that differ; the caller adds
+    what to do about it."""
+    recorded = built.checkpoint.fingerprint if hasattr(built, "checkpoint") else built
+    fp = fingerprint(ckpt)
+    if fp["sha256"] == recorded.sha256:
+        return None
+    differ = sorted(k for k in set(recorded.files) | set(fp["files"]) if recorded.files.get(k) != fp["files"].get(k))
+    return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...; differing: %s)"
+            % (ckpt, recorded.sha256[:12], fp["sha256"][:12], ", ".join(differ[:5]) or "?"))
 
 
 def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: int = 64 << 20) -> bool:
@@ -97,7 +118,7 @@ def check_layout(ckpt: Path) -> None:
     if not ckpt.is_dir():
         raise CheckpointError("checkpoint %s is a file, not a directory; pass checkpoint.path=DIR with %s (the "
                               "directory that holds the file, if it is one of them)" % (ckpt, _LAYOUT))
-    missing = [n for n in ("rl_agent_config.json", "model.safetensors", "tokenizer", "encoder/config.json")
+    missing = [n for n in (AGENT_CONFIG, "model.safetensors", TOKENIZER_DIR, ENCODER_CONFIG)
                if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError("%s is not a Laya checkpoint: missing %s. A checkpoint holds rl_agent_config.json, "
@@ -144,25 +165,20 @@ def weights_problem(path: Path) -> Optional[str]:
     return None
 
 
-def read_config(ckpt: Path) -> Dict[str, Any]:
-    with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
+def read_config(ckpt: str | os.PathLike, name: str = AGENT_CONFIG) -> Dict[str, Any]:
+    """A checkpoint's JSON config: laya's rl_agent_config.json, or `ENCODER_CONFIG`; the one reader of them."""
+    with open(Path(ckpt) / name, encoding="utf-8") as f:
         return json.load(f)
 
 
 def resolve(cfg: Any) -> Path:
-    """The checkpoint directory a `CheckpointConfig` names; makes the demo checkpoint when asked."""
+    """The checkpoint directory a `CheckpointConfig` names by `path` or `hub_id` (the demo's: `demo.resolve`)."""
     if cfg.path:
         ckpt = Path(os.path.expanduser(str(cfg.path)))
         check_layout(ckpt)
         return ckpt
     if cfg.hub_id:
         return from_hf_cache(cfg.hub_id, cfg.subfolder)
-    if cfg.demo_shape:
-        from .demo import make_checkpoint
-
-        name = cfg.name or "demo"
-        out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
-        return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
     raise CheckpointError("no checkpoint given: set checkpoint.path=DIR, pick a shipped one (checkpoint=laya), "
                           "or use the demo (checkpoint=demo)")
 
@@ -172,11 +188,11 @@ def locate(checkpoint: str) -> Path:
     if os.path.isdir(checkpoint):
         return Path(checkpoint)
     if os.path.lexists(checkpoint):
-        raise FileNotFoundError("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
+        raise CheckpointNotFound("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
                                 "bundle was built from" % checkpoint)
     if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
         return from_hf_cache(checkpoint, None)
-    raise FileNotFoundError("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
+    raise CheckpointNotFound("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
                             "built from" % checkpoint)
 
 
@@ -212,12 +228,3 @@ def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
         "n_actions": len(rl.get("act_costs", {})) + 1,
         "option_layout": rl.get("option_layout", "sequential"),
     }
-
-
-def built_from(bundle: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
-    """Whether `bundle` is a readable bundle built from this very checkpoint (its fingerprint matches)."""
-    try:
-        recorded = read_manifest(bundle).get("checkpoint", {}).get("fingerprint", {}).get("sha256")
-    except (BundleError, AttributeError):
-        return False
-    return recorded == fingerprint(Path(checkpoint))["sha256"]

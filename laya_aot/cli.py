@@ -16,6 +16,7 @@ import warnings
 from typing import List, Optional
 
 from ._version import __version__
+from .distribution import HF_SCHEME
 
 START = time.perf_counter()
 # where each job of `laya-aot build -m ...` writes when output_dir is unset: one partial bundle per
@@ -138,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as serve_main
 
         return serve_main(rest, START)
-    if cmd == "fetch" and any(a.startswith("hf://") for a in rest):
+    if cmd == "fetch" and any(a.startswith(HF_SCHEME) for a in rest):
         from .hub_reach import unreachable
 
         why = unreachable()

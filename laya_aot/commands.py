@@ -18,8 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import progress
+from .bundle_format import bundle_sha256, check_artifact_hash, read_bundle
 from .demo_training import QUESTIONS as DEMO_QUESTIONS
-from .manifest import MANIFEST, Artifact, BundleError, bundle_sha256, check_artifact_hash, read_bundle
+from .manifest import MANIFEST, Artifact, BundleError
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,10 @@ def _console() -> Console:
 
 
 def _demo_checkpoint() -> Path:
-    from . import checkpoint as ckpt_mod
     from .config import CheckpointConfig
-    from .demo import DEMO_SHAPE
+    from .demo import DEMO_SHAPE, resolve
 
-    return ckpt_mod.resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
+    return resolve(CheckpointConfig(name="demo", demo_shape=DEMO_SHAPE))
 
 
 def demo(argv: List[str], start: float) -> int:
@@ -109,10 +109,9 @@ def demo(argv: List[str], start: float) -> int:
     return 0
 
 
-def _usable_here(bundle: Path, art: Artifact, device: str, machine, serving: str) -> str:
-    from .runtime.select import reject_reason
-
-    why = reject_reason(art, machine, device, serving) or (check_artifact_hash(bundle, art) if art.built else None)
+def _usable_here(bundle: Path, art: Artifact, here) -> str:
+    """'usable', or why not: the loader's first check (`usable.Here.reject_reason`), then the artifact's hash."""
+    why = here.reject_reason(art) or (check_artifact_hash(bundle, art) if art.built else None)
     return "usable" if why is None else why
 
 
@@ -164,22 +163,17 @@ def device_arg(value: str) -> str:
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    import torch
-
     from . import kinds
-    from .precision import expected_serving_dtype
-    from .variant import current_machine
+    from .usable import here_for
 
     try:
         raw_sha = bundle_sha256(a.bundle)
-        m = read_bundle(a.bundle, kinds.NAMES, sha256=raw_sha)
+        m = read_bundle(a.bundle, kinds.BY_NAME, sha256=raw_sha)
     except BundleError as e:
         print("laya-aot inspect: %s" % e, file=sys.stderr)
         return 2
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    machine = current_machine(device)
-    dev_type = torch.device(device).type
-    serving = expected_serving_dtype({"amp_dtype": m.checkpoint.amp_dtype}, dev_type, machine.gpu_arch)
+    here = here_for(m, a.device)
+    device, machine, dev_type, serving = here.device, here.machine, here.device_type, here.serving
     rows = []
     for e in m.artifacts:
         v = e.verify
@@ -193,7 +187,7 @@ def _inspect(a: argparse.Namespace) -> int:
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
                      "tie_margin": v.tie_margin() if v else None,
                      "decisions": dataclasses.asdict(v.decisions) if v and v.decisions else None,
-                     "here": _usable_here(Path(a.bundle), e, dev_type, machine, serving)})
+                     "here": _usable_here(Path(a.bundle), e, here)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
                           "machine": machine.as_dict(),
@@ -317,12 +311,12 @@ def _verify(a: argparse.Namespace) -> int:
     import laya
 
     from . import checkpoint as ckpt_mod
-    from . import kinds
+    from . import kinds, verification
     from . import laya_internals as laya_api
 
     con = _console()
     try:
-        m = read_bundle(a.bundle, kinds.NAMES)
+        m = read_bundle(a.bundle, kinds.BY_NAME)
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
@@ -335,26 +329,25 @@ def _verify(a: argparse.Namespace) -> int:
     except ckpt_mod.CheckpointError as e:
         print("laya-aot verify: --checkpoint: %s" % e, file=sys.stderr)
         return 2
-    fp = ckpt_mod.fingerprint(a.checkpoint)
-    here = fp["sha256"]
-    built_from = m.checkpoint.fingerprint.sha256
-    if here != built_from:
-        recorded = m.checkpoint.fingerprint.files
-        differ = sorted(k for k in set(recorded) | set(fp["files"]) if recorded.get(k) != fp["files"].get(k))
-        print("laya-aot verify: %s does not match the checkpoint %s was built from (fingerprint %s..., the bundle's "
-              "%s...; differing: %s): the bundle was built from another checkpoint, or these files were changed "
-              "or damaged since; pass the checkpoint it was built from, or rebuild the bundle"
-              % (a.checkpoint, a.bundle, here[:12], built_from[:12], ", ".join(differ[:5]) or "?"), file=sys.stderr)
+    why = ckpt_mod.mismatch(m, a.checkpoint)
+    if why:
+        print("laya-aot verify: %s: %s, or those files were changed or damaged since; pass the checkpoint it was "
+              "built from, or rebuild the bundle" % (a.bundle, why), file=sys.stderr)
         return 2
     with warnings.catch_warnings(), progress.task("loading %s with laya" % a.checkpoint):
         warnings.simplefilter("ignore")
         agent = laya.load(a.checkpoint, device="cpu")
-    reference = agent.model.float().eval()
-    tensors = kinds.model_tensors(reference)
-    pad_id = laya_api.pad_id(agent)
-    vocab = laya_api.vocab(agent)
+    model = agent.model.float().eval()
     seed = a.seed if a.seed is not None else int(time.time())
+    vocab, pad_id, context = laya_api.vocab(agent), laya_api.pad_id(agent), laya_api.context_len(agent)
     checked: Dict[Any, Any] = {}  # per export range: the cases, their fp32 outputs, laya eager's figures
+
+    def reference(r: Any) -> Any:
+        if r not in checked:
+            checked[r] = verification.reference(model, r, vocab, pad_id, seed, m.tolerance, context)
+        return checked[r]
+
+    tensors = kinds.model_tensors(model)
     failed = 0
     machines: Dict[str, Any] = {}
     t = Table(title="laya-aot verify %s (seed %d)" % (a.bundle, seed))
@@ -363,23 +356,21 @@ def _verify(a: argparse.Namespace) -> int:
     with progress.task("verify", total=len(m.artifacts)) as line:
         for e in m.artifacts:
             line.describe("verify: %s" % e.name)
-            failed += _verify_one(a, e, t, checked, machines, reference, tensors, pad_id, vocab, seed, agent, m)
+            failed += _verify_one(a, e, t, machines, model, tensors, reference)
             line.advance()
     con.print(t)
     return 1 if failed else 0
 
 
-def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any, Any], machines: Dict[str, Any],
-                reference: Any, tensors: Any, pad_id: int, vocab: int, seed: int, agent: Any, m: Any) -> int:
-    """Re-check one artifact into the table `t`; 1 when it fails."""
+def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, machines: Dict[str, Any], model: Any, tensors: Any,
+                reference: Callable[[Any], Any]) -> int:
+    """Re-check one artifact into the table `t` (`reference(ranges)`: what it is verified against); 1 when it
+    fails."""
     import torch
 
-    from . import kinds
-    from . import laya_internals as laya_api
-    from .manifest import artifact_path
-    from .tolerance import rule_for
+    from . import kinds, verification
+    from .bundle_format import artifact_path
     from .variant import current_machine, mismatch
-    from .verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner
 
     if e.invalid:  # values no build writes: the entry is not trusted enough to run
         t.add_row(e.name, "-", "[red]INVALID[/] its manifest entry: %s" % e.invalid)
@@ -407,21 +398,10 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, checked: Dict[Any,
     if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
         t.add_row(e.name, "ok", "not run here: %s" % misfit)
         return 0
-    r = e.ranges
     try:
         runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
-                                                                          model=reference))
-        if r not in checked:
-            case_list = cases(seed, r, vocab, pad_id, laya_api.context_len(agent))
-            references = reference_outputs(reference, case_list)
-            suite = decision_cases(seed + 1, r, vocab, pad_id, laya_api.context_len(agent), m.tolerance.decisions)
-            checked[r] = (case_list, references, EagerFigures(reference, case_list, references, suite,
-                                                              m.tolerance.decisions_alpha))
-        case_list, references, figures = checked[r]
-        eager = figures.get(e.dtype, e.device)  # laya's eager forward in the artifact's dtype and device
-        res = verify_runner(runner, reference, case_list, r, pad_id, runner.device,
-                            rule_for(e.dtype, m.tolerance, eager), references, eager, label=e.name,
-                            decisions=figures.decisions(runner, e.dtype, r, pad_id))
+                                                                          model=model))
+        res = verification.verify_artifact(runner, e.dtype, reference(e.ranges), e.device, label=e.name)
     except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
         t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
         return 1

@@ -2,7 +2,9 @@
 
 The dataclasses are the schema: Hydra rejects an unknown key or a value of the wrong type with an
 error that names the key, before any work starts. The YAML files under `laya_aot/configs/` only
-pick values; the shape lives here.
+pick values; the shape lives here. Kinds read it typed (`kinds.BuildContext.cfg: BuildConfig`); a
+kind's own section (`export`, `aoti`) stays here rather than in the kind's module because the command
+line checks overrides against this schema before torch is imported, and every kind module imports it.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ class TargetConfig:
 
 @dataclass
 class ExportConfig:
-    """Dynamic ranges declared to torch.export; tokens are 16 * Dim up to `max_tokens`."""
+    """The exported_program kind's settings: dynamic ranges declared to torch.export (tokens are 16 * Dim up
+    to `max_tokens`), and the action head's dtype every kind builds with."""
 
     max_rows: int = 64
     max_markers: int = 64
@@ -66,8 +69,8 @@ class ExportConfig:
 
 @dataclass
 class AotiConfig:
-    """AOTInductor packaging. `cxx` null = the first compiler here that links libstdc++ dynamically
-    (torch's default first); a statically linked libstdc++ makes packages crash on load."""
+    """The aoti kind's settings: AOTInductor packaging. `cxx` null = the first compiler here that links
+    libstdc++ dynamically (torch's default first); a statically linked libstdc++ makes packages crash on load."""
 
     cxx: Optional[str] = None
     # CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN):
@@ -77,7 +80,8 @@ class AotiConfig:
 
 @dataclass
 class StagesConfig:
-    """One switch per stage. `export` and `verify` cannot be turned off: nothing unverified ships."""
+    """One switch per optional kind, named like its stage and module (`Kind.stage`). `exported_program` and
+    `verify` cannot be turned off: nothing unverified ships."""
 
     aoti: bool = True
     onnx: bool = True

@@ -19,9 +19,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
+
+from .checkpoint import read_config
+from .checkpoint import resolve as resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ DEMO_SHAPE = "tiny-trained"
 # on a GPU.
 _SMALL = dict(tokenizer_vocab=900)
 MATRIX: Dict[str, DemoShape] = {
-    # the issue's checkpoint: head dim 32, one head layer, four actions, context 256, decisive, no amp_dtype
+    # head dim 32, one head layer, four actions, context 256, decisive, no amp_dtype
     "hd32-absent-decisive": DemoShape(hidden_size=96, num_attention_heads=3, num_hidden_layers=2,
                                       intermediate_size=128, head_layers=1, n_actions=4, max_len=256,
                                       local_attention=32, head_gain=8.0, tokenizer="wordpiece",
@@ -321,10 +324,19 @@ def _not_a_demo_checkpoint(ckpt: Path) -> Optional[str]:
 def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:
     """The seed and shape a demo checkpoint was written with (None: not one of ours, or unreadable)."""
     try:
-        with open(ckpt / "rl_agent_config.json", encoding="utf-8") as f:
-            return json.load(f).get("laya_aot_demo")
-    except (OSError, ValueError):
+        return read_config(ckpt).get("laya_aot_demo")
+    except (OSError, ValueError, AttributeError):
         return None
+
+
+def resolve(cfg: Any) -> Path:
+    """The checkpoint directory a `CheckpointConfig` names (`checkpoint.resolve`), the demo checkpoint made
+    under `demo_dir` when it names neither a path nor a hub id but a demo shape."""
+    if cfg.demo_shape and not cfg.path and not cfg.hub_id:
+        name = cfg.name or "demo"
+        out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
+        return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
+    return resolve_checkpoint(cfg)
 
 
 def demo_shape(name: str, **overrides) -> DemoShape:

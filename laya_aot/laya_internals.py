@@ -1,16 +1,10 @@
 """Everything laya-aot uses of laya beyond `laya.load` and the Agent's public methods: one module to
 re-check on a laya upgrade.
 
-laya (0.4.15) has no public way to install a custom forward: `Agent.set_backend` takes backend names
-only. So a bundle's backend is installed the way `set_backend` does it itself, under the agent's
-reader/writer lock (`_gate`), replacing `_backend` and clearing `_fast`. `check(routes=...)` lists the
-names a route relies on that this laya lacks (core: `laya_aot.load`; serve: `laya-aot serve`; tilelang:
-`laya_aot.kernels`, whose laya modules import tilelang), and `require` names the extra to install when a
-route's packages are missing; `tests/shared/test_laya_internals.py` fails naming the first one a new laya renamed.
-
-`laya-aot serve` runs laya's own HTTP app over a Router whose checkpoint builds it takes over: laya's
-`Router._build` is the one place a Router constructs an Agent, and `laya.serve.build_router` reads every
-`LAYA_*` setting into `laya.router.Router(...)`; `aot_router_class` and `build_router` below are that seam.
+laya has no public way to install a custom forward, so a bundle's backend is installed as `set_backend`
+does it, under the agent's lock. `check(routes=...)` lists the names a route (core, serve, tilelang)
+relies on that this laya lacks and `require` names the extra a route needs; `aot_router_class` and
+`build_router` are the seam through which `laya-aot serve` takes over laya's `Router._build`.
 """
 from __future__ import annotations
 
@@ -21,6 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
+
+from .dtypes import name_of
+from .errors import LayaAotError
 
 # (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
 # checked only when that route runs, so a laya installed without an optional extra still serves the others
@@ -64,11 +61,11 @@ AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "d
 ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
 
 
-class RouteUnavailable(RuntimeError):
+class RouteUnavailable(LayaAotError, RuntimeError):
     """A route's optional packages are not installed; the message is one line naming the extra to install."""
 
 
-class LayaIncompatible(RuntimeError):
+class LayaIncompatible(LayaAotError, RuntimeError):
     """This laya lacks names a route relies on; the message names them and the fix."""
 
     def __init__(self, missing: List[str], who: str):
@@ -152,7 +149,7 @@ def serving_dtype(agent: Any) -> str:
     """The precision laya runs this agent's forward in: its autocast dtype when on, else fp32."""
     if not getattr(agent, "amp_enabled", False):
         return "fp32"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(agent.dtype, "fp32")
+    return name_of(agent.dtype)
 
 
 def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> type:
@@ -239,8 +236,8 @@ def serve_settings() -> Tuple[str, int, str]:
 
 # ---------------------------------------------------------------------------------------- the thin agent
 # laya's Agent.__init__ builds the whole eager DecisionModel (importing transformers' modelling code, building the
-# encoder in fp32), reads every weight into it and moves it to the device: 7-8 s of a large checkpoint's start on
-# the H200, all of it replaced when an artifact serves. `thin_agent` runs that same __init__ (tokenizer, config,
+# encoder in fp32), reads every weight into it and moves it to the device: seconds of a large checkpoint's start,
+# all of it wasted when an artifact serves. `thin_agent` runs that same __init__ (tokenizer, config,
 # temperatures, calibration, device and autocast policy: everything but the forward stays laya's) with the model
 # a shell: a module tree of meta tensors named and shaped as the checkpoint's weights, read from the
 # safetensors header. `Agent.__init__` looks up `build_model` and `_load_tokenizer` in laya.agent and `load_file`
@@ -295,8 +292,7 @@ def _shell(weights: Dict[str, torch.Tensor], encoder_dir: Optional[str]) -> torc
 
 # The tokenizer classes `AutoTokenizer` resolves to the fast tokenizers backend (after laya's own
 # `_fix_tokenizer_config`). Importing `AutoTokenizer` imports transformers' modelling and generation code
-# (torch.distributed, torch._dynamo; 1.5 s on 2 CPU cores, ~4 s on the H200 host with transformers 5.17);
-# importing the class it resolves to does not.
+# (torch.distributed, torch._dynamo: seconds of every start); importing the class it resolves to does not.
 _FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 

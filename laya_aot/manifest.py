@@ -1,10 +1,10 @@
-"""`bundle.json`: the versioned, typed manifest that travels with a bundle; one module for writer and reader.
+"""`bundle.json`'s schema and its strict reader: the typed, versioned manifest that travels with a bundle.
 
-The manifest is written last; the loader trusts nothing in a bundle that the manifest does not name
-and hash. Reading is strict: an unknown schema version, a missing required field, a value of the
-wrong type, an unknown artifact kind or status, or a duplicate artifact name is a `BundleError`
-naming the field (`artifacts[2].needs.device`), never a KeyError deep in the loader and never a
-wildcard ("no `needs`" does not mean "no requirement"). Fields a newer writer adds are ignored.
+Reading is strict: an unknown schema version, a missing required field, a value of the wrong type,
+an unknown artifact kind or status, or a duplicate artifact name is a `BundleError` naming the field
+(`artifacts[2].needs.device`), never a KeyError deep in the loader and never a wildcard ("no `needs`"
+does not mean "no requirement"). Fields a newer writer adds are ignored. This module never touches
+the disk: reading and writing the file, hashing files and the path rules on disk are `bundle_format`.
 """
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import re
-import stat
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Any, Collection, Dict, List, Optional
+from pathlib import PurePosixPath
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Union
 
-from .files import cached_sha256, sha256_file, sha256_tree, write_json_atomic
+from .dtypes import NAMES as DTYPES
+from .errors import LayaAotError
 from .padding import MAX_ROWS, Ranges
 from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
@@ -30,15 +31,27 @@ SCHEMA = "laya-aot/bundle"
 # bundle's build machine and list no files (merge and pack record them after re-checking the hash).
 SCHEMA_VERSION = 2
 MANIFEST = "bundle.json"
-
 DEVICES = ("cpu", "cuda")
-DTYPES = ("fp32", "bf16", "fp16")
 # built: compiled, verification pending (never on disk); unverified: the build had no machine to verify it on
 STATUSES = ("built", "verified", "unverified", "failed_verification", "build_failed")
-_REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
+REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
+_VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
+_GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
+MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts anything
+MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
+# what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
+_MAX_EXTENT = {"rows": MAX_ROWS, "tokens": 1 << 20, "markers": 1 << 12}
+MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
+SMOKE_INPUTS = (("input_ids", "int64", 2), ("attention_mask", "int64", 2), ("marker_pos", "int64", 2),
+                ("marker_mask", "bool", 2), ("qtype", "int64", 1))
+_MAX_SMOKE_ROWS, _MAX_SMOKE_TOKENS, _MAX_SMOKE_MARKERS = 64, 4096, 512
+QUESTION_TYPES = 3  # laya's choice, score and noul (laya.common.QTYPES); an embedding index beyond it crashes
+# the artifact kinds a reader accepts: their names, or the kinds by name (`laya_aot.kinds.BY_NAME`), whose
+# `check_details(details)` then checks what the kind keeps in `Artifact.details` (None: nothing to say)
+Kinds = Union[Collection[str], Mapping[str, Any]]
 
 
-class BundleError(RuntimeError):
+class BundleError(LayaAotError, RuntimeError):
     """A bundle that cannot be used: missing, partial, tampered, foreign or from a newer laya-aot."""
 
 
@@ -202,11 +215,9 @@ class Bundle:
         return [a for a in self.artifacts if a.kind == kind]
 
     @classmethod
-    def from_dict(cls, data: Any, kinds: Collection[str], source: str = MANIFEST) -> "Bundle":
-        """Check the envelope, then every field; `kinds` are the artifact kinds this laya-aot knows."""
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
-                              "`laya-aot build`" % (source, data.get("schema") if isinstance(data, dict) else None))
+    def from_dict(cls, data: Any, kinds: Kinds, source: str = MANIFEST) -> "Bundle":
+        """Check the envelope, then every field; `kinds` are the artifact kinds this laya-aot knows (`Kinds`)."""
+        check_schema(data, source)
         version = data.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             _fail(source, "schema_version", "a schema version number (this laya-aot reads %d)" % SCHEMA_VERSION,
@@ -218,7 +229,7 @@ class Bundle:
         try:
             bundle = _read(cls, data, "", source)
         except RecursionError:
-            raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (source, _REBUILD)) from None
+            raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (source, REBUILD)) from None
         for rel in bundle.checkpoint.fingerprint.files:  # read again in the checkpoint at load: stay inside it
             why = unsafe_relpath(rel)
             if why:
@@ -239,12 +250,20 @@ class Bundle:
             if not a.build_machine:  # schema 1 (or a build that recorded it once): the bundle's machine built it
                 a.build_machine = dict(bundle.build_machine)
             if a.name in seen:
-                raise BundleError("%s lists artifact %r twice (artifacts[%d].name); %s" % (source, a.name, i, _REBUILD))
+                raise BundleError("%s lists artifact %r twice (artifacts[%d].name); %s" % (source, a.name, i, REBUILD))
             seen.add(a.name)
         conflicts = path_conflicts([a for a in bundle.artifacts if a.built])
         if conflicts:  # checked once for the whole bundle: no directory could hold these files
-            raise BundleError("%s is invalid at artifacts[].files: %s; %s" % (source, conflicts[0], _REBUILD))
+            raise BundleError("%s is invalid at artifacts[].files: %s; %s" % (source, conflicts[0], REBUILD))
         return bundle
+
+
+def check_schema(data: Any, source: str) -> None:
+    """Refuse JSON that is not a laya-aot manifest (the envelope's `schema`); the one place that decides it."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
+                          "`laya-aot build`" % (source, str(data.get("schema"))[:80] if isinstance(data, dict)
+                                                else None))
 
 
 def _public(d: Dict[str, Any], tp: Any) -> Dict[str, Any]:
@@ -254,19 +273,19 @@ def _public(d: Dict[str, Any], tp: Any) -> Dict[str, Any]:
     return d
 
 
-def read_artifact(data: Any, kinds: Collection[str], source: str) -> Artifact:
+def read_artifact(data: Any, kinds: Kinds, source: str) -> Artifact:
     """One artifact entry on its own (as a probe child receives it), checked like a manifest's."""
     try:
         art = _read(Artifact, data, "", source)
     except RecursionError:
-        raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, _REBUILD)) from None
+        raise BundleError("%s nests too deeply to be an artifact entry; %s" % (source, REBUILD)) from None
     _check_artifact(art, kinds, "", source)
     if art.invalid:
-        raise BundleError("%s is invalid: %s; %s" % (source, art.invalid, _REBUILD))
+        raise BundleError("%s is invalid: %s; %s" % (source, art.invalid, REBUILD))
     return art
 
 
-def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str,
+def _check_artifact(a: Artifact, kinds: Kinds, where: str, source: str,
                     context: Optional[int] = None) -> None:
     """What the field types cannot say: a known kind, and a built artifact's path, hash, ranges and dtype."""
     at = (where + ".") if where else ""
@@ -282,35 +301,17 @@ def _check_artifact(a: Artifact, kinds: Collection[str], where: str, source: str
             _fail(source, at + "path", "a path inside the bundle (%s)" % why, a.path)
     if a.ranges is not None:
         _check_ranges(a.ranges, at + "ranges", source, context)
-    # files an artifact's details name (TileLang kernels and their metadata) live in the artifact's directory
-    kernels = a.details.get("kernels")
-    if kernels is not None:
-        if not isinstance(kernels, list):
-            _fail(source, at + "details.kernels", "a list", kernels)
-        for j, entry in enumerate(kernels):
-            if not isinstance(entry, dict):
-                _fail(source, "%sdetails.kernels[%d]" % (at, j), "an object", entry)
-            for key in ("path", "meta_path"):
-                rel = entry.get(key)
-                why = "a file name" if rel is not None and not isinstance(rel, str) else unsafe_relpath(rel) if rel \
-                    else None
-                if why:
-                    _fail(source, "%sdetails.kernels[%d].%s" % (at, j, key), "a path inside the artifact (%s)" % why,
-                          rel)
+    check_details: Optional[Callable[[Dict[str, Any]], Optional[str]]] = getattr(
+        kinds.get(a.kind), "check_details", None) if isinstance(kinds, Mapping) else None
+    problem = check_details(a.details) if check_details else None
+    if problem:  # a kind's own layout of `details` (TileLang: kernel files inside the artifact's directory)
+        raise BundleError("%s is invalid at %sdetails.%s; %s" % (source, at, problem, REBUILD))
     a.invalid = _value_problem(a, at)
-
-
-_VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
-_GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
-MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts anything
-MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
 
 
 def _value_problem(a: Artifact, at: str) -> Optional[str]:
     """Why an entry that is well typed holds values no build writes (None: it does not). Such an entry
     rejects only its own artifact (`Artifact.invalid`): a damaged or hand-edited field costs one artifact."""
-    import math
-
     def bad(field_name: str, expected: str, got: Any) -> str:
         return "%s%s is %s, expected %s" % (at, field_name, repr(got)[:40], expected)
 
@@ -354,15 +355,8 @@ def _value_problem(a: Artifact, at: str) -> Optional[str]:
     return None
 
 
-# what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
-_MAX_EXTENT = {"rows": MAX_ROWS, "tokens": 1 << 20, "markers": 1 << 12}
-MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
-
-
 def _check_tolerance(t: Tolerance, source: str) -> None:
     """The bundle's rule applies to every artifact: finite, and at most what a difference of probabilities can be."""
-    import math
-
     for f in dataclasses.fields(t):
         v = getattr(t, f.name)
         hi = 100.0 if f.name == "relative" else 1.0
@@ -386,11 +380,6 @@ def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = N
               r.max_tokens)
 
 
-SMOKE_INPUTS = (("input_ids", "int64", 2), ("attention_mask", "int64", 2), ("marker_pos", "int64", 2),
-                ("marker_mask", "bool", 2), ("qtype", "int64", 1))
-_MAX_SMOKE_ROWS, _MAX_SMOKE_TOKENS, _MAX_SMOKE_MARKERS = 64, 4096, 512
-
-
 def _shape(value: Any, depth: int, leaf: Any, where: str, source: str) -> tuple:
     """The shape of a rectangular nested list whose leaves are `leaf` (a type or tuple of types)."""
     if depth == 0:
@@ -410,8 +399,6 @@ def _shape(value: Any, depth: int, leaf: Any, where: str, source: str) -> tuple:
 def _check_smoke(rec: SmokeRecord, n_actions: int, source: str) -> None:
     """The smoke batch is fed to native code: dtypes, shapes and index ranges that need no model are checked
     here (token ids below the vocabulary, which needs the checkpoint, are checked by the loader)."""
-    import math
-
     if len(rec.inputs) != len(SMOKE_INPUTS) or rec.input_dtypes != [d for _, d, _ in SMOKE_INPUTS]:
         _fail(source, "smoke.input_dtypes", "%d inputs typed %s" % (len(SMOKE_INPUTS),
                                                                    [d for _, d, _ in SMOKE_INPUTS]),
@@ -446,9 +433,6 @@ def _check_smoke(rec: SmokeRecord, n_actions: int, source: str) -> None:
             _fail(source, "smoke.reference.%s" % name, "shape %s" % (want,), got)
         if not all(math.isfinite(x) for row in value for x in row):
             _fail(source, "smoke.reference.%s" % name, "finite numbers", "NaN or infinity")
-
-
-QUESTION_TYPES = 3  # laya's choice, score and noul (laya.common.QTYPES); an embedding index beyond it crashes
 
 
 def smoke_digest(rec: SmokeRecord) -> str:
@@ -527,19 +511,10 @@ def files_digest(art: Artifact) -> str:
     return h.hexdigest()
 
 
-def record_files(root: str | os.PathLike, art: Artifact) -> None:
-    """Hash every file of `art` under bundle directory `root`: its `files`, `sha256` and `size`."""
-    p = Path(root) / str(art.path)
-    found = [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())
-    art.files = {f.relative_to(root).as_posix(): FileRecord(sha256_file(f), f.stat().st_size) for f in found}
-    art.sha256 = files_digest(art)
-    art.size = sum(r.size for r in art.files.values())
-
-
 def _fail(source: str, where: str, expected: str, got: Any) -> None:
     shown = repr(got)
     raise BundleError("%s is invalid at %s: expected %s, got %s; %s"
-                      % (source, where or "the top level", expected, shown[:80], _REBUILD))
+                      % (source, where or "the top level", expected, shown[:80], REBUILD))
 
 
 def _bounded(value: Any, where: str, source: str) -> None:
@@ -620,163 +595,3 @@ def _read(tp: Any, value: Any, where: str, source: str) -> Any:
             _fail(source, where, "a string", value)
         return value
     raise TypeError("no reader for %r" % (tp,))  # a field type this module does not handle: a bug here
-
-
-def bundle_sha256(bundle: str | os.PathLike) -> str:
-    """The bundle's own hash: sha256 of its bundle.json bytes. The manifest lists every file's sha256
-    (and the smoke record's), so this one value pins every byte a load can use."""
-    return hashlib.sha256(_manifest_bytes(Path(bundle))).hexdigest()
-
-
-def _manifest_bytes(bundle: Path) -> bytes:
-    """bundle.json's bytes, read once: it must be a regular file in a directory (not a link to one elsewhere)."""
-    path = bundle / MANIFEST
-    try:
-        is_dir = bundle.is_dir()
-    except OSError:
-        is_dir = False
-    if not is_dir:
-        raise BundleError("bundle %s does not exist or is not a directory; build one with "
-                          "`laya-aot build checkpoint.path=DIR output_dir=%s`" % (bundle, bundle))
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        partial = any(bundle.parent.glob(".%s.partial-*" % bundle.name))
-        raise BundleError("%s has no %s: it is not a complete laya-aot bundle%s; rebuild it with `laya-aot build`"
-                          % (bundle, MANIFEST, " (a build was interrupted)" if partial else "")) from None
-    except OSError as e:
-        raise BundleError("%s is unreadable (%s); check the bundle's permissions" % (path, e)) from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise BundleError("%s is %s, not a regular file: a bundle's files must be its own (no links); "
-                          "copy the bundle with its files, or rebuild it with `laya-aot build`"
-                          % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a file"))
-    if st.st_size > MAX_MANIFEST_BYTES:
-        raise BundleError("%s is %d bytes, more than a laya-aot manifest ever is (%d); %s"
-                          % (path, st.st_size, MAX_MANIFEST_BYTES, _REBUILD))
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise BundleError("%s is unreadable (%s); check the bundle's permissions (a bundle is built readable "
-                          "by everyone: 0644 files, 0755 directories)" % (path, e)) from None
-
-
-MAX_MANIFEST_BYTES = 16 << 20  # a build writes < 4 MiB (the smoke record is bounded: 64 x 4096 tokens)
-
-
-def _parse(raw: bytes, path: Path) -> Dict[str, Any]:
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise BundleError("%s nests too deeply to be a laya-aot manifest; %s" % (path, _REBUILD)) from None
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise BundleError("%s is unreadable (%s); rebuild the bundle with `laya-aot build`"
-                          % (path, str(e)[:200])) from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise BundleError("%s is not a laya-aot manifest (schema %r); point bundle= at a directory written by "
-                          "`laya-aot build`" % (path, str(data.get("schema"))[:80] if isinstance(data, dict)
-                                                else None))
-    return data
-
-
-def read_manifest(bundle: str | os.PathLike) -> Dict[str, Any]:
-    """The manifest as plain JSON, after the checks that need no schema (a regular file, parses, is ours)."""
-    bundle = Path(bundle)
-    return _parse(_manifest_bytes(bundle), bundle / MANIFEST)
-
-
-# where a pin comes from, in the words of the message refusing a bundle that is not the pinned one (a server that
-# reads its pins from another setting names that setting instead: laya_aot.serve)
-PIN_SETTING = "bundle_sha256 or LAYA_AOT_BUNDLE_SHA256"
-
-
-def read_bundle(bundle: str | os.PathLike, kinds: Collection[str], sha256: Optional[str] = None) -> Bundle:
-    """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix.
-
-    `sha256` pins the bundle (`bundle_sha256`): the manifest's bytes must hash to it, checked on the very
-    bytes that are then parsed."""
-    bundle = Path(bundle)
-    raw = _manifest_bytes(bundle)
-    if sha256 is not None:
-        want = str(sha256).strip().lower()
-        got = hashlib.sha256(raw).hexdigest()
-        if got != want:
-            raise BundleError("%s is not the pinned bundle: its sha256 is %s, the pin (%s) says %s; deploy the "
-                              "bundle that was pinned, or pin this one after checking where it came from "
-                              "(`laya-aot inspect %s` prints its sha256)"
-                              % (bundle / MANIFEST, got, PIN_SETTING, want[:64], bundle))
-    return Bundle.from_dict(_parse(raw, bundle / MANIFEST), kinds, str(bundle / MANIFEST))
-
-
-def write_manifest(directory: str | os.PathLike, bundle: Bundle) -> None:
-    if bundle.smoke is not None:
-        bundle.smoke.sha256 = smoke_digest(bundle.smoke)
-    write_json_atomic(Path(directory) / MANIFEST, bundle.to_dict())
-
-
-def bundle_file(bundle: str | os.PathLike, rel: str, what: str) -> Path:
-    """`bundle/rel`, refusing a name that is absolute or has `..`, and any symbolic link on the way: a
-    bundle's files are its own, so what is hashed is what is loaded, and nothing outside it is read."""
-    why = unsafe_relpath(rel)
-    if why:
-        raise BundleError("%s names %r, %s; only paths inside the bundle are allowed: the manifest was damaged "
-                          "or hand-edited: rebuild the bundle" % (what, rel, why))
-    root = Path(bundle)
-    p = root
-    for part in [x for x in rel.split("/") if x not in ("", ".")]:
-        p = p / part
-        try:
-            if stat.S_ISLNK(os.lstat(p).st_mode):
-                raise BundleError("%s: %s is a symbolic link; a bundle's files must be its own (copy the files "
-                                  "in, or rebuild the bundle)" % (what, p))
-        except FileNotFoundError:
-            break  # the caller reports a missing file
-    return p
-
-
-def artifact_path(bundle: str | os.PathLike, art: Artifact) -> Path:
-    """The file or directory an artifact names, refusing paths that escape the bundle or pass a link."""
-    if not art.path:
-        raise BundleError("artifact %r names no path; the manifest was damaged or hand-edited: rebuild the bundle"
-                          % art.name)
-    return bundle_file(bundle, art.path, "artifact %r" % art.name)
-
-
-def _links_in(root: Path) -> Optional[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            if p.is_symlink():
-                return p
-    return None
-
-
-def check_artifact_hash(bundle: str | os.PathLike, art: Artifact) -> Optional[str]:
-    """None when the artifact's bytes match the manifest, else the reason (missing file, link, changed bytes)."""
-    try:
-        p = artifact_path(bundle, art)
-        if not p.exists():
-            return "file %s is missing; the bundle is incomplete: rebuild it" % art.path
-        if p.is_dir():
-            link = _links_in(p)
-            if link is not None:
-                return ("%s is a symbolic link; a bundle's files must be its own (copy the files in, or rebuild "
-                        "the bundle)" % link)
-            # digests are reused while a file's size, mtime, ctime and inode are unchanged (as for the checkpoint
-            # fingerprint): re-hashing a 440 MB frozen package cost 0.75 s of every start on the CPU
-            actual = sha256_tree(p, cached_sha256)
-        elif p.is_file():
-            actual = cached_sha256(p)
-        else:
-            return "%s is not a regular file or directory; rebuild the bundle" % art.path
-    except BundleError as e:
-        return str(e)
-    except OSError as e:
-        return ("its files cannot be read here (%s: %s); a bundle must be readable by the service's user "
-                "(laya-aot writes 0644 files and 0755 directories): fix the permissions or rebuild it"
-                % (type(e).__name__, e))
-    if actual != art.sha256:
-        return ("sha256 of %s is %s..., the manifest says %s...: the file was changed after the build; "
-                "rebuild the bundle" % (art.path, actual[:12], str(art.sha256)[:12]))
-    return None

@@ -15,8 +15,11 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-DTYPES = ("fp32", "bf16", "fp16")
-_ENV_NAMES = {"fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+from .dtypes import NAMES as DTYPES
+from .dtypes import canonical
+
+# the spellings laya takes in LAYA_CUDA_AMP (its own list: "half" or "fp32" there leave the checkpoint's choice)
+_LAYA_CUDA_AMP = ("fp16", "float16", "bf16", "bfloat16")
 
 
 def _arch_major(arch: Optional[str]) -> Optional[int]:
@@ -32,9 +35,9 @@ def cuda_dtype(amp_dtype: Optional[str], arch: Optional[str] = None, env: Option
     major = _arch_major(arch)
     if major is not None and major < 8:
         return "fp16"
-    forced = _ENV_NAMES.get((env or "").strip().lower())
-    if forced:
-        return forced
+    spelled = (env or "").strip().lower()
+    if spelled in _LAYA_CUDA_AMP:
+        return str(canonical(spelled))
     return "bf16" if amp_dtype == "bf16" else "fp16"
 
 

@@ -1,7 +1,7 @@
 """Load-and-run a native artifact once in a short-lived child process before trusting it in-process.
 
-A native artifact can kill the process that loads it (on the H200 host every AOTInductor package
-tried segfaulted inside the loader), and a segfault cannot be caught. So the first time an artifact
+A native artifact can kill the process that loads it (an AOTInductor package built with the wrong
+compiler segfaults inside the loader), and a segfault cannot be caught. So the first time an artifact
 meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
 disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
 
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .errors import LayaAotError
 from .files import cache_dir, write_json_atomic
 from .manifest import Artifact
 from .variant import Machine
@@ -46,7 +47,7 @@ def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
 
-class SettingError(ValueError):
+class SettingError(LayaAotError, ValueError):
     """A setting (an environment variable) holds a value that cannot mean anything; the message names it."""
 
 
@@ -215,7 +216,7 @@ def _child(bundle: str, checkpoint: str, device: str) -> int:
     import torch
 
     from . import kinds
-    from .manifest import artifact_path
+    from .bundle_format import artifact_path
 
     timeline = {"imports_s": time.perf_counter() - t0}
     entry = _entry_from_env()
@@ -254,7 +255,7 @@ def _entry_from_env() -> Artifact:
     from . import kinds
     from .manifest import read_artifact
 
-    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.NAMES, "the probe's entry")
+    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.BY_NAME, "the probe's entry")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,11 @@
 """`laya-aot serve`: laya's own HTTP server, with every load of a bundled checkpoint going through a bundle.
 
-`laya serve` (laya.serve) loads checkpoints on first use, evicts them under `LAYA_MAX_LOADED` and unloads
-idle ones after `LAYA_IDLE_UNLOAD_SECONDS`: every one of those loads is a cold start. This runs the same
-app (`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
-checkpoint named in `LAYA_AOT_BUNDLES` call `laya_aot.load`; other checkpoints load exactly as in laya.
-
-    LAYA_AOT_BUNDLES='{"support": "/bundles/support"}'   model name -> bundle directory (or an hf:// spec)
-    LAYA_AOT_STRICT=1                                     a bundle that cannot serve fails that load
-                                                          (at start: the server refuses to start)
-    LAYA_AOT_BUNDLE_SHA256S='{"support": "<sha256>"}'     pin each bundle's manifest (load's bundle_sha256;
-                                                          load's LAYA_AOT_BUNDLE_SHA256 only with one bundle)
-
-Visible in operation: one log line per load says which artifact serves the checkpoint (and why each other
-artifact was not used) or why it fell back, and `GET /v1/aot` answers the same for every bundled checkpoint, to
-the callers laya's `/health` shows its detail to. Every route laya defines, `/health` included, answers
-byte for byte as laya's own app does (laya's own tests/test_serve.py passes alike against both).
+laya's server loads, evicts and unloads checkpoints, each load a cold start. This runs the same app
+(`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
+checkpoint in `LAYA_AOT_BUNDLES` (JSON: model name -> bundle directory or hf:// spec) call
+`laya_aot.load`; `LAYA_AOT_STRICT=1` makes a bundle that cannot serve fail its load, and
+`LAYA_AOT_BUNDLE_SHA256S` pins each manifest. One log line per load and `GET /v1/aot` say which
+artifact serves and why the others did not; every route laya defines answers as in laya's own app.
 """
 from __future__ import annotations
 
@@ -34,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
+from .distribution import HF_SCHEME
+from .errors import LayaAotError
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -42,7 +35,6 @@ ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
 ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
 ENV_NEAR_TIES = "LAYA_AOT_NEAR_TIES"
-HF_PREFIX = "hf://"
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -64,7 +56,7 @@ Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (autho
 detail is) says what serves each resident checkpoint and why each other artifact was not used.""" % _EXAMPLE
 
 
-class ServeConfigError(ValueError):
+class ServeConfigError(LayaAotError, ValueError):
     """A `LAYA_AOT_*` setting that cannot be served; the message names the cause and the fix."""
 
 
@@ -79,7 +71,7 @@ class BundleSpec:
 
     @property
     def remote(self) -> bool:
-        return self.bundle.startswith(HF_PREFIX)
+        return self.bundle.startswith(HF_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -188,7 +180,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
             raise ServeConfigError("invalid %s: the bundle of %r must be a directory path (a string), got %r"
                                    % (ENV_BUNDLES, name, bundle))
         bundle = bundle.strip()
-        if not bundle.startswith(HF_PREFIX):
+        if not bundle.startswith(HF_SCHEME):
             bundle = os.path.expanduser(bundle)
             if not Path(bundle).is_dir():
                 raise ServeConfigError("invalid %s: bundle directory %s of %r does not exist; build it with "
@@ -232,20 +224,17 @@ def precheck(spec: BundleSpec) -> Optional[str]:
     """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
     check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
     from . import kinds
-    from .checkpoint import fingerprint
-    from .manifest import BundleError, read_bundle
+    from .bundle_format import read_bundle
+    from .checkpoint import mismatch
+    from .manifest import BundleError
 
     try:
         kw = {"sha256": spec.sha256} if spec.sha256 else {}
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **kw)
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **kw)
     except BundleError as e:
         return str(e)
-    here = fingerprint(spec.checkpoint)["sha256"]
-    if manifest.checkpoint.fingerprint.sha256 != here:
-        return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...); rebuild it with "
-                "`laya-aot build checkpoint.path=%s`" % (spec.checkpoint, manifest.checkpoint.fingerprint.sha256[:12],
-                                                          here[:12], spec.checkpoint))
-    return None
+    why = mismatch(manifest, spec.checkpoint)
+    return None if why is None else "%s; rebuild it with `laya-aot build checkpoint.path=%s`" % (why, spec.checkpoint)
 
 
 def describe(agent: Any) -> Dict[str, Any]:
@@ -270,7 +259,7 @@ def _pin_words(spec: BundleSpec, text: str) -> str:
     """`text` with the loader's name for a pin replaced by the setting this server read it from."""
     if spec.sha256 is None:
         return text
-    from .manifest import PIN_SETTING
+    from .bundle_format import PIN_SETTING
 
     return text.replace(PIN_SETTING, "%s[%r]" % (ENV_PINS, spec.model))
 
@@ -280,13 +269,14 @@ def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> L
     stopped at the first that serves) and whose files do not match the manifest: a damaged bundle is named at
     its first load, not when the artifact ranked above it fails. Digests are cached, so this is a few stats."""
     from . import kinds
-    from .manifest import BundleError, check_artifact_hash, read_bundle
+    from .bundle_format import check_artifact_hash, read_bundle
+    from .manifest import BundleError
     from .usable import reject_reason
     from .variant import current_machine
 
     examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}
     try:
-        manifest = read_bundle(spec.bundle, kinds.NAMES, **({"sha256": spec.sha256} if spec.sha256 else {}))
+        manifest = read_bundle(spec.bundle, kinds.BY_NAME, **({"sha256": spec.sha256} if spec.sha256 else {}))
     except BundleError:
         return []  # the load read this manifest; a change since is the next load's to report
     machine = current_machine(str(agent.device))

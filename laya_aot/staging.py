@@ -1,7 +1,7 @@
 """Assemble a bundle beside its destination and swap it into place in one step; and whether it may be.
 
-Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`). `may_replace`
-is the one place that decides whether an output path may be replaced (for `make-demo` and `pack` too):
+Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`) through `staged`.
+`may_replace` is the one place that decides whether an output path may be replaced (for `make-demo` and `pack` too):
 what is there must be absent, an empty directory, or something this project wrote, proven by its
 contents (a bundle: a manifest whose file list covers every file in the directory, nothing else, no
 link); anything else needs the command's `--overwrite` (`overwrite=true` for a build), and a file is
@@ -13,6 +13,7 @@ directory that looks complete; the next build removes partial directories whose 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -21,9 +22,10 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
-from .manifest import BundleError, read_manifest
+from .bundle_format import read_manifest
+from .manifest import BundleError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,25 @@ def new_staging(out: Path) -> Path:
     os.chmod(tmp, 0o755)
     (tmp / OWNER).write_text(str(os.getpid()))
     return tmp
+
+
+@contextlib.contextmanager
+def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] = None) -> Iterator[Path]:
+    """The one staging transaction: a new `.NAME.partial-*` directory beside `out` to write into, published at
+    `out` when the block ends and discarded when it raises (anything, KeyboardInterrupt included) or when
+    publishing fails. `unwritable` turns an OSError making the directory into the caller's own error."""
+    try:
+        tmp = new_staging(out)
+    except OSError as e:
+        if unwritable is None:
+            raise
+        raise unwritable(e) from None
+    try:
+        yield tmp
+        publish(tmp, out)
+    except BaseException:
+        discard(tmp)
+        raise
 
 
 def _alive(pid: int) -> bool:

@@ -1,24 +1,11 @@
 """The verification rule: how far an artifact may be from the eager fp32 forward. Written once, here.
 
-An fp32 artifact computes what eager fp32 computes: it must agree to 1e-4 with every top option equal.
-A 16-bit artifact is judged against what laya itself serves in that dtype: laya's own eager forward in
-the same dtype (autocast), on the same cases, is also some distance from fp32, and that distance depends
-on the checkpoint (a checkpoint with decisive answers moves further in 16 bits than a near-uniform one).
-So a 16-bit artifact passes when its distance from fp32 is within
-max(the absolute tolerance, `relative` x laya-eager-in-dtype's distance), and its top option agrees with
-fp32 on at least laya-eager-in-dtype's share of rows minus `argmax_margin`. A fixed absolute bound alone
-rejected artifacts for being as precise as laya itself (issue 12: 0.049 against fp32 where laya's own
-fp16 forward was 0.010 and laya's fast path 0.012, tolerance 0.02).
-
-A 16-bit artifact also carries a measured statement about its decisions (`DecisionAgreement`): on a seeded
-suite of `decisions` questions (the top option of rows with two or more options, across batch sizes, lengths
-and question types), it agrees with fp32 at least as often as laya's eager forward in the same dtype, within
-sampling noise: a one-sided exact McNemar test on the paired decisions fails it only when the artifact's own
-disagreements outnumber laya eager's so far that equal faithfulness has probability below `decisions_alpha`.
-That statement, not a recomputation by laya, is why the runtime serves the artifact's answers at near-ties.
-
-The build configures the numbers (`verify.tolerance.*`), stores them in the manifest, and every check
-(build, `laya-aot verify`, the loader's verification on a GPU, its smoke check) asks `rule_for`.
+fp32 artifacts must agree with eager fp32 to 1e-4, top option equal. A 16-bit artifact is judged
+against laya's own eager forward in that dtype, whose distance from fp32 depends on the checkpoint:
+within max(absolute tolerance, `relative` x that distance), top option agreeing on that share of rows
+minus `argmax_margin`. It also carries a decision statement (`DecisionAgreement`: a one-sided McNemar
+test that it agrees with fp32 as often as laya eager in its dtype), which is why the runtime serves its
+answers at near-ties. The numbers live in the manifest; every check asks `rule_for`.
 """
 from __future__ import annotations
 

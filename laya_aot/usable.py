@@ -1,16 +1,70 @@
 """Whether an artifact can serve an agent on this machine, from the manifest alone.
 
-Used by the loader's selection (`runtime/select.py`) and by fetching (`distribution/fetch.py`, which
-downloads only the artifacts this machine can use), so it sits below both: it reads the manifest,
-the kinds' facts, the machine's variant and laya's precision policy, never an artifact's bytes.
+Used by the loader's selection (`runtime/select.py`), `laya-aot inspect` and fetching (`distribution/fetch.py`,
+which downloads only the artifacts this machine can use), so it sits below them; `default_device` is the
+one place that picks cuda or cpu when no device is given. It reads the manifest, the kinds' facts, the
+machine's variant and laya's precision policy, never an artifact's bytes.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Tuple
 
 from . import kinds, precision
-from .manifest import Artifact
-from .variant import Machine, mismatch
+from .manifest import Artifact, Bundle
+from .variant import Machine, current_machine, mismatch
+
+
+def default_device() -> str:
+    """The device an agent runs on when none is given: cuda when a GPU is visible, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Here:
+    """What decides usability on this machine for an agent on `device`: its device type, the machine's facts
+    and the dtype laya serves the checkpoint in here."""
+
+    device: str
+    device_type: str
+    machine: Machine
+    serving: str
+
+    def reject_reason(self, art: Artifact) -> Optional[str]:
+        return reject_reason(art, self.machine, self.device_type, self.serving)
+
+
+def here(rl_config: Mapping[str, Any], device: Optional[str] = None) -> Here:
+    """This machine for an agent on `device` (default: `default_device()`) of a checkpoint whose config (its
+    rl_agent_config.json, or the manifest's record of its amp_dtype) is `rl_config`."""
+    import torch
+
+    dev = str(device or default_device())
+    dev_type = torch.device(dev).type
+    machine = current_machine(dev)
+    return Here(dev, dev_type, machine, precision.expected_serving_dtype(dict(rl_config), dev_type, machine.gpu_arch))
+
+
+def here_for(manifest: Bundle, device: Optional[str] = None) -> Here:
+    """`here` for the checkpoint a manifest was built from (its recorded amp_dtype)."""
+    return here({"amp_dtype": manifest.checkpoint.amp_dtype}, device)
+
+
+def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
+    """The artifacts an agent on `device` (default: `default_device()`) could use here, and a reason for each
+    other one; the same rule as the loader's first check."""
+    h = here_for(manifest, device)
+    ok: List[Artifact] = []
+    skipped: List[Tuple[str, str]] = []
+    for a in manifest.artifacts:
+        why = h.reject_reason(a)
+        if why is None:
+            ok.append(a)
+        else:
+            skipped.append((a.name, why))
+    return ok, skipped
 
 
 def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str) -> Optional[str]:

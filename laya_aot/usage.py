@@ -17,6 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from .distribution import PACK_SUFFIX
+
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GROUPS = ("checkpoint", "target")
 # the Hydra flags that take a value (the value is not an override)
@@ -61,7 +63,7 @@ def mistake(cmd: str, argv: List[str]) -> Optional[str]:
         src, dst = Path(args[0]), Path(args[1])
         if src.is_file():
             swap = " (did you mean `laya-aot pack %s %s`?)" % (args[1], args[0]) if dst.is_dir() or \
-                src.name.endswith(".tar.zst") else ""
+                src.name.endswith(PACK_SUFFIX) else ""
             return "%s is a file; the arguments are BUNDLE (a bundle directory) then FILE (the pack to write)%s" % (
                 args[0], swap)
     if cmd == "unpack" and len(args) == 2:
@@ -81,7 +83,7 @@ def _not_a_bundle_dir(cmd: str, p: Path) -> Optional[str]:
         return None
     if p.name == "bundle.json":
         return "%s is the bundle's manifest; pass the bundle directory: laya-aot %s %s" % (p, cmd, p.parent)
-    if p.name.endswith(".tar.zst"):
+    if p.name.endswith(PACK_SUFFIX):
         return "%s is a pack; unpack it first (laya-aot unpack %s DIR, or laya-aot fetch %s) and pass DIR" % (p, p, p)
     return "%s is a file; pass a bundle directory (the one holding bundle.json)" % p
 

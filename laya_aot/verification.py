@@ -7,6 +7,7 @@ action probabilities, and whether the top option agrees. The cases cover one row
 one-option question, the widest marker count, token counts that are not multiples of 16, laya's
 padding rows (`laya.backends.base.pad_batch`) and the longest context. What passes is decided by
 `tolerance.rule_for`; the smoke record is the one seeded batch the loader re-checks at start-up.
+`verify_artifact` (against a `reference`) is the one verification the build, `laya-aot verify` and the loader run.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import progress
+from .dtypes import torch_dtype
 from .manifest import SmokeRecord, VerifyResult
-from .model import torch_dtype
 from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
-from .tolerance import Agreement, DecisionAgreement, Rule, decision_statement
+from .tolerance import Agreement, DecisionAgreement, Rule, Tolerance, decision_statement, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,46 @@ def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case
                         max_abs_option_prob=a.max_abs_option_prob, max_abs_action_prob=a.max_abs_action_prob,
                         argmax_agreement=a.argmax_agreement, rows_compared=sum(c["rows"] for c in per_case.values()),
                         cases=per_case, rule=rule.describe(), eager_in_dtype=eager, decisions=decisions)
+
+
+@dataclass
+class Reference:
+    """laya's eager fp32 forward on one set of seeded cases inside one export range, and laya eager's figures in
+    each 16-bit dtype on them and on the decision suite: made once (`reference`), shared by every artifact of
+    that range that `verify_artifact` checks."""
+
+    model: torch.nn.Module
+    ranges: Ranges
+    pad_id: int
+    tolerance: Tolerance
+    cases: List[Case]
+    outputs: Dict[str, Batch]
+    figures: EagerFigures
+
+
+def reference(model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int, seed: int, tolerance: Tolerance,
+              context: Optional[int] = None) -> Reference:
+    """The cases (`seed`) and the decision suite (`seed + 1`, `tolerance.decisions` rows) inside `ranges` and, when
+    given, the checkpoint's `context`, and `model`'s fp32 outputs on them (autocast off, whatever the caller's)."""
+    case_list = cases(seed, ranges, vocab, pad_id, context)
+    with torch.autocast(next(model.parameters()).device.type, enabled=False):
+        outputs = reference_outputs(model, case_list)
+    suite = decision_cases(seed + 1, ranges, vocab, pad_id, context, tolerance.decisions)
+    return Reference(model, ranges, pad_id, tolerance, case_list, outputs,
+                     EagerFigures(model, case_list, outputs, suite, tolerance.decisions_alpha))
+
+
+def verify_artifact(runner, dtype: str, ref: Reference, device: str, label: str = "artifact") -> VerifyResult:
+    """One artifact (`runner`, in `dtype`) against laya's eager fp32 forward: the one verification the build,
+    `laya-aot verify` and the loader (a cross-compiled artifact on its first GPU) all run. The rule is
+    `tolerance.rule_for` with laya eager's figures in `dtype` on `device` (the artifact's); a 16-bit artifact
+    also needs its decision statement (`EagerFigures.decisions`). `label` names it on the live line."""
+    with torch.no_grad(), torch.autocast(torch.device(runner.device).type, enabled=False):
+        eager = ref.figures.get(dtype, device)
+        decisions = ref.figures.decisions(runner, dtype, ref.ranges, ref.pad_id)
+        return verify_runner(runner, ref.model, ref.cases, ref.ranges, ref.pad_id, runner.device,
+                             rule_for(dtype, ref.tolerance, eager), ref.outputs, eager, label=label,
+                             decisions=decisions)
 
 
 def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:

@@ -140,7 +140,7 @@ GUARDED = [
     ("torch", "compile", "compiles with torch.compile"),
     ("torch._inductor", "aoti_compile_and_package", "compiles an AOTInductor package"),
     ("laya_aot.demo_training", "train", "trains a demo checkpoint"),
-    ("laya_aot.kernels.compile", "_compile_one", "compiles a TileLang kernel"),
+    ("laya_aot.kernels.cross_compile", "_compile_one", "compiles a TileLang kernel"),
 ]
 
 

@@ -30,7 +30,7 @@ def child(role: str, ckpt: str, art: str, device: str) -> None:
     import laya
     import torch
 
-    from laya_aot.kinds.compile import _batch, build_cache
+    from laya_aot.kinds.inductor_cache import _batch, build_cache
     from laya_aot.padding import Ranges
 
     agent = laya.load(ckpt, device=device)
@@ -41,7 +41,7 @@ def child(role: str, ckpt: str, art: str, device: str) -> None:
         facts = build_cache(agent, Path(art), ranges, dtype, "fp32", device=device)
         out = {"role": role, "facts": facts}
     else:
-        from laya_aot.kinds.compile import compiled_module, mark_dynamic_batch, no_mha_fastpath
+        from laya_aot.kinds.inductor_cache import compiled_module, mark_dynamic_batch, no_mha_fastpath
 
         if role == "load":
             torch.compiler.load_cache_artifacts((Path(art) / "inductor_cache.bin").read_bytes())

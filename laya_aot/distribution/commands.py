@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, List
 
 from ..manifest import BundleError
+from . import HF_SCHEME
 
 
 def _run(name: str, argv: List[str], setup: Callable[[argparse.ArgumentParser], None],
@@ -123,7 +124,7 @@ def fetch(argv: List[str], start: float) -> int:
         print("  artifacts usable here: %s" % (", ".join(f.fetched) or "none"))
         if f.files:
             print("  files: %d (%d bytes)%s" % (f.files, f.bytes, ", %d downloaded, the rest from the Hugging Face "
-                                                "cache" % f.downloaded if f.source.startswith("hf://") else ""))
+                                                "cache" % f.downloaded if f.source.startswith(HF_SCHEME) else ""))
         for name, why in f.skipped:
             print("  not fetched: %s: %s" % (name, why))
 

@@ -1,25 +1,14 @@
 """Turn a bundle address into a local bundle directory holding what this machine can use.
 
-Addresses (`resolve(spec)`, used by `laya_aot.load(..., bundle=spec)` and `laya-aot fetch SPEC`):
-- a bundle directory (it has bundle.json): itself;
-- a pack file `*.tar.zst`: unpacked once into the laya-aot cache, keyed by the pack's sha256;
-- a directory of packs (no bundle.json, some `*.tar.zst`; a local or mounted share): each pack's
-  manifest is read from its first member, packs of another checkpoint are left out (when the
-  checkpoint is known), and the pack with the most artifacts this machine can use is unpacked as above;
-- `hf://ORG/REPO[/PATH][@REVISION]`: a bundle published on the Hugging Face Hub, as the huggingface/kernels
-  library fetches one build variant: bundle.json is downloaded first, then only the files of the
-  artifacts this machine can use (`usable.reject_reason`, the loader's own rule), all through
-  `huggingface_hub` into its cache, pinned to the commit the manifest came from. HF_HUB_OFFLINE=1 and
-  HF_ENDPOINT are honoured by the library; offline, the cache answers.
-
-The Hub's cache keeps files as symbolic links to its blobs, and a bundle's files must be its own (the
-loader refuses links), so the fetched files are hard-linked (copied across file systems) into a bundle
-directory under the laya-aot cache (or `out`). Artifacts not fetched are absent there: the loader
-rejects them with a reason (another device, a missing file), never a crash.
+`resolve(spec)` (behind `laya_aot.load(..., bundle=spec)` and `laya-aot fetch SPEC`) accepts a bundle
+directory; a pack `*.tar.zst` (unpacked once into the cache, keyed by its sha256); a directory of packs
+(the pack of this checkpoint with the most artifacts usable here); or `hf://ORG/REPO[/PATH][@REVISION]`
+(bundle.json first, then only the files of artifacts `usable.usable_here` accepts, through
+`huggingface_hub`, pinned to the manifest's commit). Hub files are hard-linked (or copied) into a bundle
+directory of their own, since the loader refuses links; artifacts not fetched are rejected with a reason.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -27,16 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .. import kinds, precision, progress, staging
+from .. import kinds, progress, staging
+from ..bundle_format import check_files, parse_bundle, read_bundle
 from ..files import cache_dir, cached_sha256
-from ..manifest import MANIFEST, Artifact, Bundle, BundleError, FileRecord
-from ..usable import reject_reason
-from .bundle_files import check_files
+from ..manifest import MANIFEST, BundleError, FileRecord
+from ..usable import usable_here
+from . import HF_SCHEME, PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-HF_SCHEME = "hf://"
-PACK_SUFFIX = ".tar.zst"
 
 
 @dataclass
@@ -50,28 +38,6 @@ class Fetched:
     files: int = 0
     bytes: int = 0
     downloaded: int = 0  # files that were not in the cache before (hf:// only)
-
-
-def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
-    """The artifacts an agent on `device` (default: cuda when a GPU is visible) could use here, and a reason
-    for each other one; the same rule as the loader's first check."""
-    import torch
-
-    from ..variant import current_machine
-
-    dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dev_type = torch.device(dev).type
-    machine = current_machine(dev)
-    serving = precision.expected_serving_dtype({"amp_dtype": manifest.checkpoint.amp_dtype}, dev_type,
-                                               machine.gpu_arch)
-    ok, skipped = [], []
-    for a in manifest.artifacts:
-        why = reject_reason(a, machine, dev_type, serving)
-        if why is None:
-            ok.append(a)
-        else:
-            skipped.append((a.name, why))
-    return ok, skipped
 
 
 def parse_hf(spec: str) -> Tuple[str, str, Optional[str]]:
@@ -140,9 +106,7 @@ def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[P
     if p.is_dir() and (p / MANIFEST).exists():
         if out is not None:
             raise BundleError("%s is already a local bundle; copy it, or pack it (`laya-aot pack`) to move it" % p)
-        from ..manifest import read_bundle
-
-        ok, skipped = usable_here(read_bundle(p, kinds.NAMES), device)
+        ok, skipped = usable_here(read_bundle(p, kinds.BY_NAME), device)
         return Fetched(p, str(p), [a.name for a in ok], skipped)
     if p.is_dir() and _packs_only(p):
         p = _choose_pack(p, device, checkpoint)
@@ -173,13 +137,12 @@ def _choose_pack(d: Path, device: Optional[str], checkpoint: Optional[Path]) -> 
     if len(prints) > 1:
         if checkpoint is None:
             raise BundleError("%s holds packs of %d checkpoints; name the pack file itself" % (d, len(prints)))
-        from ..checkpoint import fingerprint
+        from ..checkpoint import fingerprint, mismatch
 
-        here = fingerprint(checkpoint)["sha256"]
-        cands = [(p, m) for p, m in cands if m.checkpoint.fingerprint.sha256 == here]
+        cands = [(p, m) for p, m in cands if mismatch(m, checkpoint) is None]
         if not cands:
             raise BundleError("no pack in %s was built from checkpoint %s (fingerprint %s...); build and pack one"
-                              % (d, checkpoint, here[:12]))
+                              % (d, checkpoint, fingerprint(checkpoint)["sha256"][:12]))
     scored = [(-len(usable_here(m, device)[0]), i, p) for i, (p, m) in enumerate(cands)]
     best = min(scored)[2]
     log.info("directory of packs %s: using %s", d, best.name)
@@ -210,11 +173,7 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
     parts = mpath.parts
     commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts else (revision or "main")
     raw = mpath.read_bytes()
-    try:
-        manifest = Bundle.from_dict(json.loads(raw.decode("utf-8")), kinds.NAMES, "%s:%s" % (spec, MANIFEST))
-    except ValueError as e:
-        raise BundleError("%s:%s is unreadable (%s); publish a bundle written by laya-aot" % (spec, MANIFEST, e)) \
-            from None
+    manifest = parse_bundle(raw, kinds.BY_NAME, "%s:%s" % (spec, MANIFEST), "publish a bundle written by laya-aot")
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("%s: its manifest lists no files per artifact (schema %d), so one variant cannot be "
                           "fetched; publish a bundle written by this laya-aot (`laya-aot merge` or `build`)"
@@ -248,8 +207,7 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             and check_files(target, wanted, cached_sha256) is None:
         return  # fetched before (another device's variant may be missing: then it is made again below)
     staging.may_replace(target, "fetch", overwrite)
-    tmp = staging.new_staging(target)
-    try:
+    with staging.staged(target) as tmp:
         for rel, src in local.items():
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -262,10 +220,6 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
             raise BundleError("the files fetched from %s do not match its manifest (%s); the repository was changed "
                               "by hand or the download was damaged: fetch again, or rebuild and publish" % (spec, why))
         (tmp / MANIFEST).write_bytes(raw)
-        staging.publish(tmp, target)
-    except BaseException:
-        staging.discard(tmp)
-        raise
 
 
-__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load", "usable_here"]
+__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load"]

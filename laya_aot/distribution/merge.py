@@ -1,25 +1,11 @@
 """`laya-aot merge OUT BUNDLE...`: partial bundles of one checkpoint, built on different machines, joined.
 
-What must agree, else one message per conflict, all listed in one error:
-- the checkpoint fingerprint (artifacts of another checkpoint would give wrong answers);
-- the laya-aot version (artifact layouts and the loader's expectations follow it), the tolerance (the
-  loader applies the bundle's to artifacts it verifies itself), the exported ranges and the smoke
-  record's batch (its eager fp32 reference may differ in the last bits between CPUs: it must agree
-  within the fp32 tolerance, and the first bundle's is kept);
-- portable programs (`Kind.interchangeable`: the exported program of one dtype, the ONNX model):
-  torch.export and the ONNX exporter are not byte-reproducible (a random serialization id, buffers in
-  another order from one process to the next: two builds of the demo checkpoint gave two sha256), so
-  they are compared by what they were exported from: checkpoint, ranges, action-head dtype and torch
-  version. Equal: the first is kept (each part verified its own copy against the same eager
-  reference); different: a conflict;
-- artifact names: one name, one content. Identical duplicates (same sha256) are kept once (the first
-  bundle's entry, with its verify figures); a failed entry gives way to a built one of the same name;
-  anything else is a conflict (build each native artifact in one job only);
-- file paths: two artifacts never write one path with different bytes.
-
-Every file of every input is re-hashed against its manifest before anything is written; each artifact
-keeps its own build machine, verify figures and latency. The output is assembled beside OUT and renamed
-into place (`staging`), so a refusal or a crash leaves OUT as it was.
+Whatever must agree is checked and every conflict listed in one error: the checkpoint fingerprint, the
+laya-aot version, tolerance, ranges and smoke batch (its fp32 reference within the fp32 tolerance),
+portable programs (`Kind.interchangeable`, compared by what they were exported from, since they are not
+byte-reproducible), artifact names (one name, one sha256) and file paths (one path, one content).
+Every input file is re-hashed first, each artifact keeps its own build facts, and the output is
+assembled beside OUT (`staging`), so a refusal or a crash leaves OUT as it was.
 """
 from __future__ import annotations
 
@@ -32,18 +18,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from .. import kinds, staging
+from ..bundle_format import check_files, files_of, read_bundle, write_manifest
 from ..files import cached_sha256
-from ..manifest import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Artifact,
-    Bundle,
-    BundleError,
-    path_conflicts,
-    read_bundle,
-    write_manifest,
-)
-from .bundle_files import check_files, files_of
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, BundleError, path_conflicts
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +120,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
         raise BundleError("merge needs at least one bundle: laya-aot merge OUT BUNDLE [BUNDLE...]")
     out = Path(out)
     staging.may_replace(out, "merge", overwrite)
-    parts = [(Path(b), read_bundle(b, kinds.NAMES)) for b in bundles]
+    parts = [(Path(b), read_bundle(b, kinds.BY_NAME)) for b in bundles]
     problems = ["%s in %s: its manifest entry is invalid (%s); rebuild that part" % (a.name, path, a.invalid)
                 for path, b in parts for a in b.artifacts if a.invalid]
     problems += _top_level_conflicts(parts)
@@ -163,8 +140,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
     if problems:
         raise BundleError("cannot merge %d bundles into %s:\n  - %s" % (len(parts), out, "\n  - ".join(problems)))
     merged = _merged(parts, arts)
-    tmp = staging.new_staging(out)
-    try:
+    with staging.staged(out) as tmp:
         for (path, _), a in zip(chosen, arts):
             for rel in a.files:
                 dst = tmp / rel
@@ -174,11 +150,7 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
         if again:  # an input changed while it was copied
             raise BundleError("an input changed during the merge: %s; run the merge again" % again)
         write_manifest(tmp, merged)
-        read_bundle(tmp, kinds.NAMES)  # what was written reads back under the strict reader
-        staging.publish(tmp, out)
-    except BaseException:
-        staging.discard(tmp)
-        raise
+        read_bundle(tmp, kinds.BY_NAME)  # what was written reads back under the strict reader
     log.info("merged %d bundles into %s: %d artifacts", len(parts), out, len(arts))
     return merged
 

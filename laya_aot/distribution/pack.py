@@ -1,25 +1,16 @@
 """`laya-aot pack BUNDLE FILE` and `laya-aot unpack FILE DIR`: a bundle as one zstd-compressed tar.
 
-The manifest is the archive's first member, so a reader learns what a pack holds (and whether this
-machine can use it) from its first few kilobytes. Members follow in sorted order with mtime 0, uid and
-gid 0 and mode 0644: packing one bundle twice gives the same bytes. A schema-2 bundle's bundle.json
-travels byte for byte (a pin on its sha256 still holds after unpacking); a schema-1 one is upgraded,
-its file list recorded after its hashes were checked.
-
-Unpacking trusts nothing in the archive but what its manifest names: the manifest is read with the
-strict reader first; then each member must be a regular file listed there (no absolute path, no `..`,
-no link, device or directory), of the listed size, and its sha256 is checked as it is written.
-Everything goes to a directory beside DIR that is renamed into place at the end (`staging`), so a
-refused or truncated archive leaves nothing behind. The tar stream is read here, not by tarfile (which
-reads a pax record or GNU long name whole, whatever size it declares): every 512-byte header is bounded
-(`MAX_*` below, README "Merge, pack, fetch") before anything it declares is read, so a hostile archive is
-refused in seconds, in bounded memory.
+The manifest is the first member, so a reader learns from a few kilobytes what a pack holds; members
+are sorted with fixed metadata, so one bundle packs to the same bytes. Unpacking trusts only what the
+manifest names: regular files listed there, at their size and sha256, written to a staging directory
+renamed into place at the end. The tar stream is read here rather than by tarfile, which reads a pax
+record or long name whole: every header is bounded (`MAX_*`) first, so a hostile archive is refused
+quickly in bounded memory.
 """
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -28,23 +19,22 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
 
 from .. import kinds, progress, staging
-from .. import manifest as manifest_mod
-from ..files import cached_sha256
-from ..manifest import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    Bundle,
-    BundleError,
-    FileRecord,
+from ..bundle_format import (
+    MAX_MANIFEST_BYTES,
     bundle_file,
+    check_files,
+    encode,
+    files_of,
+    manifest_files,
+    parse,
     read_bundle,
-    unsafe_relpath,
 )
-from .bundle_files import check_files, files_of, manifest_files
+from ..files import cached_sha256
+from ..manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, FileRecord, unsafe_relpath
+from . import PACK_SUFFIX
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".tar.zst"
 LEVEL = 10  # zstd level: packs are written once in CI and read many times
 _CHUNK = 1 << 20
 
@@ -64,7 +54,7 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 
 def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecord]]:
     """bundle.json's bytes as they travel, the manifest, and every file it names (checked on disk)."""
-    manifest = read_bundle(bundle, kinds.NAMES)
+    manifest = read_bundle(bundle, kinds.BY_NAME)
     raw = (bundle / MANIFEST).read_bytes()
     problems = []
     upgraded = False
@@ -87,7 +77,7 @@ def _manifest_for_pack(bundle: Path) -> Tuple[bytes, Bundle, Dict[str, FileRecor
                           % (bundle, "; ".join(problems)))
     if upgraded:
         manifest.schema_version = SCHEMA_VERSION
-        raw = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode("utf-8")
+        raw = encode(manifest)
     return raw, manifest, files
 
 
@@ -120,7 +110,8 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     bundle, file = Path(bundle), Path(file)
     if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
         raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
-                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name, SUFFIX))
+                          "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name,
+                                                         PACK_SUFFIX))
     staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +151,6 @@ MAX_PAX_BYTES = 64 << 10  # one pax extended header (`laya-aot pack` writes a pa
 MAX_NAME_BYTES = 4096  # a member's name, from a pax `path` or a GNU long name (PATH_MAX)
 MAX_MEMBERS = 100_000  # files a pack's manifest may list; headers read are bounded by 4 per listed file + 4
 MAX_UNPACKED_BYTES = 1 << 40  # the sum of the manifest's file sizes (1 TiB), also checked against free space
-MAX_MANIFEST_BYTES = manifest_mod.MAX_MANIFEST_BYTES  # bundle.json, the first member, read into memory
 MAX_ZSTD_WINDOW = 1 << 27  # zstd's default limit (128 MiB), stated: a frame asking for more is refused
 _BLOCK = 512
 _EXTENSIONS_PER_MEMBER = 3  # pax `x`, GNU `L`/`K` headers before one member; more is not an archive we wrote
@@ -340,17 +330,14 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
         raise BundleError("pack %s: its %s is %d bytes, more than a manifest ever is (%d); re-create the pack"
                           % (file, MANIFEST, first.size, MAX_MANIFEST_BYTES))
     raw = tar.read(first.size)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise BundleError("pack %s: its %s is unreadable (%s); re-create the pack" % (file, MANIFEST, str(e)[:200])) \
-            from None
+    source = "%s:%s" % (file, MANIFEST)
+    data = parse(raw, source, "re-create the pack")
     listed = sum(len(a.get("files") or ()) for a in data.get("artifacts") or () if isinstance(a, dict)) \
         if isinstance(data, dict) and isinstance(data.get("artifacts"), list) else 0
     if listed > MAX_MEMBERS:  # before the typed reader spends seconds on them
         raise BundleError("pack %s: its manifest lists %d files, more than a pack may hold (%d); re-create the pack"
                           % (file, listed, MAX_MEMBERS))
-    manifest = Bundle.from_dict(data, kinds.NAMES, "%s:%s" % (file, MANIFEST))
+    manifest = Bundle.from_dict(data, kinds.BY_NAME, source)
     if any(a.built and not a.files for a in manifest.artifacts):
         raise BundleError("pack %s: its manifest lists no files for its artifacts (schema %d); re-create the pack "
                           "with this laya-aot's `laya-aot pack`" % (file, manifest.schema_version))
@@ -423,40 +410,13 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     if not file.is_file():
         raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE`"
                           % file)
-    try:
-        tmp = staging.new_staging(out)
-    except OSError as e:
-        raise BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e)) \
-            from None
-    try:
+
+    def unwritable(e: OSError) -> BundleError:
+        return BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e))
+
+    with staging.staged(out, unwritable) as tmp:
         try:
-            reader, tar = _open(file)
-            with reader:
-                raw, manifest = _read_manifest_member(tar, file)
-                expected = manifest_files(manifest)
-                need = sum(r.size for r in expected.values())
-                free = shutil.disk_usage(tmp).free
-                if need > free:
-                    raise BundleError("pack %s needs %d bytes unpacked, %s has %d free; free some space or unpack "
-                                      "elsewhere" % (file, need, out.parent, free))
-                (tmp / MANIFEST).write_bytes(raw)
-                seen: set = set()
-                with progress.task("unpack %s" % file, total=need, unit="bytes") as line:
-                    while True:
-                        member = tar.next()
-                        if member is None:
-                            break
-                        why = _refuse(member, expected, seen)
-                        if why:
-                            raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
-                        rel = PurePosixPath(member.name).as_posix()
-                        seen.add(rel)
-                        digest = _extract(tar, tmp / rel, member.size)
-                        line.advance(member.size)
-                        if digest != expected[rel].sha256:
-                            raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest "
-                                              "says %s...; nothing was unpacked" % (file, rel, digest[:12],
-                                                                                   expected[rel].sha256[:12]))
+            manifest, expected, seen = _extract_all(file, tmp, out)
         except BundleError:
             raise
         except _broken() as e:
@@ -468,14 +428,43 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
         if missing:
             raise BundleError("pack %s lacks %d file(s) its manifest lists (%s); re-create the pack"
                               % (file, len(missing), ", ".join(missing[:3])))
-        read_bundle(tmp, kinds.NAMES)  # the manifest, read back from disk under the strict reader
-        staging.publish(tmp, out)
-    except BaseException:
-        staging.discard(tmp)
-        raise
+        read_bundle(tmp, kinds.BY_NAME)  # the manifest, read back from disk under the strict reader
     log.info("unpacked %s into %s: %d files", file, out, len(expected))
     return manifest
 
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES", "SUFFIX",
+def _extract_all(file: Path, tmp: Path, out: Path) -> Tuple[Bundle, Dict[str, FileRecord], set]:
+    """Every member of pack `file` into the staging directory `tmp`, each checked against the manifest (its
+    first member) as it is written: the manifest, the files it lists and the paths extracted."""
+    reader, tar = _open(file)
+    with reader:
+        raw, manifest = _read_manifest_member(tar, file)
+        expected = manifest_files(manifest)
+        need = sum(r.size for r in expected.values())
+        free = shutil.disk_usage(tmp).free
+        if need > free:
+            raise BundleError("pack %s needs %d bytes unpacked, %s has %d free; free some space or unpack "
+                              "elsewhere" % (file, need, out.parent, free))
+        (tmp / MANIFEST).write_bytes(raw)
+        seen: set = set()
+        with progress.task("unpack %s" % file, total=need, unit="bytes") as line:
+            while True:
+                member = tar.next()
+                if member is None:
+                    break
+                why = _refuse(member, expected, seen)
+                if why:
+                    raise BundleError("pack %s refused: %s; nothing was unpacked" % (file, why))
+                rel = PurePosixPath(member.name).as_posix()
+                seen.add(rel)
+                digest = _extract(tar, tmp / rel, member.size)
+                line.advance(member.size)
+                if digest != expected[rel].sha256:
+                    raise BundleError("pack %s refused: %s has sha256 %s... after extraction, its manifest "
+                                      "says %s...; nothing was unpacked" % (file, rel, digest[:12],
+                                                                           expected[rel].sha256[:12]))
+    return manifest, expected, seen
+
+
+__all__ = ["MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES",
            "PackInfo", "pack", "read_pack_manifest", "unpack"]

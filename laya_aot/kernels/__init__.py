@@ -9,7 +9,7 @@
 Only `catalogue` works without TileLang installed; the rest need the `tilelang` extra.
 """
 from .catalogue import KernelSpec, catalogue, encoder_dims, row_buckets, shape_specs, static_lengths
-from .compile import DEFAULT_ARCHS, build_for_checkpoint, checkpoint_catalogue, compile_catalogue, find_nvcc
+from .cross_compile import DEFAULT_ARCHS, build_for_checkpoint, checkpoint_catalogue, compile_catalogue, find_nvcc
 from .driver import (
                      BundleError,
                      KernelBundle,

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..precision import cuda_dtype
-from .compile import DEFAULT_ARCHS, build_for_checkpoint, checkpoint_catalogue, default_jobs, read_checkpoint_config
+from .cross_compile import (
+    DEFAULT_ARCHS,
+    build_for_checkpoint,
+    checkpoint_catalogue,
+    default_jobs,
+    read_checkpoint_config,
+)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -1,17 +1,10 @@
 """The TileLang kernel catalogue of laya's fast path, derived by rule from an encoder config.
 
-`laya.fast.FastLaya` asks `laya.tl_kernels` for its kernels in two places: eleven fixed
-factory calls in its constructor (GEMMs, the fused GEGLU, three add+LayerNorm variants) and,
-per request shape, RoPE plus one flash-attention kernel per attention kind. Attention is
-shape-dynamic up to `DYNAMIC_MAX_L` tokens and static per (rows, tokens) bucket beyond it, so
-the set of kernels a process can ever request is finite once rows and tokens are bounded.
-This module writes that set down without importing TileLang or building a model, so a build
-machine (or the manifest writer) can know what to compile from the config alone;
-`tests/kernels/test_kernels.py` proves it equals what FastLaya requests.
-
-Every call is normalised the way TileLang keys its own JIT cache: bound to the factory's
-signature with defaults applied. Two call spellings of one kernel are therefore one spec, and
-a laya upgrade that changes a default tile size changes the spec's key.
+`laya.fast.FastLaya` requests fixed kernels in its constructor and, per request shape, RoPE and
+flash attention (dynamic up to `DYNAMIC_MAX_L` tokens, static per bucket beyond), so the set is finite
+once rows and tokens are bounded. This module writes that set down without TileLang or a model, so a
+build machine knows what to compile from the config alone (`tests/kernels/test_kernels.py` proves it equals
+what FastLaya requests). Calls are normalised as TileLang keys its JIT cache (bound, defaults applied).
 """
 from __future__ import annotations
 
@@ -24,10 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from ..dtypes import LONG, canonical
+
 FACTORIES = ("gemm_kernel", "gemm_geglu_kernel", "add_ln_kernel", "rope_kernel", "attn_kernel")
 HEAD_EPS = 1e-5          # nn.TransformerEncoderLayer's LayerNorm eps, hard-coded in FastLaya too
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16"}
 
 
 # ------------------------------------------------------------------------------------ signatures
@@ -191,10 +184,11 @@ def encoder_dims(encoder_config: Any) -> EncoderDims:
 
 
 def kernel_dtype(dtype: Any) -> str:
-    key = str(dtype).lower()
-    if key not in _DTYPES:
+    """TileLang's dtype string for a 16-bit dtype in any spelling `dtypes.canonical` knows."""
+    name = canonical(dtype)
+    if name not in ("bf16", "fp16"):
         raise ValueError("the TileLang fast path runs bf16 or fp16, got %r" % (dtype,))
-    return _DTYPES[key]
+    return LONG[name]
 
 
 def _padding_policy() -> Tuple[int, int]:

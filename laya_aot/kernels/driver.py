@@ -1,17 +1,11 @@
 """Run laya's TileLang fast path from precompiled kernels: no nvcc, no TileLang JIT.
 
-How: `laya.fast.FastLaya` gets every kernel by calling a `laya.tl_kernels` factory, a TileLang
-`JITImpl`. On a miss in its in-memory cache, `JITImpl.__call__` calls `self.compile(...)`; this
-module gives the five factories an instance-level `compile` that, while a bundle is active in
-the calling context, *loads* the kernel from the bundle (dlopen of the cross-compiled library,
-`JITKernel.from_database`, exactly how TileLang loads its own disk cache) and raises
-`KernelMissing` when the bundle lacks it. TileLang then caches the loaded kernel as if it had
-compiled it. So FastLaya itself is reused unchanged (same padding, CUDA graphs, head decoding),
-and outside an active bundle the factories behave as before (a laya `fast=True` agent in the
-same process still JIT-compiles as usual).
-
-`make_fast_forward(...)` returns a `PrecompiledFast` whose `.forward` replaces
-`DecisionModel.forward`; `PrecompiledTileLangBackend` wraps it in laya's `Backend` contract.
+`laya.fast.FastLaya` gets each kernel from a `laya.tl_kernels` factory (a TileLang `JITImpl`), which
+calls `self.compile(...)` on a cache miss. This module gives those factories an instance-level
+`compile` that, while a bundle is active in the calling context, loads the kernel from the bundle the
+way TileLang loads its disk cache, or raises `KernelMissing`. FastLaya is thus reused unchanged, and
+outside a bundle the factories JIT-compile as before. `make_fast_forward` and
+`PrecompiledTileLangBackend` expose it as a forward and as a laya `Backend`.
 """
 from __future__ import annotations
 
@@ -24,10 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ..errors import LayaAotError
+from ..files import sha256_file
 from ..laya_internals import Backend, BackendUnavailable
 from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
 from .catalogue import FACTORIES, KernelSpec, encoder_dims, shape_specs
-from .compile import INDEX_NAME, META_FORMAT, cuda_target, sha256_file
+from .cross_compile import INDEX_NAME, META_FORMAT, cuda_target
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +32,7 @@ _ACTIVE: contextvars.ContextVar[Optional["KernelBundle"]] = contextvars.ContextV
 _HOOK_LOCK = threading.Lock()
 
 
-class KernelMissing(RuntimeError):
+class KernelMissing(LayaAotError, RuntimeError):
     """A kernel the fast path needs is not in the bundle (shape outside the export range, or a
     kernel that failed to compile for this architecture). Nothing is compiled instead."""
 

@@ -18,8 +18,10 @@ import threading
 from collections import Counter
 from typing import Iterator, List, Tuple
 
+from ..errors import LayaAotError
 
-class JITForbidden(RuntimeError):
+
+class JITForbidden(LayaAotError, RuntimeError):
     """A TileLang/nvcc compile was attempted inside jit_guard(forbid=True)."""
 
 

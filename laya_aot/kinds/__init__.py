@@ -6,15 +6,18 @@ it to `REGISTRY` below (docs/architecture.md walks through it). Nothing else nam
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Tuple
+from types import MappingProxyType
+from typing import Dict, List, Mapping, Tuple
 
 from ..manifest import Artifact
-from . import aoti, compile, exported_program, onnx, tilelang
-from .base import BuildContext, Kind, LoadEnv, Runner, Skip, model_tensors
+from . import aoti, exported_program, inductor_cache, onnx, tilelang
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner, Skip, model_tensors
 
 # in build order: the exported program first, everything else is compiled from it
-REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, compile.KIND)
+REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, inductor_cache.KIND)
 _BY_NAME: Dict[str, Kind] = {k.name: k for k in REGISTRY}
+# the kinds by name, read-only: what the manifest reader takes to run each kind's `check_details`
+BY_NAME: Mapping[str, Kind] = MappingProxyType(_BY_NAME)
 NAMES: Tuple[str, ...] = tuple(_BY_NAME)
 # the kinds an agent can be served by, in their fixed order (used when no latency was measured)
 RUNTIME_ORDER: Tuple[str, ...] = tuple(k.name for k in sorted(REGISTRY, key=lambda k: k.order) if k.serves)
@@ -39,5 +42,5 @@ def runtime_kinds() -> List[Kind]:
     return [_BY_NAME[n] for n in RUNTIME_ORDER]
 
 
-__all__ = ["BuildContext", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "Runner", "Skip",
-           "get", "load", "model_tensors", "runtime_kinds"]
+__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY",
+           "RUNTIME_ORDER", "Runner", "Skip", "get", "load", "model_tensors", "runtime_kinds"]

@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 
 from ..manifest import Artifact
 from .aoti_compiler import _default_cxx, choose_compiler
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def inductor_config_kept() -> Iterator[None]:
 
     `aoti_compile_and_package` fills `aot_inductor.metadata` in place (device key, CPU ISA) and leaves it
     so; that dict is part of the FX-graph cache key, so the compile route's cache, saved later in the
-    same build, held graphs that no fresh process looks up: on the H200 (run 10) the runtime missed and
-    compiled from scratch for 42 s. `config.patch` does not help: it restores the same dict object."""
+    same build, would hold graphs that no fresh process looks up (the runtime would miss and compile
+    from scratch). `config.patch` does not help: it restores the same dict object."""
     config = torch._inductor.config
     before = {}
     for key, value in config.get_config_copy().items():
@@ -225,7 +225,7 @@ def load_aoti_package(path: Path, device_index: int):
 
     `torch._inductor.package.load_package` first calls `codecache.get_device_information()`, only to log
     a warning when the build machine differs; that call dry-compiles a test library per CPU vector ISA
-    and dlopens each in a child Python. On the H200 image it cost 35-48 s of every load
+    and dlopens each in a child Python: tens of seconds of every load
     (benchmarks/investigations/results/aoti_load_time/). laya-aot checks that an artifact fits this machine itself
     (laya_aot.variant) before loading it, so it goes to the C++ loader directly, as that function
     does after its check; torch's own route remains the fallback for a torch without that binding.
@@ -245,7 +245,7 @@ def load_aoti_package(path: Path, device_index: int):
     return load_package(str(path), device_index=device_index)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """The package for the target, weights not inside; on the CPU also the frozen package."""
     from safetensors import safe_open
 
@@ -256,16 +256,17 @@ def build(ctx: BuildContext) -> str:
         keys = list(f.keys())
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = package(ctx.ep, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
+    facts = package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
     if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
         t0 = time.perf_counter()
-        frozen = package(ctx.ep, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx, frozen=True)
+        frozen = package(exported.program, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx,
+                         frozen=True)
         ctx.add_artifact(KIND, name + "-frozen", name + "-frozen", ctx.device, ctx.dtype, time.perf_counter() - t0,
                          details=frozen)
         done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)
-    return done
+    return Built(done)
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:

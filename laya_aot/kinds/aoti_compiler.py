@@ -1,4 +1,4 @@
-"""Which C++ compiler packages AOTInductor: never one that links libstdc++ statically (the H200 load crash)."""
+"""Which C++ compiler packages AOTInductor: never one that links libstdc++ statically (its packages crash on load)."""
 from __future__ import annotations
 
 import glob
@@ -18,9 +18,8 @@ def links_libstdcxx_dynamically(cxx: str) -> bool:
 
     A compiler that cannot find libstdc++.so links it statically into the package's wrapper .so, which
     then holds a second copy of libstdc++ beside the one torch loaded; the two disagree on std::locale's
-    facets and the loader segfaults in std::regex (AOTInductorModel -> parse_device_str). That is the
-    crash every AOTInductor load hit on the H200 image, whose default g++ is such a wrapper
-    (benchmarks/investigations/results/aoti_h200_load_crash.md).
+    facets and the loader segfaults in std::regex (AOTInductorModel -> parse_device_str). Some images'
+    default g++ is such a wrapper (benchmarks/investigations/results/aoti_h200_load_crash.md).
     """
     try:
         out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,

@@ -1,20 +1,27 @@
 """What an artifact kind is: its facts, its build step, its load step, and what each is handed.
 
 One module per kind (`kinds/aoti.py`, ...) fills in a `Kind`; `kinds/__init__.py` registers them.
-The build pipeline runs `Kind.build` with a `BuildContext`; the loader, the probe child and
-`laya-aot verify` run `Kind.load` with a `LoadEnv`. Neither half knows a kind by its name.
+The build pipeline runs `Kind.build(ctx, exported)` with a `BuildContext` and the portable program the
+exported_program kind handed back (`Exported`); a build step returns a `Built`, which the pipeline
+records. The loader, the probe child and `laya-aot verify` run `Kind.load` with a `LoadEnv`. Neither
+half knows a kind by its name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..manifest import Artifact, Needs
 from ..padding import Ranges
 from ..variant import Machine, native_variant
+
+if TYPE_CHECKING:  # the schema only: the runtime, which imports the kinds too, never loads Hydra
+    from torch.export import ExportedProgram
+
+    from ..config import BuildConfig
 
 Outputs = Tuple[torch.Tensor, torch.Tensor]
 
@@ -45,11 +52,33 @@ class LoadEnv:
     cuda_graphs: bool = False
 
 
+@dataclass(frozen=True)
+class Exported:
+    """The portable program of one dtype: what the exported_program kind hands the kinds compiled from it."""
+
+    program: "ExportedProgram"
+    dtype: str
+    # the ranges the exporter proved (`exported_program.ranges_of`): what every artifact of it accepts
+    ranges: Ranges
+
+
+@dataclass
+class Built:
+    """What a kind's build step hands back to the pipeline, which records it in the stage's entry."""
+
+    summary: str
+    # more facts for the stage's entry in the manifest (TileLang: the seconds its compiles took)
+    record: Dict[str, Any] = field(default_factory=dict)
+    # the exported_program kind only: the program the later kinds of this dtype are compiled from
+    exported: Optional[Exported] = None
+
+
 @dataclass
 class BuildContext:
-    """What the build's steps share, filled in as the build goes (`pipeline.stages` drives it)."""
+    """What the build's steps share (`pipeline.stages` drives it). Kinds read it and record artifacts with
+    `add_artifact`; what one kind hands the next is a `Built`, returned, not a field set here."""
 
-    cfg: Any
+    cfg: "BuildConfig"
     ckpt: Path
     info: Dict[str, Any]
     staging: Path
@@ -62,13 +91,17 @@ class BuildContext:
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     pad_id: int = 0
     vocab: int = 0
-    ep: Any = None
-    ep_dtype: str = ""
-    ranges: Optional[Ranges] = None
+    # the program of the dtype being built, from the last exported_program stage (set by the pipeline)
+    exported: Optional[Exported] = None
     artifacts: List[Artifact] = field(default_factory=list)
     stages: List[Dict[str, Any]] = field(default_factory=list)
     eager_latency_ms: Optional[Dict[str, float]] = None
     smoke: Optional[Dict[str, Any]] = None
+
+    @property
+    def ranges(self) -> Optional[Ranges]:
+        """The ranges of the current program (None before the first export)."""
+        return self.exported.ranges if self.exported else None
 
     def artifact_name(self, kind: "Kind", base: Optional[str] = None) -> str:
         """`<kind>-<target>` (or `base`), with `-<dtype>` when the build makes more than one dtype."""
@@ -76,15 +109,17 @@ class BuildContext:
         return "%s%s" % (base or "%s-%s" % (kind.name, self.cfg.target.name), suffix)
 
     def add_artifact(self, kind: "Kind", name: str, rel: str, device: str, dtype: str, seconds: float,
-                     details: Optional[Dict[str, Any]] = None, gpu_arch: Optional[str] = None) -> Artifact:
-        """Record an artifact the kind wrote under `staging/rel`; its needs and variant come from the kind."""
+                     details: Optional[Dict[str, Any]] = None, gpu_arch: Optional[str] = None,
+                     ranges: Optional[Ranges] = None) -> Artifact:
+        """Record an artifact the kind wrote under `staging/rel`; its needs and variant come from the kind, its
+        ranges from the current program (`ranges`: the exported_program kind's own, before it is handed on)."""
         arch = (gpu_arch or self.cfg.target.arch or self.machine.gpu_arch) if device == "cuda" else None
         machine = self.machine if device == "cpu" else replace(self.machine, gpu_arch=arch,
                                                                cuda=torch.version.cuda or self.machine.cuda)
         art = Artifact(name=name, kind=kind.name, path=rel, status="built", variant=kind.variant(machine, device),
                        needs=kind.needs(machine, device), device=device, dtype=dtype,
                        action_head_dtype=self.cfg.export.action_head_dtype if kind.serves_dtype_head else "fp32",
-                       ranges=self.ranges, build_seconds=round(seconds, 3), details=details or {})
+                       ranges=ranges or self.ranges, build_seconds=round(seconds, 3), details=details or {})
         self.artifacts.append(art)
         return art
 
@@ -105,7 +140,8 @@ class Kind:
     name: str
     # the build stage that makes it, recorded in the manifest; also its `stages.<stage>` switch when optional
     stage: str
-    build: Callable[[BuildContext], str]
+    # build(ctx, exported) -> Built: `exported` is None for the exported_program kind, the program otherwise
+    build: Callable[[BuildContext, Optional[Exported]], Built]
     load: Callable[[Path, Artifact, LoadEnv], Runner]
     # rank among runtime kinds when the bundle measured no latency on this kind of device (lower first)
     order: int
@@ -136,6 +172,9 @@ class Kind:
     needs_module: bool = False
     # what a probe child loads it with (stand-in weights, or laya's agent); only for native kinds
     probe_env: Optional[Callable[[Path, Artifact, Path, str], LoadEnv]] = None
+    # the manifest reader's hook: why `Artifact.details` breaks this kind's layout ("FIELD: expected ..., got
+    # ..."), or None; the reader refuses the bundle with it, naming the field
+    check_details: Callable[[Dict[str, Any]], Optional[str]] = lambda details: None
 
 
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

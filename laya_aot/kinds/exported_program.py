@@ -9,16 +9,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.export import Dim, ExportedProgram
 
+from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs
-from ..model import ExplicitDtypeModel, torch_dtype
+from ..model import ExplicitDtypeModel
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
 from ..variant import Machine, torch_tag
-from .base import BuildContext, Kind, LoadEnv, Runner
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,9 @@ class ExportedProgramRunner(Runner):
             return self._module(ids, att, mpos, mmask, qtype)
 
 
-def build(ctx: BuildContext) -> str:
-    """torch.export with explicit dtypes; the ExportedProgram is saved as the portable artifact."""
+def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
+    """torch.export with explicit dtypes; the program is saved as the portable artifact and handed back
+    (`Built.exported`) for the kinds compiled from it."""
     e = ctx.cfg.export
     max_tokens = int(e.max_tokens or ctx.info["max_len"])
     if max_tokens > ctx.info["max_len"]:
@@ -113,22 +115,21 @@ def build(ctx: BuildContext) -> str:
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
     module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev)
     t0 = time.perf_counter()
-    ctx.ep = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
-    ctx.ep_dtype = ctx.dtype
+    program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    ctx.ranges = ranges_of(ctx.ep)
+    made = Exported(program, ctx.dtype, ranges_of(program))
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(ctx.ep, str(path))
+    torch.export.save(program, str(path))
     name = "%s-%s" % (NAME, ctx.dtype)
     why = _does_not_load_back(path)
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink()
         log.warning("%s is not shipped: %s", name, why)
-        return "ranges %s; %s not shipped: %s" % (ctx.ranges.as_dict(), name, why)
-    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds)
-    return "ranges %s" % ctx.ranges.as_dict()
+        return Built("ranges %s; %s not shipped: %s" % (made.ranges.as_dict(), name, why), exported=made)
+    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges)
+    return Built("ranges %s" % made.ranges.as_dict(), exported=made)
 
 
 def _does_not_load_back(path: Path) -> str:
@@ -151,5 +152,5 @@ def needs(m: Machine, device: str) -> Needs:
     return Needs(device=device, torch=m.torch)
 
 
-KIND = Kind(name=NAME, stage="export", build=build, load=load, order=99, optional=False, serves=False, needs=needs,
+KIND = Kind(name=NAME, stage=NAME, build=build, load=load, order=99, optional=False, serves=False, needs=needs,
             variant=lambda m, device: "%s-any" % torch_tag(m.torch), interchangeable=True)

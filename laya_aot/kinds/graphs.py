@@ -42,7 +42,7 @@ class _Graph:
 
     Capture and replay run with the inputs' GPU as the current device: torch.cuda.graph captures on a side
     stream of the current device, so an agent on cuda:1 in a process whose current device is cuda:0
-    would otherwise capture on the wrong GPU (issue 12: every GPU but the first lost its graphs)."""
+    would otherwise capture on the wrong GPU (and every GPU but the first would lose its graphs)."""
 
     def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
         self.device = inputs[0].device

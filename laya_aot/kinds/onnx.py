@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 
 from ..manifest import Artifact, Needs
 from ..model import INPUT_NAMES, OUTPUT_NAMES, ExplicitDtypeModel
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner
 from .exported_program import export_model
 
 log = logging.getLogger(__name__)
@@ -72,17 +72,17 @@ class ONNXRunner(Runner):
         return torch.from_numpy(logits), torch.from_numpy(act)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """Exported from an fp32 program (ONNX Runtime runs on the CPU), whatever the target's dtype."""
-    ep = ctx.ep
-    if ctx.ep_dtype != "fp32":
+    ep, r = exported.program, exported.ranges
+    if exported.dtype != "fp32":
         module = ExplicitDtypeModel(ctx.agent.model, torch.float32, torch.float32)
-        ep = export_model(module, ctx.ranges.max_rows, ctx.ranges.max_tokens, ctx.ranges.max_markers, ctx.pad_id)
+        ep = export_model(module, r.max_rows, r.max_tokens, r.max_markers, ctx.pad_id)
     t0 = time.perf_counter()
     facts = export_onnx(ep, ctx.staging / "onnx" / "model.onnx")
     ctx.add_artifact(KIND, "%s-fp32" % NAME, "onnx/model.onnx", "cpu", "fp32", time.perf_counter() - t0,
                      details=facts)
-    return "opset %s" % facts["opset"]
+    return Built("opset %s" % facts["opset"])
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from .. import laya_internals as laya_api
-from ..manifest import Artifact, Needs
+from ..manifest import Artifact, Needs, unsafe_relpath
 from ..variant import Machine, cuda_tag
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 NAME = "tilelang"
 
@@ -35,7 +35,7 @@ class TileLangRunner(Runner):
         return self._fast.forward(ids, att, mpos, mmask, qtype)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """Cross-compile the checkpoint's kernel catalogue for every architecture the target names."""
     archs = list(ctx.cfg.target.tilelang_archs or [])
     if ctx.device != "cuda" or not archs:
@@ -47,7 +47,7 @@ def build(ctx: BuildContext) -> str:
     from .. import kernels
     t0 = time.perf_counter()
     folder = ctx.artifact_name(KIND, NAME)  # tilelang, or tilelang-<dtype> when the build makes several
-    out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, ctx.ranges.max_tokens, ctx.ranges.max_rows,
+    out = kernels.build_for_checkpoint(ctx.ckpt, archs, ctx.dtype, exported.ranges.max_tokens, exported.ranges.max_rows,
                                        ctx.staging / folder, jobs=ctx.cfg.jobs)
     lines = []
     for arch, res in out.items():
@@ -56,8 +56,7 @@ def build(ctx: BuildContext) -> str:
                          ctx.dtype, res["seconds"], details=res, gpu_arch=arch)
         lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
                                                                      res.get("from_cache", 0)))
-    ctx.stages[-1]["seconds_compile"] = time.perf_counter() - t0
-    return ", ".join(lines)
+    return Built(", ".join(lines), record={"seconds_compile": time.perf_counter() - t0})
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
@@ -83,6 +82,28 @@ def variant(m: Machine, device: str) -> str:
     return "%s-%s-%s-%s" % (cuda_tag(m.cuda or torch.version.cuda or "13.0"), m.gpu_arch, m.machine, m.os)
 
 
+def check_details(details: Dict[str, Any]) -> Optional[str]:
+    """The manifest reader's hook: the kernel files `details.kernels` names stay inside the artifact's directory
+    (the driver opens them there); None when they do, else "FIELD: expected ..., got ..."."""
+    kernels = details.get("kernels")
+    if kernels is None:
+        return None
+    if not isinstance(kernels, list):
+        return "kernels: expected a list, got %s" % repr(kernels)[:80]
+    for j, entry in enumerate(kernels):
+        if not isinstance(entry, dict):
+            return "kernels[%d]: expected an object, got %s" % (j, repr(entry)[:80])
+        for key in ("path", "meta_path"):
+            rel = entry.get(key)
+            if rel is None or rel == "":
+                continue
+            why = unsafe_relpath(rel) if isinstance(rel, str) else "a file name"
+            if why:
+                return "kernels[%d].%s: expected a path inside the artifact (%s), got %s" % (j, key, why,
+                                                                                           repr(rel)[:80])
+    return None
+
+
 def refuse_device(device: str) -> Optional[str]:
     """On a GPU without the tilelang extra: refused from the manifest with the extra to install, before any probe
     (elsewhere the device mismatch is the reason)."""
@@ -97,4 +118,4 @@ def refuse_device(device: str) -> Optional[str]:
 
 KIND = Kind(name=NAME, stage="tilelang", build=build, load=load, order=0, native=True, verified_at_build=False,
             reverify=False, needs_module=True, needs=needs, variant=variant, probe_env=probe_env,
-            refuse_device=refuse_device)
+            refuse_device=refuse_device, check_details=check_details)

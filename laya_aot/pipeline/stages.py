@@ -1,8 +1,8 @@
 """`laya-aot build`: checkpoint -> verified bundle, one stage at a time.
 
 Stages, each recorded in the manifest with status, duration and error text: `load`, then one stage per
-artifact kind in the registry's order (`export`, `aoti`, `onnx`, `tilelang`, `inductor_cache`), then
-`verify`. `load` and the portable program's `export` are fatal (every artifact derives from it); any
+artifact kind in the registry's order (`exported_program`, `aoti`, `onnx`, `tilelang`, `inductor_cache`),
+then `verify`. `load` and the portable program's stage are fatal (every artifact derives from it); any
 other kind may fail without stopping the build. The build fails only when the checkpoint or config is
 unusable or when no artifact at all could be built and verified.
 """
@@ -14,43 +14,24 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision, progress, staging
+from .. import demo, kinds, precision, progress, staging, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
+from ..bundle_format import record_files, write_manifest
+from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
-from ..kinds import BuildContext, Kind, Skip, model_tensors
-from ..manifest import (
-    SCHEMA,
-    SCHEMA_VERSION,
-    Artifact,
-    Bundle,
-    CheckpointInfo,
-    Fingerprint,
-    Needs,
-    VerifyResult,
-    record_files,
-    write_manifest,
-)
+from ..kinds import BuildContext, Built, Kind, Skip, model_tensors
+from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, CheckpointInfo, Fingerprint, Needs, VerifyResult
 from ..padding import Ranges
-from ..tolerance import Tolerance, rule_for
+from ..tolerance import Tolerance
 from ..variant import current_gpu_arch, current_machine
-from ..verification import (
-    EagerFigures,
-    cases,
-    decision_cases,
-    latency_ms,
-    random_rows,
-    reference_outputs,
-    run_padded,
-    smoke_record,
-    verify_runner,
-)
+from ..verification import latency_ms, random_rows, run_padded, smoke_record
 from .children import ChildGuard
 
 log = logging.getLogger(__name__)
@@ -70,7 +51,7 @@ def reference_shapes(device: str) -> Tuple[Tuple[int, int, int], ...]:
 Report = Callable[[Dict[str, Any]], None]
 
 
-class BuildError(RuntimeError):
+class BuildError(LayaAotError, RuntimeError):
     """The build cannot produce a bundle: unusable checkpoint or config, export failure, nothing verified."""
 
 
@@ -104,31 +85,26 @@ def stage_verify(ctx: BuildContext) -> str:
 
 
 def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: progress.Task) -> str:
-    case_list = cases(ctx.cfg.verify.seed, ctx.ranges, ctx.vocab, ctx.pad_id)
-    reference = ctx.agent.model.float().eval()
-    ctx.smoke = smoke_record(reference, ctx.ranges, ctx.vocab, ctx.pad_id)
+    model = ctx.agent.model.float().eval()
+    ctx.smoke = smoke_record(model, ctx.ranges, ctx.vocab, ctx.pad_id)
     ref_batches = {shape: _reference_batch(ctx, shape) for shape in reference_shapes(ctx.device)}
     repeats = ctx.cfg.verify.latency_repeats
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
-        lambda b=batch: _no_grad(reference, b), repeats), 3) for shape, batch in ref_batches.items()}
-    tensors = model_tensors(reference)
-    references = reference_outputs(reference, case_list)
-    suite = decision_cases(ctx.cfg.verify.seed + 1, ctx.ranges, ctx.vocab, ctx.pad_id, None, tol.decisions)
-    eager_figures = EagerFigures(reference, case_list, references, suite, tol.decisions_alpha)
+        lambda b=batch: _no_grad(model, b), repeats), 3) for shape, batch in ref_batches.items()}
+    tensors = model_tensors(model)
+    ref = verification.reference(model, ctx.ranges, ctx.vocab, ctx.pad_id, ctx.cfg.verify.seed, tol)
     gpu_agents: Dict[str, Any] = {}
     summary = []
     for art in todo:
         line.describe("verify: %s" % art.name)
-        summary.append(_verify_one(ctx, tol, art, case_list, reference, ref_batches, tensors, references,
-                                   eager_figures, gpu_agents))
+        summary.append(_verify_one(ctx, art, ref, ref_batches, tensors, gpu_agents))
         line.advance()
     return ", ".join(summary)
 
 
-def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, reference, ref_batches, tensors,
-                references, eager_figures, gpu_agents: Dict[str, Any]) -> str:
+def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, ref_batches, tensors,
+                gpu_agents: Dict[str, Any]) -> str:
     """One artifact against the eager fp32 forward: its verdict goes into `art`; returns its summary word."""
-    repeats = ctx.cfg.verify.latency_repeats
     kind = kinds.get(art.kind)
     why_not_here = _cannot_verify_here(kind, art)
     if why_not_here:
@@ -142,26 +118,27 @@ def _verify_one(ctx: BuildContext, tol: Tolerance, art: Artifact, case_list, ref
         art.status = "failed_verification"
         return "%s FAILED (%s)" % (art.name, crash)
     try:
-        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=reference)
+        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=ref.model)
         if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
             env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
         runner = kind.load(ctx.staging / art.path, art, env)
-        eager = eager_figures.get(art.dtype, art.device)
-        result = verify_runner(runner, reference, case_list, ctx.ranges, ctx.pad_id, runner.device,
-                               rule_for(art.dtype, tol, eager), references, eager, label=art.name,
-                               decisions=eager_figures.decisions(runner, art.dtype, ctx.ranges, ctx.pad_id))
+        result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name)
         if kind.serves:
-            sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-            art.latency_ms = {art.device: {
-                "x".join(map(str, shape)): round(latency_ms(
-                    lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), repeats, sync), 3)
-                for shape, batch in ref_batches.items()}}
+            art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
     except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
         result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
     result.seconds = round(time.perf_counter() - t0, 3)
     art.verify = result
     art.status = "verified" if result.passed else "failed_verification"
     return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
+
+
+def _latencies(ctx: BuildContext, runner, ref_batches) -> Dict[str, float]:
+    """The artifact's median latency (ms) on each reference call, padded as the runtime pads it."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+    return {"x".join(map(str, shape)): round(latency_ms(
+        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), ctx.cfg.verify.latency_repeats,
+        sync), 3) for shape, batch in ref_batches.items()}
 
 
 def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:
@@ -252,7 +229,13 @@ def bundle_of(ctx: BuildContext) -> Bundle:
         smoke=ctx.smoke, stages=ctx.stages, config=OmegaConf.to_container(ctx.cfg, resolve=True))
 
 
-Stage = Tuple[str, Callable[[BuildContext], str], bool, Optional[Kind], Optional[str]]
+Step = Callable[[BuildContext], Union[str, Built]]
+Stage = Tuple[str, Step, bool, Optional[Kind], Optional[str]]
+
+
+def _kind_step(kind: Kind) -> Step:
+    """A kind's build step, handed the program the last exported_program stage returned."""
+    return lambda ctx: kind.build(ctx, ctx.exported)
 
 
 def stages(dtypes: List[str]) -> List[Stage]:
@@ -260,12 +243,12 @@ def stages(dtypes: List[str]) -> List[Stage]:
     with a fixed dtype once); verify."""
     out: List[Stage] = [("load", stage_load, True, None, None)]
     for i, dtype in enumerate(dtypes):
-        out += [(k.stage, k.build, not k.optional, k, k.fixed_dtype or dtype) for k in kinds.REGISTRY
+        out += [(k.stage, _kind_step(k), not k.optional, k, k.fixed_dtype or dtype) for k in kinds.REGISTRY
                 if not (k.fixed_dtype and i)]
     return out + [("verify", stage_verify, True, None, None)]
 
 
-def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], fatal: bool, enabled: bool,
+def _run_stage(ctx: BuildContext, name: str, fn: Step, fatal: bool, enabled: bool,
                report: Report, kind: Optional[Kind], dtype: Optional[str]) -> None:
     rec: Dict[str, Any] = {"name": name, "status": "running"}
     if dtype is not None:
@@ -280,7 +263,14 @@ def _run_stage(ctx: BuildContext, name: str, fn: Callable[[BuildContext], str], 
         return
     report(rec)
     try:
-        rec["summary"] = fn(ctx)
+        done = fn(ctx)
+        if isinstance(done, Built):  # a kind's step: its facts go into the record, a program to the next kinds
+            rec["summary"] = done.summary
+            rec.update(done.record)
+            if done.exported is not None:
+                ctx.exported = done.exported
+        else:
+            rec["summary"] = done
         rec["status"] = "ok"
     except Skip as e:
         rec.update(status="skipped", error=str(e))
@@ -329,7 +319,7 @@ def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
     try:
-        ckpt = ckpt_mod.resolve(cfg.checkpoint)
+        ckpt = demo.resolve(cfg.checkpoint)  # a path, a hub id, or the demo checkpoint (made when absent)
         info = ckpt_mod.describe(ckpt, cfg.checkpoint)
     except ckpt_mod.CheckpointError as e:
         raise BuildError(str(e)) from e
@@ -348,35 +338,30 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
                                         list(cfg.target.dtypes or []))
     except ValueError as e:
         raise BuildError(str(e)) from e
-    try:
-        stage_dir = staging.new_staging(out)
-    except OSError as e:
-        raise BuildError(_unwritable(out, e)) from None
-    guard = ChildGuard()  # compiler processes die with the build, even a build killed with SIGKILL
-    ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
-                       device=device, dtypes=dtypes)
-    try:
+    # the guard: compiler processes die with the build, even a build killed with SIGKILL
+    with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
+        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
+                           device=device, dtypes=dtypes)
         for name, fn, fatal, kind, dtype in stages(dtypes):
             enabled = fatal or bool(getattr(cfg.stages, name))
             _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
-        usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
-        if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
-            why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
-            why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
-                    for a in ctx.artifacts if a.status != "verified"]
-            raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
+        _require_something_usable(ctx)
         _hash_artifacts(ctx)
         bundle = bundle_of(ctx)
         _prune_unlisted(stage_dir, bundle)
         make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
         write_manifest(stage_dir, bundle)
-        staging.publish(stage_dir, out)
-    except BaseException:
-        staging.discard(stage_dir)
-        raise
-    finally:
-        guard.close()
     return BuildResult(bundle, out)
+
+
+def _require_something_usable(ctx: BuildContext) -> None:
+    """A BuildError listing every failure when no artifact serves and none is left for a GPU to verify."""
+    usable = [a for a in ctx.artifacts if a.status == "verified" and kinds.get(a.kind).serves]
+    if not usable and not any(a.status == "unverified" for a in ctx.artifacts):
+        why = ["stage %s: %s" % (s["name"], s.get("error")) for s in ctx.stages if s["status"] == "failed"]
+        why += ["%s: %s" % (a.name, (a.verify.reason if a.verify else None) or a.error)
+                for a in ctx.artifacts if a.status != "verified"]
+        raise BuildError("no artifact could be built and verified: %s" % ("; ".join(why) or "see above"))
 
 
 def _unwritable(out: Path, e: OSError) -> str:

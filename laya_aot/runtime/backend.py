@@ -1,24 +1,11 @@
 """The laya `Backend` that runs a bundle's artifact in place of `DecisionModel.forward`.
 
-laya's Agent keeps tokenisation, collation, calibration and decoding; this backend receives the
-collated batch and returns `(logits, act_logits)` with the stock forward's shapes. It pads the batch
-to what the artifact accepts (`laya_aot.padding`), splits rows beyond the exported maximum into
-chunks, and runs anything the artifact cannot take (the parallel option layout, more tokens or
-markers than were exported) through laya's eager forward, counting each such call in `stats`.
-
-Near-ties: by default ("off") every row is the artifact's own answer. Its faithfulness is a measured,
-stored statement instead (`tolerance.decision_statement`: its decisions agree with fp32 at least as often
-as laya's eager forward in the same dtype). For audits that need laya's bitwise outputs, a row whose top
-two options are closer than `tolerance.tie_margin` can go to laya's eager forward: "call" recomputes the
-whole call (bitwise laya's outputs for that batch), "rows" only those rows, in a batch of their own (laya's
-arithmetic on another batch: 16-bit GPU kernels round a row differently when the batch around it changes,
-benchmarks/eager_batch_noise.py). Both cost an eager forward on most realistic batches, where some row is
-always inside a 16-bit margin. `stats` counts the rows (`near_tie_rows`) and the calls recomputed whole
-(`near_tie_whole_calls`).
-
-The agent's eager module may not exist yet (the thin loader builds it only when needed,
-`runtime/eager_module.py`): every path to laya's eager forward goes through `stock_forward`, which
-materialises it first.
+laya's Agent keeps tokenisation, collation, calibration and decoding; this backend takes the collated
+batch, pads or chunks it to what the artifact accepts (`laya_aot.padding`), and sends what the artifact
+cannot take to laya's eager forward, counted in `stats`. Near-ties: by default every row is the
+artifact's answer, backed by its decision statement (`tolerance.decision_statement`); for audits,
+"call" recomputes a call with a row inside `tolerance.tie_margin` with laya's eager forward, "rows"
+only those rows. Every eager path goes through `stock_forward`, which builds the eager module on need.
 """
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """`laya_aot.load`: a laya Agent whose forward is the best verified artifact this machine can run.
 
-Order of trust, cheapest first, and nothing native is loaded until every check before it passed:
-manifest schema -> checkpoint fingerprint -> machine compatibility and build-time verification ->
-sha256 of the artifact's bytes -> a probe in a child process (native artifacts, once per machine) ->
-in-process load -> a smoke comparison with the build's eager fp32 outputs on one seeded batch -> install.
-Every artifact that falls out gets one reason; when none is left the agent runs eager with one
-RuntimeWarning listing them all (or `strict=True` raises with the same list).
-
-The checks up to the probe do not need laya's agent, so they run in a thread while `laya.load` reads
-the checkpoint: a first start on a machine then pays for the probe child only where it outlasts that.
-The probe child runs the artifact on stand-in weights (probe._child), so what it shows (that the
-package loads and runs here) does not depend on the checkpoint: it starts as soon as the artifact's
-bytes match the manifest and the checkpoint's configs and tokenizer match the build's, while the
-weights' digest is still being computed; a fingerprint that does not match kills it, and its verdict
-is recorded only after the fingerprint matched. The service's own process loads nothing native
-before every check passed.
+Checks run cheapest first, and nothing native is loaded until every earlier one passed: manifest
+schema, checkpoint fingerprint, machine compatibility and build verification, sha256, a probe child
+(native artifacts, once per machine), in-process load, a smoke comparison with the build's fp32
+outputs, install. Each rejected artifact gets one reason; with none left the agent runs eager with one
+warning listing them (`strict=True` raises). The checks before the probe, and the probe itself (on
+stand-in weights), run while `laya.load` reads the checkpoint, so a first start pays little extra.
 """
 from __future__ import annotations
 
@@ -25,16 +16,18 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, precision
+from .. import kinds, usable
 from .. import laya_internals as laya_api
+from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
-from ..manifest import Artifact, Bundle, BundleError, VerifyResult, artifact_path, check_artifact_hash, read_bundle
-from ..tolerance import Agreement, DecisionAgreement, rule_for
+from ..errors import LayaAotError
+from ..manifest import Artifact, Bundle, BundleError, VerifyResult
+from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
@@ -70,24 +63,21 @@ class _Early:
         from ..probe import start
 
         try:
-            manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
+            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
             if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
                 return                                                                       # or tokenizer
-            dev = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            dev_type = torch.device(dev).type
-            machine = current_machine(dev)
             # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
-            serving = precision.expected_serving_dtype(ckpt_mod.read_config(ckpt), dev_type, machine.gpu_arch)
-            candidates, _ = rank(manifest.artifacts, dev_type, prefer)
+            here = usable.here(ckpt_mod.read_config(ckpt), device)
+            candidates, _ = rank(manifest.artifacts, here.device_type, prefer)
             for art in candidates:
-                if reject_reason(art, machine, dev_type, serving) is None:
+                if here.reject_reason(art) is None:
                     if kinds.get(art.kind).native and check_artifact_hash(bundle, art) is None:
-                        self.device = dev
+                        self.device = here.device
                         self.started_after_s = round(time.perf_counter() - self._t0, 3)
-                        self.pending = start(bundle, art, ckpt, dev, machine)
+                        self.pending = start(bundle, art, ckpt, here.device, here.machine)
                     break
             # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
-            if manifest.checkpoint.fingerprint.sha256 != ckpt_mod.fingerprint(ckpt)["sha256"] and self.pending:
+            if ckpt_mod.mismatch(manifest, ckpt) is not None and self.pending:
                 self.pending.cancel()
                 self.pending = None
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
@@ -113,7 +103,7 @@ class _Early:
 EAGER_MODULE_MODES = ("lazy", "background", "now")
 
 
-class NoArtifactError(RuntimeError):
+class NoArtifactError(LayaAotError, RuntimeError):
     """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
 
@@ -189,35 +179,42 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
     """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
     TileLang kernels). The verdict (with the bound it met, which the smoke check then applies) is cached
     per artifact and machine like the probe's."""
-    import json as _json
-
-    from ..files import write_json_atomic
     from ..probe import verdict_path
-    from ..verification import EagerFigures, cases, decision_cases, reference_outputs, verify_runner
+    from ..verification import reference, verify_artifact
 
     path = verdict_path(art, machine, "verify:" + str(agent.device))
+    cached = _cached_verdict(path)
+    if cached is not None:
+        return cached
+    t0 = time.perf_counter()
+    ref = reference(model, art.ranges, laya_api.vocab(agent), laya_api.pad_id(agent), int(time.time()),
+                    manifest.tolerance, laya_api.context_len(agent))
+    res = verify_artifact(runner, art.dtype, ref, str(agent.device))
+    stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
+    _store_verdict(path, art, res)
+    return res
+
+
+def _cached_verdict(path: Path) -> Optional[VerifyResult]:
+    """The verdict `_store_verdict` wrote at `path` (None: none, or unreadable)."""
+    import json
+
     try:
-        cached = _json.loads(path.read_text(encoding="utf-8"))
+        cached = json.loads(path.read_text(encoding="utf-8"))
         eager = cached.get("eager_in_dtype")
         decisions = cached.get("decisions")
         return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
                             eager_in_dtype=Agreement(**eager) if eager else None, rule=cached.get("rule"),
                             decisions=DecisionAgreement(**decisions) if decisions else None)
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    r = art.ranges
-    pad_id = laya_api.pad_id(agent)
-    t0 = time.perf_counter()
-    seed, vocab, context, tol = int(time.time()), laya_api.vocab(agent), laya_api.context_len(agent), manifest.tolerance
-    case_list = cases(seed, r, vocab, pad_id, context)
-    with torch.no_grad(), torch.autocast(agent.device.type, enabled=False):
-        references = reference_outputs(model, case_list)
-        figures = EagerFigures(model, case_list, references, decision_cases(seed + 1, r, vocab, pad_id, context,
-                                                                            tol.decisions), tol.decisions_alpha)
-        eager = figures.get(art.dtype, str(agent.device))
-        res = verify_runner(runner, model, case_list, r, pad_id, runner.device, rule_for(art.dtype, tol, eager),
-                            references, eager, decisions=figures.decisions(runner, art.dtype, r, pad_id))
-    stats["verify_here_s"] = round(time.perf_counter() - t0, 3)
+        return None
+
+
+def _store_verdict(path: Path, art: Artifact, res: VerifyResult) -> None:
+    """Cache a verdict of this machine's (best effort: a cache that cannot be written only costs a re-run)."""
+    from ..files import write_json_atomic
+
+    eager = res.eager_in_dtype
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"artifact": art.name, "reason": res.reason, "tolerance": res.tolerance,
@@ -228,7 +225,6 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
                                              "argmax_agreement": res.argmax_agreement}})
     except OSError:
         pass
-    return res
 
 
 def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: bool,
@@ -267,47 +263,21 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
     """
-    import laya
-
     t0 = time.perf_counter()
-    if prefer is not None and prefer not in kinds.RUNTIME_ORDER:  # the caller's mistake, not the bundle's
-        raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
-    near_ties = near_tie_mode(near_ties)
-    if eager_module not in EAGER_MODULE_MODES:
-        raise ValueError("eager_module=%r is not one of %s" % (eager_module, ", ".join(EAGER_MODULE_MODES)))
+    near_ties = _checked_arguments(prefer, near_ties, eager_module)
     ckpt = ckpt_mod.locate(str(checkpoint))
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
-    bundle, not_fetched = resolve_for_load(bundle, device, ckpt)  # hf://, a pack, a dir of packs -> a local dir
-    rejected: List[Tuple[str, str]] = [("bundle", not_fetched)] if not_fetched else []
-    if bundle is None or not str(bundle):
-        rejected.append(("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a directory written by "
-                                   "`laya-aot build`" % (bundle,)))
-    elif pin is not None and not _is_sha256(pin):
-        rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
-                                   "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % str(pin)[:80]))
+    bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
     usable = not rejected
+    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties)
     early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    eager: Optional[EagerModule] = None
     try:
-        if thin:
-            agent = laya_api.thin_agent(str(ckpt), device=device, **agent_kwargs)
-            eager = EagerModule(agent, ckpt)
-        else:
-            agent = laya.load(str(ckpt), device=device, **agent_kwargs)
+        agent, eager = _agent(ckpt, device, thin, agent_kwargs)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
-        chosen = None
-        try:
-            if usable:
-                chosen = _choose(agent, ckpt, Path(bundle), prefer, probe, smoke_check, rejected, load_stats, early,
-                                 cuda_graphs, pin, near_ties, eager)
-        except BundleError as e:
-            rejected.append(("bundle", str(e)))
-        except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
-            log.warning("laya-aot: internal error while choosing an artifact of %s", bundle, exc_info=True)
-            rejected.append(("bundle", "internal error in laya-aot (%s: %s); the bundle is not used, please "
-                                       "report this" % (type(e).__name__, str(e)[:300])))
+        chosen = _choose_or_fall_back(agent, ckpt, Path(bundle), opts, pin, rejected, load_stats, early, eager) \
+            if usable else None
     finally:
         if early is not None:
             early.close()
@@ -321,13 +291,65 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
         raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s" % (bundle, _format(rejected)))
     warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s" % (bundle, _format(rejected)),
                   RuntimeWarning, stacklevel=2)
+    _install_fallback(agent, eager, rejected, load_stats)
+    return agent
+
+
+class _Options(NamedTuple):
+    """What the caller of `load` asked of the choice."""
+
+    prefer: Optional[str]
+    probe: bool
+    smoke_check: bool
+    cuda_graphs: bool
+    near_ties: str
+
+
+def _checked_arguments(prefer: Optional[str], near_ties: bool | str, eager_module: str) -> str:
+    """The caller's mistakes (not the bundle's) raise ValueError; returns the near-tie mode."""
+    if prefer is not None and prefer not in kinds.RUNTIME_ORDER:
+        raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
+    mode = near_tie_mode(near_ties)
+    if eager_module not in EAGER_MODULE_MODES:
+        raise ValueError("eager_module=%r is not one of %s" % (eager_module, ", ".join(EAGER_MODULE_MODES)))
+    return mode
+
+
+def _local_bundle(bundle: Any, device: Optional[str], ckpt: Path, pin: Optional[str]
+                  ) -> Tuple[Any, List[Tuple[str, str]]]:
+    """The bundle as a local directory (hf://, a pack, a directory of packs fetched or unpacked), and the
+    reasons it cannot be used at all (no bundle, a fetch that failed, a pin that is not a sha256)."""
+    bundle, not_fetched = resolve_for_load(bundle, device, ckpt)
+    rejected: List[Tuple[str, str]] = [("bundle", not_fetched)] if not_fetched else []
+    if bundle is None or not str(bundle):
+        rejected.append(("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a directory written by "
+                                   "`laya-aot build`" % (bundle,)))
+    elif pin is not None and not _is_sha256(pin):
+        rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
+                                   "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % str(pin)[:80]))
+    return bundle, rejected
+
+
+def _agent(ckpt: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any]
+           ) -> Tuple[Any, Optional[EagerModule]]:
+    """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
+    if thin:
+        agent = laya_api.thin_agent(str(ckpt), device=device, **agent_kwargs)
+        return agent, EagerModule(agent, ckpt)
+    import laya
+
+    return laya.load(str(ckpt), device=device, **agent_kwargs), None
+
+
+def _install_fallback(agent, eager: Optional[EagerModule], rejected: List[Tuple[str, str]],
+                      load_stats: Dict[str, Any]) -> None:
+    """laya's eager forward serves: a thin agent gets laya's module first."""
     if eager is not None and laya_api.is_thin(agent):
         eager.install("no artifact of the bundle serves")
         load_stats.update(eager.stats)
     fallback = EagerFallback(agent, rejected)
     fallback.stats = load_stats
     laya_api.install_backend(agent, fallback)
-    return agent
 
 
 def _is_sha256(value: str) -> bool:
@@ -335,102 +357,158 @@ def _is_sha256(value: str) -> bool:
     return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
-def _choose(agent, ckpt: Path, bundle: Path, prefer: Optional[str], probe: bool, smoke_check: bool,
-            rejected: List[Tuple[str, str]], load_stats: Dict[str, Any],
-            early: Optional[_Early] = None, cuda_graphs: bool = True, pin: Optional[str] = None,
-            near_ties: str = DEFAULT_NEAR_TIES, eager: Optional[EagerModule] = None) -> Optional[AOTBackend]:
-    from ..probe import finish
-    from ..probe import probe as run_probe
+def _choose_or_fall_back(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
+                         rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[_Early],
+                         eager: Optional[EagerModule]) -> Optional[AOTBackend]:
+    """`_choose`, where any failure is one more reason in `rejected` (None): nothing a bundle holds may take
+    the service down."""
+    try:
+        return _choose(agent, ckpt, bundle, opts, pin, rejected, load_stats, early, eager)
+    except BundleError as e:
+        rejected.append(("bundle", str(e)))
+    except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
+        log.warning("laya-aot: internal error while choosing an artifact of %s", bundle, exc_info=True)
+        rejected.append(("bundle", "internal error in laya-aot (%s: %s); the bundle is not used, please "
+                                   "report this" % (type(e).__name__, str(e)[:300])))
+    return None
 
-    manifest = read_bundle(bundle, kinds.NAMES, sha256=pin)
-    device = agent.device.type
-    machine = current_machine(str(agent.device))
-    if laya_api.parallel_options(agent):
-        rejected.append(("bundle", "this checkpoint uses option_layout='parallel', which only laya's eager "
-                                   "forward runs"))
+
+def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str], rejected: List[Tuple[str, str]],
+            load_stats: Dict[str, Any], early: Optional[_Early], eager: Optional[EagerModule]) -> Optional[AOTBackend]:
+    """The first artifact of `bundle` in the loader's order (`select.rank`) that passes every check, installed
+    into `agent`; None when none does, each with its reason in `rejected`."""
+    manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
+    why = _bundle_refused(agent, manifest, ckpt, load_stats)
+    if why is not None:
+        rejected.append(("bundle", why))
         return None
-    built_from = manifest.checkpoint.fingerprint.sha256
-    t_fp = time.perf_counter()
-    here = ckpt_mod.fingerprint(ckpt)["sha256"]
-    load_stats["fingerprint_s"] = round(time.perf_counter() - t_fp, 3)
-    if built_from != here:
-        rejected.append(("bundle", "it was built from another checkpoint (fingerprint %s..., this checkpoint is "
-                                   "%s...); its artifacts would give wrong answers: rebuild it with "
-                                   "`laya-aot build checkpoint.path=%s`" % (built_from[:12], here[:12], ckpt)))
-        return None
-    candidates, skipped = rank(manifest.artifacts, device, prefer)
+    candidates, skipped = rank(manifest.artifacts, agent.device.type, opts.prefer)
     rejected.extend(skipped)
-    pad_id = laya_api.pad_id(agent)
-    serving = laya_api.serving_dtype(agent)
-    load_stats["serving_dtype"] = serving
-    tensors = None
+    load_stats["serving_dtype"] = laya_api.serving_dtype(agent)
+    trial = _Trial(agent, ckpt, bundle, manifest, opts, rejected, load_stats, early, eager)
     for art in candidates:
-        kind = kinds.get(art.kind)
-        why = reject_reason(art, machine, device, serving)
+        backend = trial.run(art)
+        if backend is not None:
+            _log_choice(ckpt, backend, agent.device.type, opts.near_ties)
+            return backend
+    return None
+
+
+def _bundle_refused(agent, manifest: Bundle, ckpt: Path, load_stats: Dict[str, Any]) -> Optional[str]:
+    """Why no artifact of the bundle may serve this agent at all (None: each is judged on its own)."""
+    if laya_api.parallel_options(agent):
+        return "this checkpoint uses option_layout='parallel', which only laya's eager forward runs"
+    t_fp = time.perf_counter()
+    why = ckpt_mod.mismatch(manifest, ckpt)
+    load_stats["fingerprint_s"] = round(time.perf_counter() - t_fp, 3)
+    if why is not None:
+        return ("%s; its artifacts would give wrong answers: rebuild it with `laya-aot build checkpoint.path=%s`"
+                % (why, ckpt))
+    return None
+
+
+class _Trial:
+    """The checks of one candidate artifact after another, cheapest first, sharing what they all need: the
+    machine's facts, laya's serving dtype, the weights an artifact is loaded with."""
+
+    def __init__(self, agent, ckpt: Path, bundle: Path, manifest: Bundle, opts: _Options,
+                 rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[_Early],
+                 eager: Optional[EagerModule]):
+        self.agent, self.ckpt, self.bundle, self.manifest, self.opts = agent, ckpt, bundle, manifest, opts
+        self.rejected, self.load_stats, self.early, self.eager = rejected, load_stats, early, eager
+        self.machine = current_machine(str(agent.device))
+        self.pad_id = laya_api.pad_id(agent)
+        self.tensors: Any = None
+
+    def run(self, art: Artifact) -> Optional[AOTBackend]:
+        """The artifact installed into the agent, or None with its reason added to `rejected`."""
         stats: Dict[str, Any] = {}
+        why = self._before_load(art, stats)
         if why is None:
-            t_hash = time.perf_counter()
-            why = check_artifact_hash(bundle, art)
-            stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
-        if why is None and probe and kind.native:
-            pending = early.take(art.name, str(agent.device)) if early is not None else None
-            if pending is not None:
-                stats["probe_overlapped_laya_load"] = True
-                stats["probe_started_after_s"] = early.started_after_s
-                t_wait = time.perf_counter()
-                why = finish(pending, stats)
-                stats["probe_wait_after_laya_load_s"] = round(time.perf_counter() - t_wait, 3)
-            else:
-                why = run_probe(bundle, art, ckpt, str(agent.device), machine, stats)
+            try:
+                backend, why = self._load(art, stats)
+            except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
+                why = "loading it failed: %s: %s" % (type(e).__name__, e)
         if why is not None:
-            rejected.append((art.name, why))
-            continue
-        try:
-            thin = laya_api.is_thin(agent)
-            if thin and kind.needs_module and eager is not None:
-                eager.install("artifact %s runs laya's own module" % art.name)
-                thin = False
-            if tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
-                tensors = ckpt_mod.Weights(ckpt) if thin else kinds.model_tensors(agent.model)
-            env = kinds.LoadEnv(device=str(agent.device), tensors=tensors, model=agent.model, agent=agent,
-                                cuda_graphs=_graphs_wanted(cuda_graphs, art, agent.device, probe, stats))
-            t1 = time.perf_counter()
-            runner = kind.load(artifact_path(bundle, art), art, env)
-            stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
-            backend = AOTBackend(agent, runner, art, pad_id, rejected, dict(load_stats, **stats), near_ties,
-                                 eager if thin else None)
-            if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
-                model = eager.ensure("verifying %s here" % art.name) if thin and eager else agent.model
-                here = _verify_here(agent, model, runner, art, manifest, machine, stats)
-                why = None if here.passed else "verified on this machine and failed: %s" % here.reason
-                art = dataclasses.replace(art, verify=here)
-                backend.artifact, backend.verify = art, here
-            if why is None and smoke_check:
-                t_smoke = time.perf_counter()
-                why = _smoke_check(agent, backend, art, manifest)
-                stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
-        except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
-            why = "loading it failed: %s: %s" % (type(e).__name__, e)
-        if why is not None:
-            rejected.append((art.name, why))
-            continue
+            self.rejected.append((art.name, why))
+            return None
         # the runner's own load figures, the checks after the backend was made (verify here, smoke check)
         # and, for the compile route, what the smoke check's first call cost
-        stats.update(getattr(runner, "stats", None) or {})
-        if eager is not None:
-            stats.update(eager.stats)
+        stats.update(getattr(backend.runner, "stats", None) or {})
+        if self.eager is not None:
+            stats.update(self.eager.stats)
         backend.load_stats.update(stats)
-        laya_api.install_backend(agent, backend)
-        margin = backend.tie_margin
-        lat = art.latency_ms.get(device) or {}
-        shapes = ", ".join("%s %.2f ms" % kv for kv in lat.items())
-        why_first = ("chosen by its build latency on %s, %s (the lowest sum of those usable here)" % (device, shapes)
-                     if lat else "no latency measured on %s: chosen by the kinds' order" % device)
-        log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", ckpt, art.name, art.variant, why_first,
-                 "every answer is the artifact's" if margin is None else
-                 "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
-                 % (margin, near_ties),
-                 "built" if backend.eager_module is None or backend.eager_module.model is not None else
-                 "not built yet (the log says when and why it is)")
+        laya_api.install_backend(self.agent, backend)
         return backend
-    return None
+
+    def _before_load(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
+        """The manifest's verdict for this machine, the files' hash, then the probe child (native kinds)."""
+        why = reject_reason(art, self.machine, self.agent.device.type, self.load_stats["serving_dtype"])
+        if why is None:
+            t_hash = time.perf_counter()
+            why = check_artifact_hash(self.bundle, art)
+            stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
+        if why is None and self.opts.probe and kinds.get(art.kind).native:
+            why = self._probe(art, stats)
+        return why
+
+    def _probe(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
+        """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""
+        from ..probe import finish
+        from ..probe import probe as run_probe
+
+        device = str(self.agent.device)
+        pending = self.early.take(art.name, device) if self.early is not None else None
+        if pending is None:
+            return run_probe(self.bundle, art, self.ckpt, device, self.machine, stats)
+        stats["probe_overlapped_laya_load"] = True
+        stats["probe_started_after_s"] = self.early.started_after_s
+        t_wait = time.perf_counter()
+        why = finish(pending, stats)
+        stats["probe_wait_after_laya_load_s"] = round(time.perf_counter() - t_wait, 3)
+        return why
+
+    def _load(self, art: Artifact, stats: Dict[str, Any]) -> Tuple[AOTBackend, Optional[str]]:
+        """Load it in this process, verify it here if the build could not, smoke-check it; why it fails."""
+        agent, eager, kind = self.agent, self.eager, kinds.get(art.kind)
+        thin = laya_api.is_thin(agent)
+        if thin and kind.needs_module and eager is not None:
+            eager.install("artifact %s runs laya's own module" % art.name)
+            thin = False
+        if self.tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
+            self.tensors = ckpt_mod.Weights(self.ckpt) if thin else kinds.model_tensors(agent.model)
+        env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=agent.model, agent=agent,
+                            cuda_graphs=_graphs_wanted(self.opts.cuda_graphs, art, agent.device, self.opts.probe,
+                                                       stats))
+        t1 = time.perf_counter()
+        runner = kind.load(artifact_path(self.bundle, art), art, env)
+        stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
+        backend = AOTBackend(agent, runner, art, self.pad_id, self.rejected, dict(self.load_stats, **stats),
+                             self.opts.near_ties, eager if thin else None)
+        why = None
+        if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
+            model = eager.ensure("verifying %s here" % art.name) if thin and eager else agent.model
+            here = _verify_here(agent, model, runner, art, self.manifest, self.machine, stats)
+            why = None if here.passed else "verified on this machine and failed: %s" % here.reason
+            art = dataclasses.replace(art, verify=here)
+            backend.artifact, backend.verify = art, here
+        if why is None and self.opts.smoke_check:
+            t_smoke = time.perf_counter()
+            why = _smoke_check(agent, backend, art, self.manifest)
+            stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
+        return backend, why
+
+
+def _log_choice(ckpt: Path, backend: AOTBackend, device: str, near_ties: str) -> None:
+    """One log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists."""
+    art, margin = backend.artifact, backend.tie_margin
+    lat = art.latency_ms.get(device) or {}
+    shapes = ", ".join("%s %.2f ms" % kv for kv in lat.items())
+    why_first = ("chosen by its build latency on %s, %s (the lowest sum of those usable here)" % (device, shapes)
+                 if lat else "no latency measured on %s: chosen by the kinds' order" % device)
+    log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", ckpt, art.name, art.variant, why_first,
+             "every answer is the artifact's" if margin is None else
+             "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
+             % (margin, near_ties),
+             "built" if backend.eager_module is None or backend.eager_module.model is not None else
+             "not built yet (the log says when and why it is)")

@@ -25,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from laya_aot import kinds
+from laya_aot.bundle_format import read_bundle
 from laya_aot.cli import main as cli
-from laya_aot.distribution.fetch import parse_hf, resolve, usable_here
+from laya_aot.distribution.fetch import parse_hf, resolve
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import pack, read_pack_manifest, unpack
-from laya_aot.manifest import MANIFEST, BundleError, read_bundle
+from laya_aot.manifest import MANIFEST, BundleError
+from laya_aot.usable import usable_here
 
 zstandard = pytest.importorskip("zstandard")
 pytest.importorskip("tilelang", reason="the tilelang extra is not installed (cross-compiles the sm_90a part)")

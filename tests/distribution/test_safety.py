@@ -28,11 +28,12 @@ from reliability.tars import write_pack as _write_pack
 
 import laya_aot
 from laya_aot import kinds, probe, staging
+from laya_aot.bundle_format import read_bundle
 from laya_aot.cli import main as cli
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import MAX_NAME_BYTES, MAX_PAX_BYTES, pack, read_pack_manifest, unpack
 from laya_aot.files import sha256_file
-from laya_aot.manifest import MANIFEST, Bundle, BundleError, read_bundle
+from laya_aot.manifest import MANIFEST, Bundle, BundleError
 from laya_aot.usable import reject_reason
 from laya_aot.variant import current_machine
 
@@ -367,7 +368,7 @@ def test_merge_and_pack_never_follow_a_link_out_of_the_bundle(small, tmp_path, w
 def test_hard_links_are_noted_and_packed_by_their_checked_bytes(small, tmp_path, caplog):
     bundle = _copy(small, tmp_path)
     os.link(bundle / "onnx" / "model.onnx", tmp_path / "another-name")
-    with caplog.at_level("INFO", logger="laya_aot.distribution.bundle_files"):
+    with caplog.at_level("INFO", logger="laya_aot.bundle_format"):
         pack(bundle, tmp_path / "p.tar.zst")
     assert "hard links" in caplog.text
 

@@ -75,7 +75,7 @@ def test_the_race_is_real_without_the_lock():
 def test_compile_catalogue_holds_the_lock_while_its_pool_runs(monkeypatch, tmp_path):
     import ast
 
-    from laya_aot.kernels import compile as comp
+    from laya_aot.kernels import cross_compile as comp
 
     seen = []
     monkeypatch.setattr(comp, "find_nvcc", lambda: "nvcc")

@@ -39,7 +39,7 @@ needs_tilelang = pytest.mark.skipif(not HAVE_TILELANG, reason=NO_TILELANG)
 def _nvcc_available() -> bool:
     if not HAVE_TILELANG:
         return False
-    from laya_aot.kernels.compile import find_nvcc
+    from laya_aot.kernels.cross_compile import find_nvcc
 
     try:
         find_nvcc()
@@ -136,7 +136,7 @@ def test_catalogue_matches_a_real_demo_checkpoint_on_cpu(monkeypatch, tmp_path):
     from laya.fast import FastLaya
 
     from laya_aot.demo import make_checkpoint
-    from laya_aot.kernels.compile import checkpoint_catalogue
+    from laya_aot.kernels.cross_compile import checkpoint_catalogue
 
     ckpt = make_checkpoint(tmp_path / "tiny-alt", "tiny-alt")
     agent = laya.load(str(ckpt), device="cpu")
@@ -199,7 +199,8 @@ def tiny_build(tmp_path_factory):
 @needs_tilelang
 @needs_nvcc
 def test_cross_compile_demo_every_kernel_hashed(tiny_build):
-    from laya_aot.kernels.compile import checkpoint_catalogue, sha256_file
+    from laya_aot.files import sha256_file
+    from laya_aot.kernels.cross_compile import checkpoint_catalogue
 
     ckpt, out, reports = tiny_build
     want = [s.key for s in checkpoint_catalogue(ckpt)]

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from laya_aot.kinds.compile import (
+from laya_aot.kinds.inductor_cache import (
     CACHE_FILE,
     INFO_FILE,
     MIN_ROWS,
@@ -66,7 +66,7 @@ def _untraceable(*args, **kwargs):
 def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, monkeypatch):
     import laya
 
-    from laya_aot.kinds.compile import CompileRunner
+    from laya_aot.kinds.inductor_cache import CompileRunner
 
     agent = laya.load(str(even_head_ckpt), device="cpu")
     assert agent.model.head.layers[0].self_attn.num_heads % 2 == 0
@@ -112,7 +112,7 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, 
 def test_a_cache_compiled_with_other_options_is_refused(demo_ckpt, tmp_path):
     import laya
 
-    from laya_aot.kinds.compile import CompileRunner
+    from laya_aot.kinds.inductor_cache import CompileRunner
 
     art = tmp_path / "compile"
     art.mkdir()

@@ -46,7 +46,7 @@ def test_missing_configured_compiler_is_an_error(tmp_path):
 
 
 def test_this_machine_has_a_usable_compiler(demo_bundle):
-    from laya_aot.manifest import read_manifest
+    from laya_aot.bundle_format import read_manifest
 
     (entry,) = [a for a in read_manifest(demo_bundle)["artifacts"] if a["name"] == "aoti-cpu"]
     assert os.path.exists(entry["details"]["cxx"])

@@ -15,8 +15,9 @@ import torch
 from conftest import build_bundle
 
 from laya_aot import kinds
+from laya_aot.bundle_format import check_artifact_hash, read_bundle, read_manifest
 from laya_aot.files import sha256_file
-from laya_aot.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION, check_artifact_hash, read_bundle, read_manifest
+from laya_aot.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION
 from laya_aot.padding import Ranges
 from laya_aot.pipeline import BuildError
 
@@ -39,8 +40,8 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     m = read_manifest(demo_bundle)
     assert m["schema"] == SCHEMA and m["schema_version"] == SCHEMA_VERSION
     stages = {s["name"]: s for s in m["stages"]}
-    assert list(stages) == ["load", "export", "aoti", "onnx", "tilelang", "inductor_cache", "verify"]
-    for name in ("load", "export", "aoti", "onnx", "verify"):
+    assert list(stages) == ["load", "exported_program", "aoti", "onnx", "tilelang", "inductor_cache", "verify"]
+    for name in ("load", "exported_program", "aoti", "onnx", "verify"):
         assert stages[name]["status"] == "ok" and stages[name]["seconds"] >= 0, stages[name]
     assert stages["tilelang"]["status"] == "skipped" and "CUDA" in stages["tilelang"]["error"]
     assert m["checkpoint"]["fingerprint"]["files"]["model.safetensors"] == sha256_file(demo_ckpt / "model.safetensors")
@@ -188,7 +189,7 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
     def boom(*a, **k):
         raise RuntimeError("Constraints violated (tokens_16)")
     monkeypatch.setattr(export, "export_model", boom)
-    with pytest.raises(BuildError, match="stage export failed: RuntimeError: Constraints violated"):
+    with pytest.raises(BuildError, match="stage exported_program failed: RuntimeError: Constraints violated"):
         build_bundle(demo_ckpt, tmp_path / "b")
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
 
@@ -205,7 +206,7 @@ def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, mo
     m = build_bundle(demo_ckpt, tmp_path / "b", "stages.onnx=false", *FAILURES)
     names = {a["name"]: a["status"] for a in m["artifacts"]}
     assert names == {"aoti-cpu": "verified"}, names
-    (export,) = [s for s in m["stages"] if s["name"] == "export"]
+    (export,) = [s for s in m["stages"] if s["name"] == "exported_program"]
     assert "exported_program-fp32 not shipped" in export["summary"] and "wrap_with_autocast_2" in export["summary"]
     assert not list((tmp_path / "b").glob("exported_program/*"))
     assert any("is not shipped" in r.getMessage() for r in caplog.records)

@@ -146,7 +146,22 @@ OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.l
 def test_each_kind_is_spelled_in_one_module(name):
     where = sorted(_module_name(p) for p in PKG.rglob("*.py") if name in set(_string_literals(p))
                    and (name, _module_name(p)) not in OTHER_MEANING)
-    assert where == ["laya_aot.kinds.%s" % name], "the kind %r is spelled out in %s" % (name, where)
+    assert where == [kinds.get(name).build.__module__], "the kind %r is spelled out in %s" % (name, where)
+
+
+@pytest.mark.parametrize("name", kinds.NAMES)
+def test_a_kinds_module_is_named_after_its_stage(name):
+    """One name per kind for its module, its stage and its `stages.<stage>` switch; a kind whose manifest name
+    differs (`compile`, stage `inductor_cache`) says so in its own module only."""
+    kind = kinds.get(name)
+    assert kind.build.__module__ == "laya_aot.kinds.%s" % kind.stage
+
+
+def test_no_module_is_named_after_a_builtin():
+    import builtins
+
+    shadowing = sorted(m for m, p in MODULES.items() if p.stem in dir(builtins))
+    assert not shadowing, shadowing
 
 
 def test_registry_gives_every_kind_build_load_and_facts():
@@ -175,3 +190,82 @@ def test_ruff_check_passes():
     cmd = [str(ruff)] if ruff.exists() else [sys.executable, "-m", "ruff"]
     p = subprocess.run(cmd + ["check", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _error_classes():
+    """Every exception class the package defines (from the source): (module, class name)."""
+    out = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Refused", "Missing", "Forbidden",
+                                                                      "Unavailable", "Incompatible", "NotFound")):
+                out.append((m, node.name))
+    return out
+
+
+def test_every_public_error_is_a_laya_aot_error_and_keeps_its_builtin_base():
+    import importlib
+
+    from laya_aot import LayaAotError
+
+    found = _error_classes()
+    assert len(found) >= 10, found
+    for m, name in found:
+        if name == "LayaAotError":
+            continue
+        cls = getattr(importlib.import_module(m), name)
+        assert issubclass(cls, LayaAotError), "%s.%s is not under laya_aot.LayaAotError" % (m, name)
+        assert issubclass(cls, (RuntimeError, ValueError)), "%s.%s lost its builtin base" % (m, name)
+    from laya_aot.checkpoint import CheckpointNotFound
+
+    assert issubclass(CheckpointNotFound, FileNotFoundError)  # `except FileNotFoundError` around load() still works
+
+
+def _calls(module: str, name: str) -> bool:
+    """Whether `module`'s source calls a function named `name` (`name(...)` or `x.name(...)`)."""
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("module", ["laya_aot.pipeline.stages", "laya_aot.runtime.loader", "laya_aot.commands"])
+def test_build_loader_and_verify_command_call_the_one_verification(module):
+    assert "laya_aot.verification" in GRAPH[module], "%s does not import laya_aot.verification" % module
+    assert _calls(module, "verify_artifact"), "%s does not call verification.verify_artifact" % module
+
+
+def test_only_verification_runs_an_artifact_against_its_rule():
+    """verify_runner (the cases, the rule, the decision statement) is verification.verify_artifact's own step."""
+    users = sorted(m for m in MODULES if m != "laya_aot.verification"
+                   and (_calls(m, "verify_runner") or _calls(m, "rule_for") or _calls(m, "EagerFigures")))
+    assert not users, "these modules verify an artifact themselves instead of calling verify_artifact: %s" % users
+
+
+@pytest.mark.parametrize("name, owner", [
+    ("verify_artifact", "laya_aot.verification"), ("usable_here", "laya_aot.usable"),
+    ("default_device", "laya_aot.usable"), ("staged", "laya_aot.staging"),
+    ("may_replace", "laya_aot.staging"),
+])
+def test_each_decision_is_defined_once(name, owner):
+    where = sorted(m for m, path in MODULES.items()
+                   if any(isinstance(n, ast.FunctionDef) and n.name == name
+                          for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))))
+    assert where == [owner], "%s is defined in %s" % (name, where)
+
+
+def test_no_second_staging_transaction_or_default_device():
+    """staging.staged is the one new/publish/discard; usable.default_device the one cuda-or-cpu default;
+    checkpoint.mismatch the one comparison of a bundle's fingerprint with a checkpoint's."""
+    for m, path in MODULES.items():
+        text = path.read_text(encoding="utf-8")
+        if m != "laya_aot.staging":
+            assert "new_staging(" not in text and ".publish(" not in text, "%s stages a bundle itself" % m
+        if m != "laya_aot.usable":
+            assert '"cuda" if torch.cuda.is_available() else "cpu"' not in text, "%s picks a default device" % m
+        # merge compares two parts' fingerprints with each other, not a bundle's with a checkpoint
+        if m not in ("laya_aot.checkpoint", "laya_aot.distribution.merge"):
+            assert "fingerprint.sha256 !=" not in text and "fingerprint.sha256 ==" not in text, \
+                "%s compares a bundle's fingerprint itself (checkpoint.mismatch)" % m

@@ -13,7 +13,8 @@ import warnings
 import pytest
 
 import laya_aot
-from laya_aot.manifest import MANIFEST, bundle_sha256
+from laya_aot.bundle_format import bundle_sha256
+from laya_aot.manifest import MANIFEST
 from laya_aot.runtime.loader import NoArtifactError
 
 

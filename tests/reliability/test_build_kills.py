@@ -16,7 +16,8 @@ from typing import Dict, List, Set
 import pytest
 
 from laya_aot import kinds
-from laya_aot.manifest import BundleError, check_artifact_hash, read_bundle
+from laya_aot.bundle_format import check_artifact_hash, read_bundle
+from laya_aot.manifest import BundleError
 
 CHEAP = ["stages.onnx=false", "aoti.cpu_frozen=false"]   # one AOTInductor package: the compiler still runs
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from laya_aot import kinds, probe
-from laya_aot.manifest import read_bundle
+from laya_aot.bundle_format import read_bundle
 from laya_aot.variant import current_machine
 
 

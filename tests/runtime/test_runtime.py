@@ -15,8 +15,9 @@ import torch
 from questions import assert_same_answers, question_suite, state_text
 
 import laya_aot
+from laya_aot.bundle_format import read_manifest
 from laya_aot.files import write_json_atomic
-from laya_aot.manifest import MANIFEST, read_manifest
+from laya_aot.manifest import MANIFEST
 from laya_aot.runtime.loader import NoArtifactError
 
 
@@ -237,7 +238,7 @@ def _crashing_bundle(bundle: Path, tmp: Path) -> None:
     old.close()
     shutil.copy(out, pkg)
     from laya_aot import kinds
-    from laya_aot.manifest import read_bundle, record_files, write_manifest
+    from laya_aot.bundle_format import read_bundle, record_files, write_manifest
 
     m = read_bundle(bundle, kinds.NAMES)
     for a in m.artifacts:
@@ -280,12 +281,16 @@ def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, m
     assert again.backend_object.artifact.name == agent.backend_object.artifact.name
 
 
-def test_built_from_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt, tmp_path):
-    from laya_aot.checkpoint import built_from
+def test_mismatch_tells_a_bundle_of_this_checkpoint_from_others(demo_bundle, demo_ckpt, alt_ckpt):
+    from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
+    from laya_aot.checkpoint import mismatch
 
-    assert built_from(demo_bundle, demo_ckpt)
-    assert not built_from(demo_bundle, alt_ckpt)
-    assert not built_from(tmp_path, demo_ckpt)  # no manifest at all
+    manifest = read_bundle(demo_bundle, kinds.NAMES)
+    assert mismatch(manifest, demo_ckpt) is None
+    assert mismatch(manifest.checkpoint.fingerprint, demo_ckpt) is None  # the recorded fingerprint alone
+    why = mismatch(manifest, alt_ckpt)
+    assert "built from another checkpoint than %s" % alt_ckpt in why and "differing: " in why
 
 
 # ------------------------------------------------------------------ the load-time smoke check, the probe
@@ -435,7 +440,8 @@ def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check
     import laya
 
     from laya_aot import kinds
-    from laya_aot.manifest import VerifyResult, read_bundle
+    from laya_aot.bundle_format import read_bundle
+    from laya_aot.manifest import VerifyResult
     from laya_aot.runtime import loader
     from laya_aot.runtime.backend import AOTBackend
     from laya_aot.variant import current_machine

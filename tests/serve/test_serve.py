@@ -104,7 +104,7 @@ def _env(ckpt: Path, bundles: Optional[dict] = None, **extra: str) -> Dict[str, 
 def _tamper(bundle: Path, only: Optional[str] = None) -> list:
     """Change one byte range of every artifact that can serve (or of kind `only`); returns their names."""
     from laya_aot import kinds
-    from laya_aot.manifest import artifact_path, read_bundle
+    from laya_aot.bundle_format import artifact_path, read_bundle
 
     names = []
     for art in read_bundle(bundle, kinds.NAMES).artifacts:

@@ -113,3 +113,55 @@ def test_serve_without_its_extra_is_one_line_naming_it(monkeypatch):
         laya_internals.require("serve")
     assert str(e.value) == ('laya-aot serve needs fastapi, uvicorn, which are not installed: '
                             'pip install "laya-aot[serve]"')
+
+
+def test_the_thin_agents_tokenizer_is_the_one_autotokenizer_gives(demo_ckpt, tmp_path):
+    """The thin agent loads the class AutoTokenizer resolves to directly (AutoTokenizer's import costs seconds):
+    same class, same settings and the same ids on fuzzed text pairs, truncated and padded, as laya's own."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    agent = laya_internals.thin_agent(str(demo_ckpt), device="cpu")
+    ours, laya = agent.tok, AutoTokenizer.from_pretrained(str(demo_ckpt / "tokenizer"))
+    assert type(ours) is type(laya)
+    for attr in ("model_max_length", "padding_side", "truncation_side", "special_tokens_map", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(laya, attr), attr
+    rng = random.Random(0)
+    alphabet = "abcdefghij klmnop QRSTUV 0123 .,!?'\"-\n\té漢字🙂[CLS][SEP][PAD][MASK]"
+    for _ in range(300):
+        a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+        b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        for kw in ({"truncation": True, "max_length": 64}, {"padding": "max_length", "max_length": 96,
+                                                             "truncation": True}):
+            assert ours(a, b, **kw)["input_ids"] == laya(a, b, **kw)["input_ids"]
+        assert ours([a, b], padding=True)["attention_mask"] == laya([a, b], padding=True)["attention_mask"]
+
+
+def test_a_tokenizer_of_another_class_goes_through_laya(demo_ckpt, tmp_path):
+    """Only the fast tokenizers class is loaded directly; any other `tokenizer_class` is laya's own path."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo_ckpt, ckpt)
+    cfg_path = ckpt / "tokenizer" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "BertTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg))
+    assert laya_internals._fast_tokenizer(str(ckpt / "tokenizer")) is None
+    from transformers import AutoTokenizer
+
+    agent = laya_internals.thin_agent(str(ckpt), device="cpu")
+    assert type(agent.tok) is type(AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")))
+    assert type(agent.tok).__name__.startswith("BertTokenizer")  # not the class the direct load makes
+
+
+def test_a_thin_start_does_not_import_autotokenizer(demo_ckpt):
+    """What the direct load saves: transformers' auto classes (and through them its modelling code) stay out."""
+    code = ("import sys, laya_aot.laya_internals as li; a = li.thin_agent(%r, device='cpu'); "
+            "print(sorted(m for m in ('transformers.models.auto.tokenization_auto', 'transformers.modeling_utils') "
+            "if m in sys.modules))" % str(demo_ckpt))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import laya_aot
 from laya_aot import kinds
-from laya_aot.manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError, read_bundle
+from laya_aot.bundle_format import read_bundle
+from laya_aot.manifest import MANIFEST, SCHEMA_VERSION, Bundle, BundleError
 
 OUTCOMES: Counter = Counter()
 WRONG = [None, True, 0, -3, 2.5, "", "tpu", [], [1, "x"], {}, {"a": 1}]
@@ -128,6 +129,21 @@ def test_what_the_fuzzer_must_refuse_is_refused(manifest):
         mutate(m)
         with pytest.raises(BundleError, match=re.escape(field)):
             Bundle.from_dict(m, kinds.NAMES)
+
+
+@pytest.mark.parametrize("kernels, field", [
+    ([{"path": "../lib.so"}], "details.kernels[0].path"),
+    ([{"path": "a.so", "meta_path": "/etc/passwd"}], "details.kernels[0].meta_path"),
+    ("a.so", "details.kernels"),
+])
+def test_a_kinds_details_are_checked_by_its_own_hook(manifest, kernels, field):
+    """TileLang's `details.kernels` layout is checked by `kinds.tilelang.check_details`, which the reader asks."""
+    m = copy.deepcopy(manifest)
+    m["artifacts"][1].update(kind="tilelang", details={"kernels": kernels})
+    with pytest.raises(BundleError, match=re.escape("artifacts[1].%s" % field)):
+        Bundle.from_dict(m, kinds.BY_NAME)
+    m["artifacts"][1]["details"] = {"kernels": [{"path": "a.so", "meta_path": "a.json"}]}
+    Bundle.from_dict(m, kinds.BY_NAME)
 
 
 def test_version_and_nesting_are_refused(manifest, bundle_copy):

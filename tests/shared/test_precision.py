@@ -93,7 +93,8 @@ def decisive(tmp_path_factory):
 @pytest.mark.slow  # laya eager in 16 bits over the verification cases: 15-30 s
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
-    from laya_aot.model import ExplicitDtypeModel, torch_dtype
+    from laya_aot.dtypes import torch_dtype
+    from laya_aot.model import ExplicitDtypeModel
     from laya_aot.padding import Ranges
     from laya_aot.verification import cases, eager_in_dtype, reference_outputs, verify_runner
 
@@ -233,7 +234,7 @@ def test_a_bf16_cpu_artifact_states_its_decisions_and_a_worse_one_fails(demo_ckp
 
     from laya_aot import kinds
     from laya_aot import laya_internals as laya_api
-    from laya_aot.manifest import artifact_path, read_bundle
+    from laya_aot.bundle_format import artifact_path, read_bundle
     from laya_aot.tolerance import Tolerance
     from laya_aot.verification import EagerFigures, decision_cases
 

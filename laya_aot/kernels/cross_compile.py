@@ -1,24 +1,15 @@
 """Cross-compile a kernel catalogue for one GPU architecture, on a machine with nvcc and no GPU.
 
-Each kernel becomes two files in the output directory:
-  <key>.so    the TVM-FFI executable TileLang builds: host launcher plus the device cubin
-              (nvcc -arch=<arch>), loadable with `tvm.runtime.load_module` and no compiler;
-  <key>.json  what loading it needs besides the library: the spec, TileLang's kernel params
-              and the PrimFunc's signature (its body stripped: the loader only reads params,
-              buffer shapes and attrs), so the runtime neither elaborates nor lowers anything.
-Both are hashed. A kernel that fails records the compiler's message and the rest go on.
-
-Compilation runs in threads: nvcc is a subprocess and TileLang's lowering releases the GIL
-(TileLang's own `par_compile` relies on the same), and a thread pool keeps one import of
-TileLang for all jobs. Elaboration (building the PrimFuncs) runs first, in this thread.
-`ast.parse` is serialised while the pool runs (see `astlock`: a CPython 3.11 race).
-TileLang's kernel and nvcc-binary caches are disabled for the build so every kernel really
-compiles (timings are honest) and nothing leaks into ~/.tilelang.
+Each kernel becomes `<key>.so` (TileLang's TVM-FFI library: host launcher plus device cubin) and
+`<key>.json` (spec, kernel params and the body-less PrimFunc signature), both hashed, so the runtime
+neither elaborates nor lowers anything; a failing kernel records the compiler's message. Compilation
+runs in a thread pool (nvcc is a subprocess and lowering releases the GIL; one TileLang import), with
+`ast.parse` serialised (`astlock`). TileLang's caches are disabled so every kernel really compiles
+and nothing leaks into ~/.tilelang.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from ..checkpoint import ENCODER_CONFIG, read_config
+from ..files import cache_dir, sha256_file, write_bytes_atomic
 from .astlock import serial_ast_parse
 from .catalogue import KernelSpec, catalogue
 
@@ -39,14 +32,6 @@ DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 META_FORMAT = 1
 INDEX_NAME = "kernels.json"
 _ERROR_LIMIT = 20000
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cuda_target(arch: str) -> Dict[str, str]:
@@ -119,12 +104,6 @@ def _signature_json(func) -> str:
     return tvm.ir.save_json(func.with_body(tirx.Evaluate(0)))
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(".%s.tmp" % path.name)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _compile_one(spec: KernelSpec, func, arch: str, out_dir: Path) -> Dict[str, Any]:
     """Lower + nvcc one kernel, export its library and metadata; raise on any failure."""
     import tilelang
@@ -143,7 +122,7 @@ def _compile_one(spec: KernelSpec, func, arch: str, out_dir: Path) -> Dict[str, 
             "params": json.loads(dump_kernel_params(kernel.params)), "signature": _signature_json(func),
             **_versions()}
     meta_path = out_dir / (spec.key + ".json")
-    _write_atomic(meta_path, json.dumps(meta, indent=1, sort_keys=True).encode())
+    write_bytes_atomic(meta_path, json.dumps(meta, indent=1, sort_keys=True).encode())
     return {"path": lib.name, "sha256": sha256_file(lib), "size": lib.stat().st_size,
             "meta_path": meta_path.name, "meta_sha256": sha256_file(meta_path)}
 
@@ -178,8 +157,6 @@ def kernel_cache_dir(arch: str, nvcc: str) -> Optional[Path]:
     if root is not None and root.strip() in ("", "0"):
         return None
     if root is None:
-        from ..files import cache_dir
-
         root = str(cache_dir() / "tilelang-kernels")
     v = _versions()
     return Path(root) / ("tilelang%s-laya%s-nvcc%s" % (v["tilelang_version"], v["laya_version"], nvcc)) / arch
@@ -196,8 +173,8 @@ def _from_cache(spec: KernelSpec, cache: Optional[Path], out_dir: Path) -> Optio
         data_lib, data_meta = lib.read_bytes(), meta.read_bytes()
     except (OSError, ValueError):
         return None
-    _write_atomic(out_dir / lib.name, data_lib)
-    _write_atomic(out_dir / meta.name, data_meta)
+    write_bytes_atomic(out_dir / lib.name, data_lib)
+    write_bytes_atomic(out_dir / meta.name, data_meta)
     return {"path": lib.name, "sha256": sha256_file(out_dir / lib.name), "size": len(data_lib),
             "meta_path": meta.name, "meta_sha256": sha256_file(out_dir / meta.name), "cached": True}
 
@@ -208,7 +185,7 @@ def _to_cache(files: Dict[str, Any], cache: Optional[Path], out_dir: Path) -> No
     try:
         cache.mkdir(parents=True, exist_ok=True)
         for name in (files["path"], files["meta_path"]):
-            _write_atomic(cache / name, (out_dir / name).read_bytes())
+            write_bytes_atomic(cache / name, (out_dir / name).read_bytes())
     except OSError as e:  # a read-only cache only costs the next build time
         log.debug("kernel cache not written: %s", e)
 
@@ -290,7 +267,7 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
     report = {"arch": arch, "target": target, "kernels": kernels, "seconds": round(time.perf_counter() - t0, 3),
               **_versions(), "nvcc_version": nvcc_v, "jobs": jobs, "ok": n_ok,
               "failed": len(kernels) - n_ok, "from_cache": n_cached, "cache": str(cache) if cache else None}
-    _write_atomic(out_dir / INDEX_NAME, json.dumps(report, indent=1).encode())
+    write_bytes_atomic(out_dir / INDEX_NAME, json.dumps(report, indent=1).encode())
     log.info("compiled %d/%d kernels for %s in %.1f s (%d jobs, %d from the kernel cache)", n_ok, len(kernels), arch,
              report["seconds"], jobs, n_cached)
     return report
@@ -298,12 +275,7 @@ def compile_catalogue(specs: Sequence[KernelSpec], arch: str, out_dir: Path, job
 
 def read_checkpoint_config(checkpoint_dir: Path) -> Dict[str, Any]:
     """encoder/config.json and rl_agent_config.json of a Laya checkpoint directory."""
-    checkpoint_dir = Path(checkpoint_dir)
-    with open(checkpoint_dir / "encoder" / "config.json", encoding="utf-8") as f:
-        encoder = json.load(f)
-    with open(checkpoint_dir / "rl_agent_config.json", encoding="utf-8") as f:
-        agent = json.load(f)
-    return {"encoder": encoder, "agent": agent}
+    return {"encoder": read_config(checkpoint_dir, ENCODER_CONFIG), "agent": read_config(checkpoint_dir)}
 
 
 def checkpoint_catalogue(checkpoint_dir: Path, dtype: Optional[str] = None, max_len: Optional[int] = None,
@@ -330,4 +302,4 @@ def build_for_checkpoint(checkpoint_dir: Path, archs: Sequence[str], dtype: str,
 
 
 __all__ = ["DEFAULT_ARCHS", "build_for_checkpoint", "kernel_cache_dir", "checkpoint_catalogue", "compile_catalogue",
-           "cuda_target", "find_nvcc", "nvcc_version", "read_checkpoint_config", "sha256_file"]
+           "cuda_target", "find_nvcc", "nvcc_version", "read_checkpoint_config"]

@@ -1,17 +1,11 @@
-"""The compile route with a pre-populated Inductor cache (CUDA targets).
+"""The compile route with a pre-populated Inductor cache (CUDA targets): stage and switch `inductor_cache`.
 
-At build time the explicit-dtype model is compiled once, as one full graph whose rows, tokens and
-markers are dynamic (`mark_dynamic_batch`), and the compiled code is saved with
-`torch.compiler.save_cache_artifacts()`. At run time `CompileRunner` loads those bytes with
-`torch.compiler.load_cache_artifacts()` before its first compile, so a fresh process reuses the
-compiled graph and kernels instead of running Inductor and Triton from scratch. Dynamo still traces
-the model and AOTAutograd still looks its graph up (about 11 s for a ModernBERT-large-sized model on
-the CPU machine); `cache_counters` tells a hit from a compile.
-
-Why only the batch's dimensions are dynamic, not `dynamic=True`: `dynamic=True` also makes every float
-attribute of the model symbolic (layer-norm eps, dropout p, rotary scaling), and Dynamo then traces
-the whole model twice (its tensorify pass restarts the analysis): 23.7 s against 11.5 s for the
-large model, Dynamo plus AOTAutograd, on the CPU machine.
+The build compiles the explicit-dtype model once, as one graph with dynamic batch dimensions
+(`mark_dynamic_batch`), and saves `torch.compiler.save_cache_artifacts()`; `CompileRunner` loads them
+before its first compile, so a fresh process skips Inductor and Triton (Dynamo and AOTAutograd still
+run; `cache_counters` tells a hit from a compile). Only the batch's dimensions are dynamic: `dynamic=True`
+would make every float attribute symbolic and Dynamo trace the model twice. The manifest name stays
+`compile` for bundles already built; `NAME` and `STAGE` are where the two names meet.
 """
 from __future__ import annotations
 
@@ -30,14 +24,16 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..manifest import Artifact
-from ..model import ExplicitDtypeModel, torch_dtype
+from ..model import ExplicitDtypeModel
 from ..padding import Ranges
-from .base import BuildContext, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
 
-NAME = "compile"
+NAME = "compile"  # the manifest's kind and the artifacts' names; the stage and switch: STAGE
+STAGE = "inductor_cache"
 
 CACHE_FILE = "inductor_cache.bin"
 INFO_FILE = "compile.json"
@@ -162,8 +158,8 @@ class CompileRunner(Runner):
         n = ids.shape[0]
         # one compile at a time (Dynamo's cache is process-wide); autocast off: laya's agent calls its
         # forward under bf16 autocast on CUDA, and Dynamo guards on the autocast state, so a call under
-        # it would compile a second graph from scratch that the saved cache does not hold (59 s on the
-        # H200, run 6). The module casts to its dtype itself.
+        # it would compile a second graph from scratch that the saved cache does not hold. The module
+        # casts to its dtype itself.
         with self._lock, torch.no_grad(), torch.autocast(self.device.type, enabled=False), no_mha_fastpath():
             if self._first:  # what the first call cost, and whether it came from the saved cache
                 before, t0 = cache_counters(), time.perf_counter()
@@ -214,7 +210,7 @@ def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
     print(FRESH_MARK + json.dumps(runner.stats), flush=True)
 
 
-def build(ctx: BuildContext) -> str:
+def build(ctx: BuildContext, exported: Exported) -> Built:
     """Compile on the build machine's GPU, save the cache, and keep it only if a fresh process hits it."""
     if ctx.device != "cuda":
         raise Skip("the compile route with a warm Inductor cache is built for CUDA targets; on the CPU the "
@@ -224,7 +220,7 @@ def build(ctx: BuildContext) -> str:
                    % ctx.cfg.target.name)
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = build_cache(ctx.agent, ctx.staging / name, ctx.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
+    facts = build_cache(ctx.agent, ctx.staging / name, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
     seconds = time.perf_counter() - t0
     try:
         facts["fresh_process"] = check_in_fresh_process(ctx.staging / name, ctx.ckpt, ctx.device)
@@ -232,8 +228,8 @@ def build(ctx: BuildContext) -> str:
         shutil.rmtree(ctx.staging / name, ignore_errors=True)  # nothing of a cache that would not be used
         raise
     ctx.add_artifact(KIND, name, name, "cuda", ctx.dtype, seconds, details=facts)
-    return "%d shapes, %.1f MB; a fresh process hit it (first call %.1f s)" % (
-        len(facts["shapes"]), facts["bytes"] / 1e6, facts["fresh_process"].get("first_call_s", 0.0))
+    return Built("%d shapes, %.1f MB; a fresh process hit it (first call %.1f s)" % (
+        len(facts["shapes"]), facts["bytes"] / 1e6, facts["fresh_process"].get("first_call_s", 0.0)))
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
@@ -242,7 +238,7 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
 
 # not native: Python plus Triton kernels; a child probe would run its whole torch.compile a second time,
 # so it is loaded in-process, where a failure is an exception the loader catches like any other
-KIND = Kind(name=NAME, stage="inductor_cache", build=build, load=load, order=2, reverify=False, needs_module=True)
+KIND = Kind(name=NAME, stage=STAGE, build=build, load=load, order=2, reverify=False, needs_module=True)
 
 
 if __name__ == "__main__":
