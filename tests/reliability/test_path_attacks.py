@@ -130,9 +130,11 @@ def test_a_symlinked_artifact_directory_is_refused(bundle_copy, demo_ckpt, secre
 
 @pytest.mark.parametrize("bad", ["/ABS", "../../outside/secret.bin"])
 def test_kernel_paths_outside_the_artifact_are_refused(bundle_copy, demo_ckpt, secret, bad):
+    """TileLang's kernel files (its `details.kernels`, checked by the kind's own `check_details`): the entry is
+    made a TileLang one, since only that kind keeps kernel paths."""
     bad = bad.replace("/ABS", str(secret))
-    _edit(bundle_copy, lambda m: _aoti(m)["details"].update(kernels=[{"key": "k", "status": "ok", "path": bad,
-                                                                       "meta_path": "k.json"}]))
+    _edit(bundle_copy, lambda m: _aoti(m).update(kind="tilelang", details={"kernels": [
+        {"key": "k", "status": "ok", "path": bad, "meta_path": "k.json"}]}))
     _all_three(bundle_copy, demo_ckpt, secret, "a path inside the artifact")
 
 
