@@ -112,13 +112,13 @@ class AOTIRunner(Runner):
     """An AOTInductor package whose weights come from the checkpoint at load time."""
 
     def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, prepared: Optional[Mapping[str, torch.Tensor]] = None):
         from safetensors.torch import load_file
 
         art_dir = Path(art_dir)
         self.device = torch.device(device)
         spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
-        extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
+        extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() and prepared is None else {}
         t0 = time.perf_counter()
         self._compiled = load_aoti_package(art_dir / PACKAGE, self._index())
         self.stats: Dict[str, object] = {"load_package_s": round(time.perf_counter() - t0, 3)}
@@ -138,23 +138,11 @@ class AOTIRunner(Runner):
         if missing:
             raise KeyError("the package needs constants its constants.json does not describe: %s"
                            % sorted(missing)[:3])
-        consts: Dict[str, torch.Tensor] = {}
-        for fqn, src in spec["constants"].items():
-            if fqn not in wanted:  # folded or unused by the compiled graph
-                continue
-            dtype = getattr(torch, src["dtype"])
-            if src["source"] == "model":
-                if src["key"] not in tensors:
-                    raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; "
-                                   "the bundle was built from another model architecture" % src["key"])
-                t = tensors[src["key"]]
-            else:
-                t = extra[fqn]
-            # .to() returns the tensor itself when dtype and device already match: no second copy of
-            # the weights for an fp32 CPU artifact
-            # moved, then converted on the device: a checkpoint tensor read from disk crosses to the GPU in
-            # its stored dtype, once
-            consts[fqn] = t.detach().to(device=self.device).to(dtype=dtype).contiguous()
+        if prepared is not None:  # read beside laya's load (`prepare`): only what this package takes is kept
+            consts = {fqn: t for fqn, t in prepared.items() if fqn in wanted}
+            self.stats["constants_prepared"] = True
+        else:
+            consts = device_constants(spec, extra, tensors, self.device, wanted)
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
         self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
         self.stats["constants_s"] = round(time.perf_counter() - t0, 3)
@@ -200,6 +188,49 @@ def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[st
             fill = 0.01 if dtype.is_floating_point else 0
             out[key] = torch.full(shape, fill, dtype=dtype, device=device)
     return out
+
+
+def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
+                     device: torch.device, wanted: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+    """The package's constants on `device` (those in `wanted`; every one that constants.json lists if None),
+    each taken from the checkpoint's `tensors` or the bundle's `extra` file and converted to its dtype there."""
+    keep = None if wanted is None else set(wanted)
+    consts: Dict[str, torch.Tensor] = {}
+    for fqn, src in spec["constants"].items():
+        if keep is not None and fqn not in keep:  # folded or unused by the compiled graph
+            continue
+        dtype = getattr(torch, src["dtype"])
+        if src["source"] == "model":
+            if src["key"] not in tensors:
+                raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; "
+                               "the bundle was built from another model architecture" % src["key"])
+            t = tensors[src["key"]]
+        else:
+            t = extra[fqn]
+        # moved, then converted on the device: a checkpoint tensor read from disk crosses to the GPU in its
+        # stored dtype, once; .to() returns the tensor itself when dtype and device already match (no second
+        # copy of the weights for an fp32 CPU artifact)
+        consts[fqn] = t.detach().to(device=device).to(dtype=dtype).contiguous()
+    return consts
+
+
+def prepare(art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str) -> Optional[Dict[str, torch.Tensor]]:
+    """Every constant the package may take, on `device`, before the package itself is loaded: the loader
+    runs this beside laya's load and the probe child (the package is not loaded in the service's process
+    until the probe passed), so the weights' copy to the GPU is off a start's critical path. None for a
+    package with its weights inside."""
+    from safetensors.torch import load_file
+
+    art_dir = Path(art_dir)
+    spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
+    if spec.get("frozen"):
+        return None
+    extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
+    dev = torch.device(device)
+    consts = device_constants(spec, extra, tensors, dev)
+    if dev.type == "cuda":  # done when handed over, whichever stream the loading thread then uses
+        torch.cuda.synchronize(dev)
+    return consts
 
 
 class _Package:
@@ -270,7 +301,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs)
+    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs, env.prepared)
 
 
 def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:
@@ -281,4 +312,4 @@ def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadE
 
 
 KIND = Kind(name=NAME, stage="aoti", build=build, load=load, order=1, native=True, cuda_graphs=True,
-            probe_env=probe_env)
+            probe_env=probe_env, prepare=prepare)

@@ -50,6 +50,8 @@ class LoadEnv:
     model: Optional[torch.nn.Module] = None
     agent: Any = None
     cuda_graphs: bool = False
+    # the weights already on the device, from the kind's `prepare` (run beside laya's load); None: make them
+    prepared: Optional[Mapping[str, torch.Tensor]] = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,9 @@ class Kind:
     needs_module: bool = False
     # what a probe child loads it with (stand-in weights, or laya's agent); only for native kinds
     probe_env: Optional[Callable[[Path, Artifact, Path, str], LoadEnv]] = None
+    # prepare(path, tensors, device): the weights its load takes, put on the device before the artifact itself
+    # is loaded (the loader runs it beside laya's load and the probe child); None: the load reads them itself
+    prepare: Optional[Callable[[Path, Mapping[str, torch.Tensor], str], Any]] = None
     # the manifest reader's hook: why `Artifact.details` breaks this kind's layout ("FIELD: expected ..., got
     # ..."), or None; the reader refuses the bundle with it, naming the field
     check_details: Callable[[Dict[str, Any]], Optional[str]] = lambda details: None

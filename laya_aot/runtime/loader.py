@@ -37,29 +37,33 @@ log = logging.getLogger(__name__)
 
 
 class _Early:
-    """The hash and probe of the first candidate artifact, and the checkpoint's fingerprint, overlapped
-    with `laya.load`.
+    """What a start can do for the first candidate artifact while `laya.load` reads the checkpoint: its hash,
+    its probe child, its weights put on the device (`Kind.prepare`, for a thin agent), and the checkpoint's
+    fingerprint.
 
-    A probe child starts only for an artifact fit for this machine whose bytes match the manifest, and
-    only when the checkpoint's small files (configs, tokenizer) match the ones the bundle was built
-    from: the checks `_choose` makes before probing, except the weights' digest, which the child does
-    not depend on and which runs beside it (a mismatch kills the child). `_choose` repeats every check, takes
-    the started probe when it reaches that artifact on the same device, and `close` kills a probe
-    nobody took.
+    A probe child starts, and the weights are prepared, only for an artifact fit for this machine whose bytes
+    match the manifest, and only when the checkpoint's small files (configs, tokenizer) match the ones the
+    bundle was built from: the checks `_choose` makes before probing, except the weights' digest, which
+    neither depends on and which runs beside them (a mismatch kills the child and drops the weights).
+    `_choose` repeats every check, takes the started probe and the prepared weights when it reaches that
+    artifact on the same device, and `close` drops what nobody took.
     """
 
     def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-                 pin: Optional[str] = None):
+                 pin: Optional[str] = None, thin: bool = False, probe: bool = True):
         self.pending = None
         self.device: Optional[str] = None
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
+        self.prepare_s: Optional[float] = None  # how long the weights took to reach the device
+        self._prepared: Optional[Tuple[str, Any]] = None  # (artifact name, its kind's prepared weights)
+        self._prepare_thread: Optional[threading.Thread] = None
         self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin), daemon=True,
-                                        name="laya-aot-early-probe")
+        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe),
+                                        daemon=True, name="laya-aot-early-probe")
         self._thread.start()
 
     def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-             pin: Optional[str]) -> None:
+             pin: Optional[str], thin: bool, probe: bool) -> None:
         from ..probe import start
 
         try:
@@ -71,17 +75,34 @@ class _Early:
             candidates, _ = rank(manifest.artifacts, here.device_type, prefer)
             for art in candidates:
                 if here.reject_reason(art) is None:
-                    if kinds.get(art.kind).native and check_artifact_hash(bundle, art) is None:
+                    kind = kinds.get(art.kind)
+                    prepare = kind.prepare if thin else None
+                    probed = kind.native and probe
+                    if (probed or prepare) and check_artifact_hash(bundle, art) is None:
                         self.device = here.device
-                        self.started_after_s = round(time.perf_counter() - self._t0, 3)
-                        self.pending = start(bundle, art, ckpt, here.device, here.machine)
+                        if probed:
+                            self.started_after_s = round(time.perf_counter() - self._t0, 3)
+                            self.pending = start(bundle, art, ckpt, here.device, here.machine)
+                        if prepare is not None:
+                            self._prepare_thread = threading.Thread(
+                                target=self._prepare, args=(prepare, art, artifact_path(bundle, art), ckpt,
+                                                            here.device),
+                                daemon=True, name="laya-aot-early-weights")
+                            self._prepare_thread.start()
                     break
             # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
-            if ckpt_mod.mismatch(manifest, ckpt) is not None and self.pending:
-                self.pending.cancel()
-                self.pending = None
+            if ckpt_mod.mismatch(manifest, ckpt) is not None:
+                self._drop()
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
             log.debug("early probe not started: %s", e)
+
+    def _prepare(self, prepare, art: Artifact, path: Path, ckpt: Path, device: str) -> None:
+        t = time.perf_counter()
+        try:
+            self._prepared = (art.name, prepare(path, ckpt_mod.Weights(ckpt), device))
+            self.prepare_s = round(time.perf_counter() - t, 3)
+        except Exception as e:  # noqa: BLE001 - the artifact's own load reads the weights again and reports it
+            log.debug("weights not prepared early for %s: %s", art.name, e)
 
     def take(self, name: str, device: str):
         """The probe started for artifact `name` on `device`, or None."""
@@ -92,11 +113,28 @@ class _Early:
             return p
         return None
 
-    def close(self) -> None:
+    def take_prepared(self, name: str, device: str) -> Any:
+        """The weights prepared for artifact `name` on `device` (waiting for them if still on their way), or
+        None."""
         self._thread.join()
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()
+        got, self._prepared = self._prepared, None
+        if got is not None and got[0] == name and self.device == device:
+            return got[1]
+        return None
+
+    def _drop(self) -> None:
         if self.pending is not None:
             self.pending.cancel()
             self.pending = None
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()
+        self._prepared = None
+
+    def close(self) -> None:
+        self._thread.join()
+        self._drop()
 
 
 # when the loader builds laya's eager module (see `load`)
@@ -270,9 +308,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
     usable = not rejected
     opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties)
-    early = _Early(ckpt, Path(bundle), device, prefer, pin) if probe and usable else None
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
+    early = _Early(ckpt, Path(bundle), device, prefer, pin, thin, probe) if usable and (probe or thin) else None
     try:
         agent, eager = _agent(ckpt, device, thin, agent_kwargs)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
@@ -479,7 +517,8 @@ class _Trial:
             self.tensors = ckpt_mod.Weights(self.ckpt) if thin else kinds.model_tensors(agent.model)
         env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=agent.model, agent=agent,
                             cuda_graphs=_graphs_wanted(self.opts.cuda_graphs, art, agent.device, self.opts.probe,
-                                                       stats))
+                                                       stats),
+                            prepared=self._prepared(art, thin, stats))
         t1 = time.perf_counter()
         runner = kind.load(artifact_path(self.bundle, art), art, env)
         stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
@@ -497,6 +536,18 @@ class _Trial:
             why = _smoke_check(agent, backend, art, self.manifest)
             stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         return backend, why
+
+
+    def _prepared(self, art: Artifact, thin: bool, stats: Dict[str, Any]) -> Any:
+        """The artifact's weights, put on the device while laya loaded (None: its load reads them now)."""
+        if not thin or self.early is None:
+            return None
+        t = time.perf_counter()
+        got = self.early.take_prepared(art.name, str(self.agent.device))
+        if got is not None:
+            stats.update(weights_prepared_early_s=self.early.prepare_s,
+                         weights_wait_after_laya_load_s=round(time.perf_counter() - t, 3))
+        return got
 
 
 def _log_choice(ckpt: Path, backend: AOTBackend, device: str, near_ties: str) -> None:

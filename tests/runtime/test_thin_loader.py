@@ -82,3 +82,52 @@ def test_a_checkpoint_of_another_shape_serves_thin_with_laya_eagers_answers(alt_
     assert laya_api.vocab(agent) == laya_api.vocab(eager) and laya_api.pad_id(agent) == laya_api.pad_id(eager)
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), eager.predict_batch(STATES, question_suite())):
         assert_same_answers(got["answers"], ref["answers"])
+
+
+def _package_first(monkeypatch):
+    """Rank the AOTInductor package that takes its weights at load (not the frozen one) first, for the loader
+    and its early thread alike."""
+    from laya_aot.runtime import loader
+
+    real = loader.rank
+
+    def rank(arts, device, prefer=None):
+        order, skipped = real(arts, device, prefer)
+        return sorted(order, key=lambda a: a.name != "aoti-cpu"), skipped
+    monkeypatch.setattr(loader, "rank", rank)
+
+
+def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_answers(demo_ckpt, demo_bundle,
+                                                                                    reference, monkeypatch):
+    _package_first(monkeypatch)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    assert bo.artifact.name == "aoti-cpu" and laya_api.is_thin(agent)
+    assert bo.load_stats["constants_prepared"] is True and bo.load_stats["weights_prepared_early_s"] >= 0
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    # a whole agent's artifact takes laya's module's tensors, never weights read early from the file
+    whole = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, eager_module="now")
+    assert whole.backend_object.artifact.name == "aoti-cpu"
+    assert "constants_prepared" not in whole.backend_object.load_stats
+
+
+def test_prepared_weights_are_the_ones_the_package_would_read(demo_ckpt, demo_bundle):
+    import torch
+
+    from laya_aot.checkpoint import Weights
+    from laya_aot.kinds import aoti
+
+    path = demo_bundle / "aoti-cpu"
+    prepared = aoti.prepare(path, Weights(demo_ckpt), "cpu")
+    early, late = aoti.AOTIRunner(path, {}, "cpu", prepared=prepared), aoti.AOTIRunner(path, Weights(demo_ckpt), "cpu")
+    assert early.stats["constants_prepared"] is True and "constants_prepared" not in late.stats
+    assert set(early._consts) == set(late._consts)
+    for fqn, t in late._consts.items():
+        assert early._consts[fqn].dtype == t.dtype and torch.equal(early._consts[fqn], t), fqn
+    ids = torch.full((2, 32), 7, dtype=torch.long)
+    batch = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 0]] * 2), torch.tensor([[True, True, True, False]] * 2),
+             torch.zeros((2,), dtype=torch.long))
+    for a, b in zip(early(*batch), late(*batch)):
+        assert torch.equal(a, b)
+    assert aoti.prepare(demo_bundle / "aoti-cpu-frozen", Weights(demo_ckpt), "cpu") is None  # weights inside
