@@ -92,6 +92,18 @@ def calls_child(path: str, ckpt: str, bundle: str, device: str = "cuda") -> None
     sync()
     resident = torch.cuda.memory_allocated() / 1e9 if cuda else None
     res = {"path": path, "backend": agent.backend, "resident_after_load_gb": resident, "calls": {}, "decisions": {}}
+    if cuda:  # what the resident memory holds: the weights by dtype (the artifact's constants or laya's module)
+        runner = getattr(getattr(agent, "backend_object", None), "runner", None)
+        held = getattr(runner, "_consts", None) or dict(agent.model.named_parameters())
+        by_dtype: dict = {}
+        for t in held.values():
+            if t.device.type == "cuda":
+                by_dtype[str(t.dtype)] = by_dtype.get(str(t.dtype), 0) + t.numel() * t.element_size()
+        res["weights_gb_by_dtype"] = {k: round(v / 1e9, 4) for k, v in by_dtype.items()}
+        res["weights_numel"] = sum(t.numel() for t in held.values())
+        res["memory_stats_after_load"] = {k: v for k, v in torch.cuda.memory_stats().items()
+                                          if k in ("allocated_bytes.all.current", "reserved_bytes.all.current",
+                                                   "active_bytes.all.current", "allocation.all.current")}
     for name, n, words, qs in CALLS:
         st = states(n, words, seed=n * 1000 + words)
         for _ in range(3):
@@ -243,13 +255,16 @@ def markdown(r: dict) -> str:
              "untimed warm-up starts (s): %s" % (r.get("bytecode_beside_torch"), r.get("PYTHONDONTWRITEBYTECODE"),
                                                  r.get("warmup", "none")), "",
              "| path | start | first answer (s) | agent_load_s | select_s | artifact_load_s | constants_s | "
-             "smoke_check_s | probe |", "|---|---|---|---|---|---|---|---|---|"]
+             "weights prepared early (s) | waited for them (s) | waited for the probe (s) | smoke_check_s | probe |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in r["starts"]:
         ls = s.get("load_stats") or {}
-        lines.append("| %s | %d%s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %d%s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             s["path"], s["n"], " (first on machine)" if s.get("first_on_machine") else "", s.get("first_answer_s"),
             ls.get("agent_load_s", "-"), ls.get("select_s", "-"), ls.get("artifact_load_s", "-"),
-            ls.get("constants_s", "-"), ls.get("smoke_check_s", "-"), ls.get("probe", "-")))
+            ls.get("constants_s", "-"), ls.get("weights_prepared_early_s", "-"),
+            ls.get("weights_wait_after_laya_load_s", "-"), ls.get("probe_wait_after_laya_load_s", "-"),
+            ls.get("smoke_check_s", "-"), ls.get("probe", "-")))
     if r.get("calls"):
         lines += ["", "| path | backend | resident after load GB | peak 32x1024 GB | " +
                   " | ".join("%s ms" % c[0] for c in CALLS) + " |", "|---" * (4 + len(CALLS)) + "|"]
