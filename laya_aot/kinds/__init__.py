@@ -1,45 +1,39 @@
-"""The artifact kinds, registered in one table: the pipeline builds them, the loader asks them.
+"""The artifact kinds, registered in one table (`registry.py`): the pipeline builds them, the loader asks them.
 
-Adding a kind: write `kinds/<name>.py` with its build step, its runner and its `KIND` facts, and add
-it to `REGISTRY` below (docs/architecture.md walks through it). Nothing else names a kind.
+Adding a kind: write `kinds/<stage>.py` with its build step, its runner and its `KIND` facts, its own build
+settings (if any) in `kinds/<stage>_settings.py`, and add it to `registry.REGISTRY` (docs/architecture.md
+walks through it). Nothing else names a kind.
+
+Importing this package imports no torch: the registry and `base`'s names (which do) load on first use
+(`kinds.REGISTRY`, `from laya_aot.kinds import Kind`). That keeps the kinds' settings modules, which the
+build schema (`config.py`) composes, importable before torch: `laya-aot build` checks overrides first.
 """
 from __future__ import annotations
 
-from pathlib import Path
-from types import MappingProxyType
-from typing import Dict, List, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, List
 
-from ..manifest import Artifact
-from . import aoti, exported_program, inductor_cache, onnx, tilelang
-from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner, Skip, model_tensors
+if TYPE_CHECKING:
+    from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner, Skip, model_tensors
+    from .registry import BY_NAME, NAMES, PORTABLE, REGISTRY, RUNTIME_ORDER, get, load, runtime_kinds
 
-# in build order: the exported program first, everything else is compiled from it
-REGISTRY: Tuple[Kind, ...] = (exported_program.KIND, aoti.KIND, onnx.KIND, tilelang.KIND, inductor_cache.KIND)
-_BY_NAME: Dict[str, Kind] = {k.name: k for k in REGISTRY}
-# the kinds by name, read-only: what the manifest reader takes to run each kind's `check_details`
-BY_NAME: Mapping[str, Kind] = MappingProxyType(_BY_NAME)
-NAMES: Tuple[str, ...] = tuple(_BY_NAME)
-# the kinds an agent can be served by, in their fixed order (used when no latency was measured)
-RUNTIME_ORDER: Tuple[str, ...] = tuple(k.name for k in sorted(REGISTRY, key=lambda k: k.order) if k.serves)
-# the kind every other one is compiled from (built first; a failure stops the build)
-PORTABLE = exported_program.KIND
+_FROM_BASE = ("BuildContext", "Built", "Exported", "Kind", "LoadEnv", "Runner", "Skip", "model_tensors")
+_FROM_REGISTRY = ("BY_NAME", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "get", "load", "runtime_kinds")
 
 
-def get(name: str) -> Kind:
-    """The kind called `name`; a KeyError names the known ones."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise KeyError("unknown artifact kind %r; this laya-aot knows %s" % (name, ", ".join(NAMES))) from None
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BASE:
+        from . import base as owner
+    elif name in _FROM_REGISTRY:
+        from . import registry as owner
+    else:  # a submodule (`from laya_aot.kinds import aoti`) is imported by the import system after this
+        raise AttributeError("module %r has no attribute %r" % (__name__, name))
+    value = getattr(owner, name)
+    globals()[name] = value  # looked up once; later reads are plain attributes
+    return value
 
 
-def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    """The runner of an artifact, from its kind's load step."""
-    return get(art.kind).load(path, art, env)
-
-
-def runtime_kinds() -> List[Kind]:
-    return [_BY_NAME[n] for n in RUNTIME_ORDER]
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY",

@@ -1,6 +1,6 @@
 """What an artifact kind is: its facts, its build step, its load step, and what each is handed.
 
-One module per kind (`kinds/aoti.py`, ...) fills in a `Kind`; `kinds/__init__.py` registers them.
+One module per kind (`kinds/aoti.py`, ...) fills in a `Kind`; `kinds/registry.py` registers them.
 The build pipeline runs `Kind.build(ctx, exported)` with a `BuildContext` and the portable program the
 exported_program kind handed back (`Exported`); a build step returns a `Built`, which the pipeline
 records. The loader, the probe child and `laya-aot verify` run `Kind.load` with a `LoadEnv`. Neither

@@ -119,7 +119,9 @@ def test_no_import_cycles():
 def test_the_graph_sees_lazy_imports():
     # a check that cannot fail proves nothing: the loader imports the probe inside a function only
     assert "laya_aot.probe" in GRAPH["laya_aot.runtime.loader"]
-    assert "laya_aot.kinds.aoti" in GRAPH["laya_aot.kinds"]
+    # the kinds package loads its registry inside its module __getattr__ only
+    assert "laya_aot.kinds.registry" in GRAPH["laya_aot.kinds"]
+    assert "laya_aot.kinds.aoti" in GRAPH["laya_aot.kinds.registry"]
 
 
 def _string_literals(path: Path):
@@ -155,6 +157,13 @@ def test_a_kinds_module_is_named_after_its_stage(name):
     differs (`compile`, stage `inductor_cache`) says so in its own module only."""
     kind = kinds.get(name)
     assert kind.build.__module__ == "laya_aot.kinds.%s" % kind.stage
+
+
+def test_the_schema_and_the_kinds_package_import_no_torch():
+    p = subprocess.run([sys.executable, "-c", "import sys, laya_aot.config, laya_aot.kinds; "
+                        "print(sorted(m for m in ('torch', 'laya') if m in sys.modules))"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.split() == ["[]"], p.stdout + p.stderr
 
 
 def test_no_module_is_named_after_a_builtin():
