@@ -2,9 +2,13 @@
 
 The dataclasses are the schema: Hydra rejects an unknown key or a value of the wrong type with an
 error that names the key, before any work starts. The YAML files under `laya_aot/configs/` only
-pick values; the shape lives here. Kinds read it typed (`kinds.BuildContext.cfg: BuildConfig`); a
-kind's own section (`export`, `aoti`) stays here rather than in the kind's module because the command
-line checks overrides against this schema before torch is imported, and every kind module imports it.
+pick values; the shape lives here. Kinds read it typed (`kinds.BuildContext.cfg: BuildConfig`).
+
+A kind's own settings belong to the kind: each is a dataclass in the kind's torch-free settings module
+(`kinds/<stage>_settings.py`), composed here under the section its `Kind.config_section` names (`export`,
+`aoti`). The command line checks overrides against this schema before torch is imported, so nothing this
+module reaches imports torch: the settings modules import nothing of the package, and `laya_aot.kinds`
+loads its registry (which imports every kind module, and torch) only on first use.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .kinds.aoti_settings import AotiConfig
+from .kinds.exported_program_settings import ExportConfig
 from .tolerance import Tolerance
 
 
@@ -55,30 +61,6 @@ class TargetConfig:
 
 
 @dataclass
-class ExportConfig:
-    """The exported_program kind's settings: dynamic ranges declared to torch.export (tokens are 16 * Dim up
-    to `max_tokens`), and the action head's dtype every kind builds with."""
-
-    max_rows: int = 64
-    max_markers: int = 64
-    # null = the checkpoint's context length (max_len)
-    max_tokens: Optional[int] = None
-    # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
-    action_head_dtype: str = "fp32"
-
-
-@dataclass
-class AotiConfig:
-    """The aoti kind's settings: AOTInductor packaging. `cxx` null = the first compiler here that links
-    libstdc++ dynamically (torch's default first); a statically linked libstdc++ makes packages crash on load."""
-
-    cxx: Optional[str] = None
-    # CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN):
-    # faster than eager per call on real model sizes, at the cost of a package the size of the weights
-    cpu_frozen: bool = True
-
-
-@dataclass
 class StagesConfig:
     """One switch per optional kind, named like its stage and module (`Kind.stage`). `exported_program` and
     `verify` cannot be turned off: nothing unverified ships."""
@@ -102,6 +84,7 @@ class VerifyConfig:
 class BuildConfig:
     checkpoint: CheckpointConfig = MISSING
     target: TargetConfig = MISSING
+    # the kinds' own sections (Kind.config_section), typed in each kind's settings module
     export: ExportConfig = field(default_factory=ExportConfig)
     aoti: AotiConfig = field(default_factory=AotiConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)

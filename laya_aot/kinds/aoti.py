@@ -6,6 +6,7 @@ package says where each constant comes from at load time: a tensor of the checkp
 model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
 hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
 makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN.
+Its build settings (`aoti.cxx`, `aoti.cpu_frozen`) are `aoti_settings.AotiConfig`.
 """
 from __future__ import annotations
 
@@ -312,4 +313,4 @@ def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadE
 
 
 KIND = Kind(name=NAME, stage="aoti", build=build, load=load, order=1, native=True, cuda_graphs=True,
-            probe_env=probe_env, prepare=prepare)
+            probe_env=probe_env, prepare=prepare, config_section="aoti")

@@ -180,6 +180,9 @@ class Kind:
     # the manifest reader's hook: why `Artifact.details` breaks this kind's layout ("FIELD: expected ..., got
     # ..."), or None; the reader refuses the bundle with it, naming the field
     check_details: Callable[[Dict[str, Any]], Optional[str]] = lambda details: None
+    # the build config's section of this kind's own settings (`BuildConfig.<config_section>`, read as
+    # `ctx.cfg.<config_section>`), typed by a dataclass in its torch-free `kinds/<stage>_settings.py`; None: none
+    config_section: Optional[str] = None
 
 
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

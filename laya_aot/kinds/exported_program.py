@@ -2,7 +2,8 @@
 
 Tokens are declared as `16 * Dim`: a plain range trips the exporter's own `L % 8` alignment guard on
 ModernBERT's attention mask. Built always (no switch): a build that cannot export stops. It is
-verified like the others but never serves an agent (it runs at eager speed).
+verified like the others but never serves an agent (it runs at eager speed). Its build settings (`export.*`:
+the ranges, the action head's dtype) are `exported_program_settings.ExportConfig`.
 """
 from __future__ import annotations
 
@@ -153,4 +154,4 @@ def needs(m: Machine, device: str) -> Needs:
 
 
 KIND = Kind(name=NAME, stage=NAME, build=build, load=load, order=99, optional=False, serves=False, needs=needs,
-            variant=lambda m, device: "%s-any" % torch_tag(m.torch), interchangeable=True)
+            variant=lambda m, device: "%s-any" % torch_tag(m.torch), interchangeable=True, config_section="export")

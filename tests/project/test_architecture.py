@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Dict, Set
 
@@ -157,6 +158,27 @@ def test_a_kinds_module_is_named_after_its_stage(name):
     differs (`compile`, stage `inductor_cache`) says so in its own module only."""
     kind = kinds.get(name)
     assert kind.build.__module__ == "laya_aot.kinds.%s" % kind.stage
+
+
+def test_each_kinds_settings_live_beside_it_in_a_module_the_schema_can_import():
+    """A kind's own build settings are the `BuildConfig` section its `config_section` names, typed by a dataclass
+    of `kinds/<stage>_settings.py`; every section typed there belongs to one kind. Those modules import nothing
+    of the package, so config.py (checked before torch is imported) composes them without reaching a kind."""
+    from laya_aot.config import BuildConfig
+
+    hints = typing.get_type_hints(BuildConfig)
+    owned = {k.config_section: k for k in kinds.REGISTRY if k.config_section}
+    for section, kind in owned.items():
+        assert section in hints, "%s: BuildConfig has no %r section" % (kind.name, section)
+        assert hints[section].__module__ == "laya_aot.kinds.%s_settings" % kind.stage, (kind.name, hints[section])
+    from_kinds = {f for f, t in hints.items() if getattr(t, "__module__", "").startswith("laya_aot.kinds")}
+    assert from_kinds == set(owned), "BuildConfig sections typed in a kind's module but claimed by no kind"
+    settings = [m for m in MODULES if m.startswith("laya_aot.kinds.") and m.endswith("_settings")]
+    assert sorted(settings) == sorted("laya_aot.kinds.%s_settings" % k.stage for k in owned.values())
+    for m in settings:
+        assert not GRAPH[m], "%s imports %s: the schema must reach no kind module" % (m, sorted(GRAPH[m]))
+    reached = sorted(x for x in reachable("laya_aot.config") if x.startswith("laya_aot.kinds"))
+    assert reached == sorted(settings), reached
 
 
 def test_the_schema_and_the_kinds_package_import_no_torch():

@@ -1,0 +1,23 @@
+"""The exported_program kind's settings, the build config's `export` section (`export.max_rows=128`).
+
+Kept apart from `exported_program.py` because the build schema (`config.py`) composes it and `laya-aot build`
+checks overrides against that schema before torch is imported: this module imports neither torch nor
+anything of the package (`tests/project/test_architecture.py` checks it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ExportConfig:
+    """The exported_program kind's settings: dynamic ranges declared to torch.export (tokens are 16 * Dim up
+    to `max_tokens`), and the action head's dtype every kind builds with."""
+
+    max_rows: int = 64
+    max_markers: int = 64
+    # null = the checkpoint's context length (max_len)
+    max_tokens: Optional[int] = None
+    # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
+    action_head_dtype: str = "fp32"
