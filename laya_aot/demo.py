@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -25,6 +23,7 @@ import torch
 
 from .checkpoint import read_config
 from .checkpoint import resolve as resolve_checkpoint
+from .files import make_readable
 
 log = logging.getLogger(__name__)
 
@@ -233,30 +232,30 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     """Write a Laya checkpoint directory for `shape` (a preset or matrix name, or a DemoShape) and return
     its path.
 
-    The directory is assembled beside its destination and renamed into place, so a killed run never
-    leaves a half-written checkpoint that `laya.load` would accept.
+    A directory holding this very checkpoint (shape, seed, format) is reused as it is. Otherwise the new one is
+    assembled beside its destination and swapped into place through the staging transaction
+    (`staging.staged`), so a killed run never leaves a half-written checkpoint that `laya.load` would accept:
+    what was there stays until the new one is complete, and the next run removes the partial directory.
+    Makers of one checkpoint at once (a multirun's jobs) keep the first published: the others discard theirs.
     """
     from laya.common import build_model
     from laya.train import save_checkpoint
 
-    from .staging import OutputRefused, may_replace
+    from .staging import OutputRefused, may_replace, staged
 
     spec = demo_shape(shape) if isinstance(shape, str) else shape
+    facts = {"seed": seed, "shape": asdict(spec), "format": FORMAT}
     out = Path(out_dir)
-    if not overwrite and _demo_facts(out) == {"seed": seed, "shape": asdict(spec), "format": FORMAT} \
-            and (out / "model.safetensors").is_file():
+    if not overwrite and _holds(out, facts):
         return out  # the same request: reused as it is
     try:
         may_replace(out, "make-demo", overwrite, ours=_not_a_demo_checkpoint, fix="--overwrite (overwrite=True)",
-                     noun="demo checkpoint")
+                    noun="demo checkpoint")
     except OutputRefused as e:
         raise FileExistsError(str(e)) from None
     if os.path.lexists(out):
         log.warning("replacing %s (another shape or seed, an older preset?, or --overwrite)", out)
-        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".%s.partial-" % out.name, dir=out.parent))
-    try:
+    with staged(out, same=None if overwrite else lambda p: _holds(p, facts)) as tmp:
         tok = _train_tokenizer(spec.tokenizer_vocab, spec.tokenizer)
         _encoder_config(spec, tok).save_pretrained(str(tmp / "encoder"))
         # the keys laya's trainer writes for a fine-tune (laya.train), amp_dtype only when the shape sets it
@@ -269,7 +268,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
             "fine_tuned": True,
             "temperature": [1.0, 1.0, 1.0],
             "temperature_by_options": {},
-            "laya_aot_demo": {"seed": seed, "shape": asdict(spec), "format": FORMAT},
+            "laya_aot_demo": facts,
         }
         if spec.amp_dtype is not None:
             cfg["amp_dtype"] = spec.amp_dtype
@@ -284,21 +283,14 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
         save_checkpoint(model, tok, cfg, str(tmp))  # fp16 weights, encoder config, tokenizer, config
         if spec.pin_tokenizer:
             _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
-        for p in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700: another user (a service) must read it
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            # builds launched together (a multirun) make the same checkpoint at once: the first one wins
-            if _demo_facts(out) != {"seed": seed, "shape": asdict(spec), "format": FORMAT}:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            return out
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        make_readable(tmp)  # another user (a service) must read it
     log.info("wrote demo checkpoint %s (%s, seed %d)", out, shape if isinstance(shape, str) else "custom", seed)
     return out
+
+
+def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
+    """Whether `ckpt` is the demo checkpoint of `facts` (seed, shape, format), written to the end."""
+    return _demo_facts(ckpt) == facts and (ckpt / "model.safetensors").is_file()
 
 
 _DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer"}

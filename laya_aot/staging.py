@@ -1,6 +1,7 @@
 """Assemble a bundle beside its destination and swap it into place in one step; and whether it may be.
 
-Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`) through `staged`.
+Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`) through `staged`, and by
+`make-demo` for its checkpoint directory (`demo.make_checkpoint`, also a build's demo checkpoint).
 `may_replace` is the one place that decides whether an output path may be replaced (for `make-demo` and `pack` too):
 what is there must be absent, an empty directory, or something this project wrote, proven by its
 contents (a bundle: a manifest whose file list covers every file in the directory, nothing else, no
@@ -43,11 +44,19 @@ def new_staging(out: Path) -> Path:
     return tmp
 
 
+Same = Callable[[Path], bool]  # whether what is at a path is already this result (a concurrent writer's)
+
+
 @contextlib.contextmanager
-def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] = None) -> Iterator[Path]:
+def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] = None,
+           same: Optional[Same] = None) -> Iterator[Path]:
     """The one staging transaction: a new `.NAME.partial-*` directory beside `out` to write into, published at
     `out` when the block ends and discarded when it raises (anything, KeyboardInterrupt included) or when
-    publishing fails. `unwritable` turns an OSError making the directory into the caller's own error."""
+    publishing fails. `unwritable` turns an OSError making the directory into the caller's own error.
+
+    `same`, for a deterministic result that concurrent writers make alike (a multirun's jobs making one demo
+    checkpoint): when `same(out)` holds at publishing, another writer published this result first; it stays,
+    and this staging is discarded, so whoever already reads or fingerprinted the first never sees it swapped."""
     try:
         tmp = new_staging(out)
     except OSError as e:
@@ -56,7 +65,7 @@ def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] =
         raise unwritable(e) from None
     try:
         yield tmp
-        publish(tmp, out)
+        publish(tmp, out, same)
     except BaseException:
         discard(tmp)
         raise
@@ -80,7 +89,7 @@ def clean_stale(out: Path) -> None:
         except (OSError, ValueError):
             pid = -1
         if pid <= 0 or not _alive(pid):
-            log.info("removing %s, left by an interrupted build", p)
+            log.info("removing %s, left by an interrupted build or make-demo", p)
             shutil.rmtree(p, ignore_errors=True)
     for p in out.parent.glob(".%s.old-*" % out.name):
         shutil.rmtree(p, ignore_errors=True)
@@ -99,9 +108,13 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def publish(staging: Path, out: Path) -> None:
-    """Put the finished staging directory at `out`, replacing any previous bundle only now."""
+def publish(staging: Path, out: Path, same: Optional[Same] = None) -> None:
+    """Put the finished staging directory at `out`, replacing any previous bundle only now (unless `same(out)`:
+    see `staged`)."""
     (staging / OWNER).unlink(missing_ok=True)
+    if same is not None and same(out):
+        discard(staging)
+        return
     if os.path.lexists(out) and _exchange(staging, out):
         discard(staging)  # now holds what was at `out` (a previous bundle, or what --overwrite replaces)
         return
@@ -114,7 +127,11 @@ def publish(staging: Path, out: Path) -> None:
     try:
         os.replace(staging, out)
     except OSError:
-        # another build into the same output published a moment ago: replace it, as a later build would
+        # another writer of the same output published a moment ago: keep it when it is this result, else
+        # replace it, as a later build would
+        if same is not None and same(out):
+            discard(staging)
+            return
         if not (out.exists() and _exchange(staging, out)):
             raise
         discard(staging)

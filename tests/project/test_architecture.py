@@ -288,12 +288,15 @@ def test_each_decision_is_defined_once(name, owner):
 
 
 def test_no_second_staging_transaction_or_default_device():
-    """staging.staged is the one new/publish/discard; usable.default_device the one cuda-or-cpu default;
-    checkpoint.mismatch the one comparison of a bundle's fingerprint with a checkpoint's."""
+    """staging.staged is the one new/publish/discard, for bundles and the demo checkpoint; usable.default_device
+    the one cuda-or-cpu default; checkpoint.mismatch the one comparison of a bundle's fingerprint with a
+    checkpoint's."""
     for m, path in MODULES.items():
         text = path.read_text(encoding="utf-8")
         if m != "laya_aot.staging":
             assert "new_staging(" not in text and ".publish(" not in text, "%s stages a bundle itself" % m
+            # a directory assembled beside its destination and renamed into place (make-demo's checkpoint too)
+            assert not _calls(m, "mkdtemp"), "%s stages a directory itself (staging.staged)" % m
         if m != "laya_aot.usable":
             assert '"cuda" if torch.cuda.is_available() else "cpu"' not in text, "%s picks a default device" % m
         # merge compares two parts' fingerprints with each other, not a bundle's with a checkpoint

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from laya_aot import demo
 from laya_aot.demo import PRESETS, make_checkpoint
 from laya_aot.files import sha256_file
 
@@ -78,6 +79,46 @@ def test_an_existing_directory_is_reused_only_for_the_same_shape_and_seed(tmp_pa
     with pytest.raises(FileExistsError, match="overwrite"):
         make_checkpoint(foreign, "tiny")
     assert (foreign / "model.safetensors").read_bytes() == b"not ours"   # nothing lost
+
+
+def _killed_after_writing(path):
+    raise KeyboardInterrupt  # the checkpoint is written, the tokenizer config not yet pinned: killed
+
+
+def test_an_interrupted_write_leaves_what_was_there_and_its_partial_goes_next_time(tmp_path, monkeypatch):
+    out = tmp_path / "c"
+    (tmp_path / ".c.partial-left").mkdir()            # a make-demo killed before this one (no builder alive)
+    monkeypatch.setattr(demo, "_pin_tokenizer_class", _killed_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        make_checkpoint(out, "tiny", seed=0)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []   # its own partial discarded, the stale one too
+    monkeypatch.undo()
+    make_checkpoint(out, "tiny", seed=0)
+    monkeypatch.setattr(demo, "_pin_tokenizer_class", _killed_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        make_checkpoint(out, "tiny", seed=2)
+    # the previous checkpoint stays whole until the new one is complete
+    assert json.loads((out / "rl_agent_config.json").read_text())["laya_aot_demo"]["seed"] == 0
+    assert demo._not_a_demo_checkpoint(out) is None and sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_makers_of_one_checkpoint_at_once_keep_the_first_published(tmp_path, monkeypatch):
+    out, first = tmp_path / "c", {}
+    pin = demo._pin_tokenizer_class
+
+    def another_job_publishes_first(path):
+        pin(path)
+        if not first:
+            first["made"] = True
+            make_checkpoint(out, "tiny", seed=0)        # a concurrent job of a multirun, done first
+            first["inode"] = (out / "model.safetensors").stat().st_ino
+
+    monkeypatch.setattr(demo, "_pin_tokenizer_class", another_job_publishes_first)
+    assert make_checkpoint(out, "tiny", seed=0) == out
+    assert (out / "model.safetensors").stat().st_ino == first["inode"]    # not swapped under its readers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
 
 
 @pytest.mark.slow  # trains the demo checkpoint twice
