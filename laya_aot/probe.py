@@ -85,6 +85,7 @@ class Pending:
         self.entry, self.path, self.machine, self.device = entry, path, machine, device
         self.proc, self.cached, self.launch = proc, cached, launch
         self.t0 = time.perf_counter()
+        self.cancelled = False
 
     def relaunch(self) -> None:
         """Start the child again (after it was killed from outside)."""
@@ -98,6 +99,8 @@ class Pending:
         return cls(entry, path, machine, device, cached={"reason": why, "graphs": why, "not_cached": True})
 
     def cancel(self) -> None:
+        """Kill the child: its verdict, whatever `finish` then sees, is not cached."""
+        self.cancelled = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -150,6 +153,9 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
             pending.cancel()
             stats.update(probe="timeout", probe_seconds=time.perf_counter() - pending.t0)
             return "a probe process that loaded it did not finish within %.0f s" % limit
+        if pending.cancelled:  # killed by the loader that started it: says nothing about the artifact
+            stats.update(probe="cancelled", probe_seconds=time.perf_counter() - pending.t0)
+            return "its probe was cancelled (the load that started it stopped)"
         killed = _killed_from_outside(pending.proc.returncode)
         if killed is None or pending.launch is None:
             break

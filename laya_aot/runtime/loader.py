@@ -4,15 +4,15 @@ Checks run cheapest first, and nothing native is loaded until every earlier one 
 schema, checkpoint fingerprint, machine compatibility and build verification, sha256, a probe child
 (native artifacts, once per machine), in-process load, a smoke comparison with the build's fp32
 outputs, install. Each rejected artifact gets one reason; with none left the agent runs eager with one
-warning listing them (`strict=True` raises). The checks before the probe, and the probe itself (on
-stand-in weights), run while `laya.load` reads the checkpoint, so a first start pays little extra.
+warning listing them (`strict=True` raises). For the first candidate, the checks before the probe, the
+probe itself (on stand-in weights), the weights' copy to the device and, once the probe passed, the load
+run while laya builds the agent (`head_start.HeadStart`).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, usable
+from .. import kinds
 from .. import laya_internals as laya_api
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
@@ -31,110 +31,10 @@ from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
+from .head_start import HeadStart
 from .select import rank, reject_reason
 
 log = logging.getLogger(__name__)
-
-
-class _Early:
-    """What a start can do for the first candidate artifact while `laya.load` reads the checkpoint: its hash,
-    its probe child, its weights put on the device (`Kind.prepare`, for a thin agent), and the checkpoint's
-    fingerprint.
-
-    A probe child starts, and the weights are prepared, only for an artifact fit for this machine whose bytes
-    match the manifest, and only when the checkpoint's small files (configs, tokenizer) match the ones the
-    bundle was built from: the checks `_choose` makes before probing, except the weights' digest, which
-    neither depends on and which runs beside them (a mismatch kills the child and drops the weights).
-    `_choose` repeats every check, takes the started probe and the prepared weights when it reaches that
-    artifact on the same device, and `close` drops what nobody took.
-    """
-
-    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-                 pin: Optional[str] = None, thin: bool = False, probe: bool = True):
-        self.pending = None
-        self.device: Optional[str] = None
-        self.started_after_s: Optional[float] = None  # from load() to the probe child's start
-        self.prepare_s: Optional[float] = None  # how long the weights took to reach the device
-        self._prepared: Optional[Tuple[str, Any]] = None  # (artifact name, its kind's prepared weights)
-        self._prepare_thread: Optional[threading.Thread] = None
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe),
-                                        daemon=True, name="laya-aot-early-probe")
-        self._thread.start()
-
-    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-             pin: Optional[str], thin: bool, probe: bool) -> None:
-        from ..probe import start
-
-        try:
-            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
-            if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
-                return                                                                       # or tokenizer
-            # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
-            here = usable.here(ckpt_mod.read_config(ckpt), device)
-            candidates, _ = rank(manifest.artifacts, here.device_type, prefer)
-            for art in candidates:
-                if here.reject_reason(art) is None:
-                    kind = kinds.get(art.kind)
-                    prepare = kind.prepare if thin else None
-                    probed = kind.native and probe
-                    if (probed or prepare) and check_artifact_hash(bundle, art) is None:
-                        self.device = here.device
-                        if probed:
-                            self.started_after_s = round(time.perf_counter() - self._t0, 3)
-                            self.pending = start(bundle, art, ckpt, here.device, here.machine)
-                        if prepare is not None:
-                            self._prepare_thread = threading.Thread(
-                                target=self._prepare, args=(prepare, art, artifact_path(bundle, art), ckpt,
-                                                            here.device),
-                                daemon=True, name="laya-aot-early-weights")
-                            self._prepare_thread.start()
-                    break
-            # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
-            if ckpt_mod.mismatch(manifest, ckpt) is not None:
-                self._drop()
-        except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
-            log.debug("early probe not started: %s", e)
-
-    def _prepare(self, prepare, art: Artifact, path: Path, ckpt: Path, device: str) -> None:
-        t = time.perf_counter()
-        try:
-            self._prepared = (art.name, prepare(path, ckpt_mod.Weights(ckpt), device))
-            self.prepare_s = round(time.perf_counter() - t, 3)
-        except Exception as e:  # noqa: BLE001 - the artifact's own load reads the weights again and reports it
-            log.debug("weights not prepared early for %s: %s", art.name, e)
-
-    def take(self, name: str, device: str):
-        """The probe started for artifact `name` on `device`, or None."""
-        self._thread.join()
-        p = self.pending
-        if p is not None and p.entry.name == name and self.device == device:
-            self.pending = None
-            return p
-        return None
-
-    def take_prepared(self, name: str, device: str) -> Any:
-        """The weights prepared for artifact `name` on `device` (waiting for them if still on their way), or
-        None."""
-        self._thread.join()
-        if self._prepare_thread is not None:
-            self._prepare_thread.join()
-        got, self._prepared = self._prepared, None
-        if got is not None and got[0] == name and self.device == device:
-            return got[1]
-        return None
-
-    def _drop(self) -> None:
-        if self.pending is not None:
-            self.pending.cancel()
-            self.pending = None
-        if self._prepare_thread is not None:
-            self._prepare_thread.join()
-        self._prepared = None
-
-    def close(self) -> None:
-        self._thread.join()
-        self._drop()
 
 
 # when the loader builds laya's eager module (see `load`)
@@ -310,7 +210,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties)
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    early = _Early(ckpt, Path(bundle), device, prefer, pin, thin, probe) if usable and (probe or thin) else None
+    early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs) \
+        if usable and (probe or thin) else None
     try:
         agent, eager = _agent(ckpt, device, thin, agent_kwargs)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
@@ -396,7 +297,7 @@ def _is_sha256(value: str) -> bool:
 
 
 def _choose_or_fall_back(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
-                         rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[_Early],
+                         rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[HeadStart],
                          eager: Optional[EagerModule]) -> Optional[AOTBackend]:
     """`_choose`, where any failure is one more reason in `rejected` (None): nothing a bundle holds may take
     the service down."""
@@ -412,7 +313,8 @@ def _choose_or_fall_back(agent, ckpt: Path, bundle: Path, opts: _Options, pin: O
 
 
 def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str], rejected: List[Tuple[str, str]],
-            load_stats: Dict[str, Any], early: Optional[_Early], eager: Optional[EagerModule]) -> Optional[AOTBackend]:
+            load_stats: Dict[str, Any], early: Optional[HeadStart],
+            eager: Optional[EagerModule]) -> Optional[AOTBackend]:
     """The first artifact of `bundle` in the loader's order (`select.rank`) that passes every check, installed
     into `agent`; None when none does, each with its reason in `rejected`."""
     manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
@@ -450,7 +352,7 @@ class _Trial:
     machine's facts, laya's serving dtype, the weights an artifact is loaded with."""
 
     def __init__(self, agent, ckpt: Path, bundle: Path, manifest: Bundle, opts: _Options,
-                 rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[_Early],
+                 rejected: List[Tuple[str, str]], load_stats: Dict[str, Any], early: Optional[HeadStart],
                  eager: Optional[EagerModule]):
         self.agent, self.ckpt, self.bundle, self.manifest, self.opts = agent, ckpt, bundle, manifest, opts
         self.rejected, self.load_stats, self.early, self.eager = rejected, load_stats, early, eager
@@ -492,18 +394,16 @@ class _Trial:
 
     def _probe(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
         """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""
-        from ..probe import finish
         from ..probe import probe as run_probe
 
         device = str(self.agent.device)
-        pending = self.early.take(art.name, device) if self.early is not None else None
-        if pending is None:
-            return run_probe(self.bundle, art, self.ckpt, device, self.machine, stats)
-        stats["probe_overlapped_laya_load"] = True
-        stats["probe_started_after_s"] = self.early.started_after_s
         t_wait = time.perf_counter()
-        why = finish(pending, stats)
-        stats["probe_wait_after_laya_load_s"] = round(time.perf_counter() - t_wait, 3)
+        verdict = self.early.take_probe(art.name, device) if self.early is not None else None
+        if verdict is None:
+            return run_probe(self.bundle, art, self.ckpt, device, self.machine, stats)
+        why = verdict(stats)
+        stats.update(probe_overlapped_laya_load=True, probe_started_after_s=self.early.started_after_s,
+                     probe_wait_after_laya_load_s=round(time.perf_counter() - t_wait, 3))
         return why
 
     def _load(self, art: Artifact, stats: Dict[str, Any]) -> Tuple[AOTBackend, Optional[str]]:
@@ -515,12 +415,13 @@ class _Trial:
             thin = False
         if self.tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
             self.tensors = ckpt_mod.Weights(self.ckpt) if thin else kinds.model_tensors(agent.model)
-        env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=agent.model, agent=agent,
-                            cuda_graphs=_graphs_wanted(self.opts.cuda_graphs, art, agent.device, self.opts.probe,
-                                                       stats),
-                            prepared=self._prepared(art, thin, stats))
+        graphs = _graphs_wanted(self.opts.cuda_graphs, art, agent.device, self.opts.probe, stats)
         t1 = time.perf_counter()
-        runner = kind.load(artifact_path(self.bundle, art), art, env)
+        runner = self._early_runner(art, thin, graphs, stats)
+        if runner is None:
+            env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=agent.model, agent=agent,
+                                cuda_graphs=graphs, prepared=self._prepared(art, thin, stats))
+            runner = kind.load(artifact_path(self.bundle, art), art, env)
         stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
         backend = AOTBackend(agent, runner, art, self.pad_id, self.rejected, dict(self.load_stats, **stats),
                              self.opts.near_ties, eager if thin else None)
@@ -538,6 +439,15 @@ class _Trial:
         return backend, why
 
 
+    def _early_runner(self, art: Artifact, thin: bool, graphs: bool, stats: Dict[str, Any]) -> Any:
+        """The artifact as the head start loaded it while laya loaded (None: it did not, or not like this)."""
+        if not thin or self.early is None:
+            return None
+        runner = self.early.take_runner(art.name, str(self.agent.device), graphs)
+        if runner is not None:
+            stats.update(self.early.stats, loaded_early=True)
+        return runner
+
     def _prepared(self, art: Artifact, thin: bool, stats: Dict[str, Any]) -> Any:
         """The artifact's weights, put on the device while laya loaded (None: its load reads them now)."""
         if not thin or self.early is None:
@@ -545,8 +455,7 @@ class _Trial:
         t = time.perf_counter()
         got = self.early.take_prepared(art.name, str(self.agent.device))
         if got is not None:
-            stats.update(weights_prepared_early_s=self.early.prepare_s,
-                         weights_wait_after_laya_load_s=round(time.perf_counter() - t, 3))
+            stats.update(self.early.stats, weights_wait_after_laya_load_s=round(time.perf_counter() - t, 3))
         return got
 
 

@@ -87,7 +87,7 @@ def test_a_checkpoint_of_another_shape_serves_thin_with_laya_eagers_answers(alt_
 def _package_first(monkeypatch):
     """Rank the AOTInductor package that takes its weights at load (not the frozen one) first, for the loader
     and its early thread alike."""
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import head_start, loader
 
     real = loader.rank
 
@@ -95,6 +95,7 @@ def _package_first(monkeypatch):
         order, skipped = real(arts, device, prefer)
         return sorted(order, key=lambda a: a.name != "aoti-cpu"), skipped
     monkeypatch.setattr(loader, "rank", rank)
+    monkeypatch.setattr(head_start, "rank", rank)
 
 
 def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_answers(demo_ckpt, demo_bundle,
@@ -104,6 +105,8 @@ def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_ans
     bo = agent.backend_object
     assert bo.artifact.name == "aoti-cpu" and laya_api.is_thin(agent)
     assert bo.load_stats["constants_prepared"] is True and bo.load_stats["weights_prepared_early_s"] >= 0
+    # loaded and called once beside laya's load, after the probe's verdict
+    assert bo.load_stats["loaded_early"] is True and bo.load_stats["probe"] in ("ran", "cached")
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"])
     # a whole agent's artifact takes laya's module's tensors, never weights read early from the file
@@ -131,3 +134,30 @@ def test_prepared_weights_are_the_ones_the_package_would_read(demo_ckpt, demo_bu
     for a, b in zip(early(*batch), late(*batch)):
         assert torch.equal(a, b)
     assert aoti.prepare(demo_bundle / "aoti-cpu-frozen", Weights(demo_ckpt), "cpu") is None  # weights inside
+
+
+def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(demo_ckpt, demo_bundle, tmp_path,
+                                                                              monkeypatch):
+    import time
+
+    from laya_aot import probe as probe_mod
+    from laya_aot.runtime.head_start import HeadStart
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    _package_first(monkeypatch)
+    started = []
+    real_start = probe_mod.start
+
+    def recording_start(*a, **k):
+        started.append(real_start(*a, **k))
+        return started[-1]
+    monkeypatch.setattr(probe_mod, "start", recording_start)
+    hs = HeadStart(demo_ckpt, demo_bundle, "cpu", None, thin=True)
+    deadline = time.monotonic() + 60
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started and started[0].proc.poll() is None   # the child is still importing torch
+    hs.close()
+    assert started[0].cancelled and started[0].proc.poll() is not None
+    assert not list((tmp_path / "cache" / "probes").glob("*.json"))   # a cancelled probe says nothing: not cached
+    assert hs.take_runner("aoti-cpu", "cpu", False) is None and hs.take_prepared("aoti-cpu", "cpu") is None

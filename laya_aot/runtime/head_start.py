@@ -1,0 +1,196 @@
+"""A start's head start: what the loader does for its first candidate artifact while `laya.load` builds the agent.
+
+A start's critical path is laya's agent (imports, config, tokenizer: about 2 s for a large checkpoint on
+an H200) followed by the artifact (its probe child on a first start, its weights copied to the device,
+its package loaded, its first call). Everything the artifact needs but the agent can run beside it, in
+one thread, as long as it makes only the checks `_choose` makes first:
+
+1. the manifest, the checkpoint's small files (configs, tokenizer), this machine's fit, the files' hash;
+2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents);
+3. the checkpoint's fingerprint (a mismatch kills the child and drops everything);
+4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
+   itself: loaded with the prepared weights and called once, so its lazy loading (kernels, CUDA modules)
+   is paid off the critical path. Nothing native is loaded in this process before that verdict.
+
+`_choose` still makes every check in order and takes what was done here for the same artifact on the same
+device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from .. import checkpoint as ckpt_mod
+from .. import kinds, usable
+from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
+from ..manifest import Artifact
+from .select import rank
+
+log = logging.getLogger(__name__)
+
+
+class HeadStart:
+    """The first candidate artifact's checks, probe, weights and load, run beside laya's load (module doc)."""
+
+    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
+                 pin: Optional[str] = None, thin: bool = False, probe: bool = True, cuda_graphs: bool = True):
+        self.name: Optional[str] = None      # the artifact worked on
+        self.device: Optional[str] = None    # the device it was prepared for
+        self.started_after_s: Optional[float] = None  # from load() to the probe child's start
+        self.stats: Dict[str, Any] = {}      # what was done here, for the load's stats
+        self._pending = None                 # a probe child started here, not finished
+        self._verdict: Optional[Dict[str, Any]] = None  # a probe finished here: {"why": ..., "stats": {...}}
+        self._prepared: Any = None
+        self._runner: Any = None
+        self._runner_graphs: Optional[bool] = None
+        self._closed = threading.Event()
+        self._t0 = time.perf_counter()
+        self._weights_thread: Optional[threading.Thread] = None
+        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe,
+                                                                cuda_graphs),
+                                        daemon=True, name="laya-aot-head-start")
+        self._thread.start()
+
+    def _since(self) -> float:
+        return round(time.perf_counter() - self._t0, 3)
+
+    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str], pin: Optional[str],
+             thin: bool, probe: bool, cuda_graphs: bool) -> None:
+        from ..probe import finish, start
+
+        try:
+            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
+            if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
+                return                                                                       # or tokenizer
+            # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
+            here = usable.here(ckpt_mod.read_config(ckpt), device)
+            candidates, _ = rank(manifest.artifacts, here.device_type, prefer)
+            art = next((a for a in candidates if here.reject_reason(a) is None), None)
+            kind = kinds.get(art.kind) if art is not None else None
+            probed = bool(kind and kind.native and probe)
+            prepare = kind.prepare if kind is not None and thin else None
+            ok = art is not None and (probed or prepare is not None) and check_artifact_hash(bundle, art) is None
+            if ok:
+                self.name, self.device = art.name, here.device
+                if probed:
+                    self.started_after_s = self._since()
+                    self._pending = start(bundle, art, ckpt, here.device, here.machine)
+                if prepare is not None:
+                    path = artifact_path(bundle, art)
+                    self._weights_thread = threading.Thread(target=self._prepare, args=(prepare, path, ckpt),
+                                                            daemon=True, name="laya-aot-head-start-weights")
+                    self._weights_thread.start()
+            # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
+            if ckpt_mod.mismatch(manifest, ckpt) is not None:
+                self._drop()
+                return
+            if not ok or prepare is None or self._closed.is_set():
+                return
+            graphs_ok: Optional[str] = None
+            if self._pending is not None:  # the artifact is loaded here only once a child loaded and ran it
+                pending, stats = self._pending, {}
+                why = finish(pending, stats)
+                self._verdict = {"why": why, "stats": stats, "done_after_s": self._since()}
+                self._pending = None
+                if why is not None:
+                    return
+                graphs_ok = stats.get("probe_graphs")
+            self._load(kind, art, artifact_path(bundle, art), ckpt,
+                       cuda_graphs and kind.cuda_graphs and torch.device(self.device).type == "cuda"
+                       and graphs_ok is None)
+        except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
+            log.debug("head start stopped: %s", e)
+
+    def _prepare(self, prepare: Callable[..., Any], path: Path, ckpt: Path) -> None:
+        t = time.perf_counter()
+        try:
+            self._prepared = prepare(path, ckpt_mod.Weights(ckpt), self.device)
+            self.stats["weights_prepared_early_s"] = round(time.perf_counter() - t, 3)
+        except Exception as e:  # noqa: BLE001 - the artifact's own load reads the weights again and reports it
+            log.debug("weights not prepared early for %s: %s", self.name, e)
+
+    def _load(self, kind: Any, art: Artifact, path: Path, ckpt: Path, graphs: bool) -> None:
+        """Load the artifact with the prepared weights and call it once (its lazy loading paid here)."""
+        if self._weights_thread is not None:
+            self._weights_thread.join()
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or self._closed.is_set():
+            return
+        t = time.perf_counter()
+        env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=prepared,
+                            cuda_graphs=graphs)
+        runner = kind.load(path, art, env)
+        warm_up(runner, art)
+        if not self._closed.is_set():
+            self._runner, self._runner_graphs = runner, graphs
+            self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since())
+
+    def take_probe(self, name: str, device: str) -> Optional[Callable[[Dict[str, Any]], Optional[str]]]:
+        """The probe of artifact `name` on `device` started here, as a function that waits for its verdict (and
+        adds its figures to the load's stats); None when none was started for it. The thread finishes the probe
+        itself when it goes on to load the artifact, so this waits for the thread first."""
+        from ..probe import finish
+
+        self._thread.join()
+        if self.name != name or self.device != device:
+            return None
+        verdict = self._verdict
+        if verdict is not None:
+            def done(stats: Dict[str, Any]) -> Optional[str]:
+                stats.update(verdict["stats"], probe_done_after_s=verdict["done_after_s"])
+                return verdict["why"]
+            return done
+        pending, self._pending = self._pending, None
+        return None if pending is None else (lambda stats: finish(pending, stats))
+
+    def take_runner(self, name: str, device: str, graphs: bool) -> Any:
+        """The artifact `name` loaded here on `device` with CUDA graphs as asked (waiting for it), or None."""
+        self._thread.join()
+        runner, self._runner = self._runner, None
+        if runner is not None and self.name == name and self.device == device and self._runner_graphs == graphs:
+            return runner
+        return None
+
+    def take_prepared(self, name: str, device: str) -> Any:
+        """The weights prepared here for artifact `name` on `device` (waiting for them), or None."""
+        self._thread.join()
+        if self._weights_thread is not None:
+            self._weights_thread.join()
+        got, self._prepared = self._prepared, None
+        return got if got is not None and self.name == name and self.device == device else None
+
+    def _drop(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        if self._weights_thread is not None:
+            self._weights_thread.join()
+        self._prepared = self._runner = None
+
+    def close(self) -> None:
+        """Stop and drop what nobody took (a probe child still running is killed, its verdict not cached)."""
+        self._closed.set()
+        if self._pending is not None:
+            self._pending.cancel()
+        self._thread.join()
+        self._drop()
+
+
+def warm_up(runner: Any, art: Artifact) -> None:
+    """One call of the artifact at its smallest shape: what its first call loads lazily (kernels, CUDA modules)."""
+    r = art.ranges
+    if r is None:
+        return
+    t, k = r.min_tokens, r.min_markers - 2
+    batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
+             torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
+             torch.zeros((1,), dtype=torch.long))
+    with torch.no_grad():
+        runner(*(x.to(runner.device) for x in batch))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
