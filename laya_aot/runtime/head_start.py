@@ -118,8 +118,8 @@ class HeadStart:
         """Load the artifact with the prepared weights and call it once (its lazy loading paid here)."""
         if self._weights_thread is not None:
             self._weights_thread.join()
-        prepared, self._prepared = self._prepared, None
-        if prepared is None or self._closed.is_set():
+        prepared, self._prepared = self._prepared, None  # None: weights inside the package, or not prepared
+        if self._closed.is_set():
             return
         t = time.perf_counter()
         env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=prepared,

@@ -1,0 +1,202 @@
+"""Where a realistic call's time goes, against the GPU's compute limit, and what the peak of a long forward holds
+(issue 24).
+
+On the GPU host, after the .device-site unpack line, with the checkpoint and bundle `gpu_start.py` made:
+
+    python3 benchmarks/gpu_profile.py --out $OUT [--ckpt DIR] [--bundle DIR] [--tag _run1]
+
+One process per path (laya eager; the bundle as `laya_aot.load` leaves it). For each of `gpu_start.py`'s three
+realistic calls, median of 15 after 3 warm-ups:
+- **total**: `predict_batch`, synchronised;
+- **forward**: the agent's model forward (laya's DecisionModel, or the installed artifact with its padding,
+  chunking and copies), synchronised on entry and exit; **host** = total - forward (laya's tokenising,
+  windows, packing, post-processing);
+- **artifact** (bundle only): the artifact's own calls inside the forward;
+- the tokens the forward computed (rows x padded length, every chunk) and the **dense 16-bit limit**: the
+  matmul FLOPs of the checkpoint's linear layers plus attention's (2 x linear params + 4 x layers x hidden x
+  padded length, per token) at `--tflops` (the H200's dense bf16 rate, 790).
+Then one 32 x 1024 forward with torch's allocator history on: the peak, and the largest blocks live at it.
+The synchronisation adds a little to what it measures; `gpu_start.py` times the calls without it.
+Writes profile_<shape><tag>.json and .md to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_start import CALLS, states  # noqa: E402  (a sibling benchmark script)
+
+
+def linear_params(ckpt: str) -> tuple:
+    """(params of the encoder's and head's 2-D weights except embeddings, layers, hidden) from the checkpoint."""
+    from safetensors import safe_open
+
+    n = 0
+    with safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():
+            shape = f.get_slice(k).get_shape()
+            if len(shape) == 2 and "embeddings" not in k:
+                n += shape[0] * shape[1]
+    enc = json.loads((Path(ckpt) / "encoder" / "config.json").read_text())
+    return n, int(enc["num_hidden_layers"]), int(enc["hidden_size"])
+
+
+class _Timed:
+    """A callable timed with CUDA synchronisation on entry and exit; records seconds and input shapes."""
+
+    def __init__(self, fn, log: list):
+        self.fn, self.log = fn, log
+
+    def __call__(self, *a, **k):
+        import torch
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = self.fn(*a, **k)
+        torch.cuda.synchronize()
+        ids = a[0] if a else k["input_ids"]
+        self.log.append((time.perf_counter() - t, tuple(ids.shape)))
+        return out
+
+    def __getattr__(self, name):  # the runner's own attributes (device, stats, graphs)
+        return getattr(self.fn, name)
+
+
+def child(path: str, ckpt: str, bundle: str, tflops: float) -> None:
+    import torch
+
+    if path == "eager":
+        import laya
+
+        agent = laya.load(ckpt, device="cuda")
+    else:
+        import laya_aot
+
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True)
+    params, layers, hidden = linear_params(ckpt)
+    fwd_log: list = []
+    art_log: list = []
+    agent.model.forward = _Timed(agent.model.forward, fwd_log)
+    bo = getattr(agent, "backend_object", None)
+    if path != "eager":
+        bo.runner = _Timed(bo.runner, art_log)
+    res = {"path": path, "backend": agent.backend, "linear_params": params, "layers": layers, "hidden": hidden,
+           "tflops": tflops, "calls": {}}
+    for name, n, words, qs in CALLS:
+        st = states(n, words, seed=n * 1000 + words)
+        for _ in range(3):
+            agent.predict_batch(st, qs)
+        rows = []
+        for _ in range(15):
+            fwd_log.clear()
+            art_log.clear()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            agent.predict_batch(st, qs)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t
+            shapes = [s for _, s in (art_log if path != "eager" else fwd_log)]
+            tokens = sum(r * L for r, L in shapes)
+            flops = sum(r * L * (2 * params + 4 * layers * hidden * L) for r, L in shapes)
+            rows.append({"total_ms": total * 1e3, "forward_ms": sum(s for s, _ in fwd_log) * 1e3,
+                         "artifact_ms": sum(s for s, _ in art_log) * 1e3, "tokens": tokens,
+                         "limit_ms": flops / (tflops * 1e12) * 1e3, "shapes": shapes})
+        med = {k: round(statistics.median(r[k] for r in rows), 3)
+               for k in ("total_ms", "forward_ms", "artifact_ms", "tokens", "limit_ms")}
+        med["host_ms"] = round(med["total_ms"] - med["forward_ms"], 3)
+        med["host_share"] = round(med["host_ms"] / med["total_ms"], 3)
+        med["forward_over_limit"] = round(med["forward_ms"] / med["limit_ms"], 2) if med["limit_ms"] else None
+        med["shapes"] = rows[-1]["shapes"]
+        res["calls"][name] = med
+    res["peak"] = peak_blocks(agent)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def peak_blocks(agent) -> dict:
+    """One 32 x 1024 forward under the allocator's history: the peak over what was resident, and the largest
+    blocks live at that peak (replayed from the trace)."""
+    import torch
+
+    ids = torch.randint(5, 4000, (32, 1024), device="cuda")
+    args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * 32, device="cuda"),
+            torch.ones((32, 4), dtype=torch.bool, device="cuda"), torch.zeros((32,), dtype=torch.long, device="cuda"))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    with torch.no_grad(), torch.autocast("cuda", dtype=agent.dtype, enabled=agent.amp_enabled):
+        agent.model(*args)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict = {}
+    best, at_best = 0, {}
+    for ev in snap.get("device_traces", [[]])[0]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+        elif ev["action"] in ("free_requested", "free_completed"):
+            live.pop(ev["addr"], None)
+        total = sum(live.values())
+        if total > best:
+            best, at_best = total, dict(live)
+    top = sorted(at_best.values(), reverse=True)[:12]
+    return {"resident_gb": round(base / 1e9, 3), "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
+            "over_resident_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3),
+            "largest_blocks_at_peak_mb": [round(b / 1e6, 1) for b in top],
+            "blocks_at_peak": len(at_best), "live_at_peak_gb": round(best / 1e9, 3)}
+
+
+def markdown(r: dict) -> str:
+    lines = ["# Where a realistic call's time goes, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
+             "| path | call | total ms | forward ms | artifact ms | host ms (share) | tokens computed | "
+             "dense limit ms | forward / limit |", "|---|---|---|---|---|---|---|---|---|"]
+    for p, v in r["paths"].items():
+        for c, m in (v.get("calls") or {}).items():
+            lines.append("| %s | %s | %s | %s | %s | %s (%.0f%%) | %s | %s | %s |" % (
+                p, c, m["total_ms"], m["forward_ms"], m["artifact_ms"] or "-", m["host_ms"], 100 * m["host_share"],
+                m["tokens"], m["limit_ms"], m["forward_over_limit"]))
+    lines += ["", "| path | resident GB | peak 32x1024 GB | over resident GB | largest blocks at the peak (MB) |",
+              "|---|---|---|---|---|"]
+    for p, v in r["paths"].items():
+        pk = v.get("peak") or {}
+        lines.append("| %s | %s | %s | %s | %s |" % (p, pk.get("resident_gb"), pk.get("peak_gb"),
+                                                     pk.get("over_resident_gb"), pk.get("largest_blocks_at_peak_mb")))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child")
+    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
+    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
+    ap.add_argument("--shape", default="large-1024")
+    ap.add_argument("--tflops", type=float, default=790.0)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.ckpt, a.bundle, a.tflops)
+        return
+    res = {"shape": a.shape, "command": " ".join(sys.argv), "paths": {}}
+    for path in ("eager", "bundle"):
+        p = subprocess.run([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
+                            "--tflops", str(a.tflops)], capture_output=True, text=True, timeout=400)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+        res["paths"][path] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-3000:]}
+        print(path, json.dumps(res["paths"][path])[:1500], flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("profile_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1))
+    (out / ("profile_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
