@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional
 
@@ -80,6 +81,13 @@ def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_b
     return True
 
 
+# safetensors' dtype names -> torch's attribute names (what a checkpoint laya saves can hold)
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+# the most bytes of the file on the device at once beyond the converted tensors (`Weights.load_to`)
+LOAD_CHUNK_BYTES = 256 << 20
+
+
 class Weights(Mapping):
     """The checkpoint's tensors by name, read from model.safetensors when asked for (memory-mapped, one at a
     time): what an artifact's constants are made from without building laya's module first, so each weight
@@ -88,7 +96,8 @@ class Weights(Mapping):
     def __init__(self, ckpt: str | os.PathLike):
         from safetensors import safe_open
 
-        self._file = safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt")
+        self.path = Path(ckpt) / "model.safetensors"
+        self._file = safe_open(str(self.path), framework="pt")
         self._keys = frozenset(self._file.keys())
 
     def __getitem__(self, key: str) -> Any:
@@ -104,6 +113,58 @@ class Weights(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def load_to(self, targets: Mapping[str, Any], device: Any) -> Dict[str, Any]:
+        """The tensors named in `targets` (name -> torch dtype) on `device`, each converted there and owning its
+        storage. The file's bytes cross to the device in a few large copies of consecutive tensors (at most
+        LOAD_CHUNK_BYTES each) instead of one small copy per tensor; a tensor whose bytes cannot be viewed in
+        place (unaligned, an unknown dtype) is read on its own."""
+        import mmap
+
+        import torch
+
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n).decode("utf-8"))
+        base = 8 + n
+        spans, out = [], {}
+        for key, dtype in targets.items():
+            t = header.get(key)
+            if key not in self._keys or not isinstance(t, dict):
+                raise KeyError(key)
+            stored = getattr(torch, _ST_DTYPES.get(t.get("dtype"), ""), None)
+            begin, end = t["data_offsets"]
+            if isinstance(stored, torch.dtype) and begin % stored.itemsize == 0 and base % stored.itemsize == 0:
+                spans.append((begin, end, key, stored, tuple(t["shape"]), dtype))
+            else:
+                out[key] = self[key].to(device=device).to(dtype=dtype).contiguous()
+        spans.sort()
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            data = memoryview(mm)
+            try:
+                i = 0
+                while i < len(spans):
+                    j, start = i + 1, spans[i][0]
+                    while j < len(spans) and spans[j][1] - start <= LOAD_CHUNK_BYTES:
+                        j += 1
+                    _convert_chunk(data[base + start:base + spans[j - 1][1]], start, spans[i:j], device, out)
+                    i = j
+            finally:
+                data.release()
+        return out
+
+
+def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: Dict[str, Any]) -> None:
+    """Copy one run of the file's bytes to `device`, then each tensor in it, converted, into `out` (copies: none
+    of them keeps the run, or the file's mapping, alive)."""
+    import torch
+
+    with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
+        warnings.simplefilter("ignore", UserWarning)
+        chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=device)
+    for begin, end, key, stored, shape, dtype in spans:
+        out[key] = chunk[begin - start:end - start].view(stored).view(shape).to(dtype=dtype, copy=True).contiguous()
+    raw.release()
 
 
 _LAYOUT = "a Laya checkpoint directory (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)"

@@ -194,23 +194,27 @@ def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[st
 def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
                      device: torch.device, wanted: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
     """The package's constants on `device` (those in `wanted`; every one that constants.json lists if None),
-    each taken from the checkpoint's `tensors` or the bundle's `extra` file and converted to its dtype there."""
+    each taken from the checkpoint's `tensors` or the bundle's `extra` file and converted to its dtype there.
+    Checkpoint tensors cross to the device in their stored dtype, once; to a GPU from a `checkpoint.Weights`, in a
+    few large copies (`Weights.load_to`)."""
     keep = None if wanted is None else set(wanted)
+    chosen = {fqn: src for fqn, src in spec["constants"].items() if keep is None or fqn in keep}
+    from_model = {src["key"]: getattr(torch, src["dtype"]) for src in chosen.values() if src["source"] == "model"}
+    absent = sorted(k for k in from_model if k not in tensors)
+    if absent:
+        raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; the bundle was built "
+                       "from another model architecture" % absent[0])
+    bulk = getattr(tensors, "load_to", None) if torch.device(device).type == "cuda" else None  # no copy to save
+    loaded = bulk(from_model, device) if bulk is not None else {}
     consts: Dict[str, torch.Tensor] = {}
-    for fqn, src in spec["constants"].items():
-        if keep is not None and fqn not in keep:  # folded or unused by the compiled graph
-            continue
+    for fqn, src in chosen.items():
         dtype = getattr(torch, src["dtype"])
-        if src["source"] == "model":
-            if src["key"] not in tensors:
-                raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; "
-                               "the bundle was built from another model architecture" % src["key"])
-            t = tensors[src["key"]]
-        else:
-            t = extra[fqn]
-        # moved, then converted on the device: a checkpoint tensor read from disk crosses to the GPU in its
-        # stored dtype, once; .to() returns the tensor itself when dtype and device already match (no second
-        # copy of the weights for an fp32 CPU artifact)
+        if src["source"] == "model" and src["key"] in loaded and loaded[src["key"]].dtype == dtype:
+            consts[fqn] = loaded[src["key"]]
+            continue
+        t = tensors[src["key"]] if src["source"] == "model" else extra[fqn]
+        # .to() returns the tensor itself when dtype and device already match (no second copy of the weights for
+        # an fp32 CPU artifact)
         consts[fqn] = t.detach().to(device=device).to(dtype=dtype).contiguous()
     return consts
 

@@ -1,0 +1,41 @@
+"""`checkpoint.Weights.load_to`: the file's bytes to the device in a few large copies, each tensor converted."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from laya_aot import checkpoint
+
+
+@pytest.fixture
+def weights(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(7, 5, generator=g).half(), "b.bias": torch.randn(3, generator=g),
+               "c.weight": torch.randn(4, 4, generator=g).bfloat16(), "d.idx": torch.arange(6).view(2, 3),
+               "e.flag": torch.tensor([True, False, True]), "f.odd": torch.randn(1, generator=g).half()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return checkpoint.Weights(tmp_path), tensors
+
+
+@pytest.mark.parametrize("chunk", [1, 24, 1 << 20])   # a tensor per copy, a few per copy, the whole file at once
+def test_load_to_gives_what_a_read_and_convert_per_tensor_gives(weights, chunk, monkeypatch):
+    monkeypatch.setattr(checkpoint, "LOAD_CHUNK_BYTES", chunk)
+    w, tensors = weights
+    targets = {"a.weight": torch.bfloat16, "b.bias": torch.float32, "c.weight": torch.float32,
+               "d.idx": torch.int64, "e.flag": torch.bool, "f.odd": torch.float16}
+    got = w.load_to(targets, "cpu")
+    assert got.keys() == targets.keys()
+    for key, dtype in targets.items():
+        want = tensors[key].to(dtype)
+        assert got[key].dtype == dtype and got[key].shape == want.shape and torch.equal(got[key], want), key
+        assert got[key].is_contiguous()
+    # each owns its storage: writing one changes nothing else, and the file is unchanged
+    got["b.bias"].add_(1.0)
+    assert torch.equal(w["b.bias"], tensors["b.bias"]) and torch.equal(w.load_to({"b.bias": torch.float32},
+                                                                                 "cpu")["b.bias"], tensors["b.bias"])
+
+
+def test_load_to_names_a_tensor_the_checkpoint_lacks(weights):
+    with pytest.raises(KeyError, match="missing.weight"):
+        weights[0].load_to({"missing.weight": torch.float32}, "cpu")
