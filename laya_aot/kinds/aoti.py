@@ -113,13 +113,13 @@ class AOTIRunner(Runner):
     """An AOTInductor package whose weights come from the checkpoint at load time."""
 
     def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu",
-                 cuda_graphs: bool = False, prepared: Optional[Mapping[str, torch.Tensor]] = None):
+                 cuda_graphs: bool = False,
+                 prepared: Optional[Mapping[str, torch.Tensor] | Callable[[], Any]] = None):
         from safetensors.torch import load_file
 
         art_dir = Path(art_dir)
         self.device = torch.device(device)
         spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
-        extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() and prepared is None else {}
         t0 = time.perf_counter()
         self._compiled = load_aoti_package(art_dir / PACKAGE, self._index())
         self.stats: Dict[str, object] = {"load_package_s": round(time.perf_counter() - t0, 3)}
@@ -139,10 +139,13 @@ class AOTIRunner(Runner):
         if missing:
             raise KeyError("the package needs constants its constants.json does not describe: %s"
                            % sorted(missing)[:3])
+        if callable(prepared):  # still on their way: the package's own load above ran beside their copy
+            prepared = prepared()
         if prepared is not None:  # read beside laya's load (`prepare`): only what this package takes is kept
             consts = {fqn: t for fqn, t in prepared.items() if fqn in wanted}
             self.stats["constants_prepared"] = True
         else:
+            extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
             consts = device_constants(spec, extra, tensors, self.device, wanted)
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
         self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive

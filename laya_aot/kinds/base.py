@@ -50,8 +50,9 @@ class LoadEnv:
     model: Optional[torch.nn.Module] = None
     agent: Any = None
     cuda_graphs: bool = False
-    # the weights already on the device, from the kind's `prepare` (run beside laya's load); None: make them
-    prepared: Optional[Mapping[str, torch.Tensor]] = None
+    # the weights already on the device, from the kind's `prepare` (run beside laya's load), or a function that
+    # waits for them (the load does what it can first); None: make them
+    prepared: Optional[Mapping[str, torch.Tensor] | Callable[[], Any]] = None
 
 
 @dataclass(frozen=True)

@@ -118,20 +118,25 @@ class HeadStart:
             log.debug("weights not prepared early for %s: %s", self.name, e)
 
     def _load(self, kind: Any, art: Artifact, path: Path, ckpt: Path, graphs: bool) -> None:
-        """Load the artifact with the prepared weights and call it once (its lazy loading paid here)."""
-        if self._weights_thread is not None:
-            self._weights_thread.join()
-        prepared, self._prepared = self._prepared, None  # None: weights inside the package, or not prepared
+        """Load the artifact and call it once (its lazy loading paid here); its package loads while the weights
+        are still on their way, and takes them once there."""
         if self._closed.is_set():
             return
         t = time.perf_counter()
-        env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=prepared,
+        env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=self._wait_prepared,
                             cuda_graphs=graphs)
         runner = kind.load(path, art, env)
         warm_up(runner, art)
         if not self._closed.is_set():
             self._runner, self._runner_graphs = runner, graphs
             self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since())
+
+    def _wait_prepared(self) -> Any:
+        """The prepared weights once their thread is done (None: weights inside the package, or not prepared)."""
+        if self._weights_thread is not None:
+            self._weights_thread.join()
+        prepared, self._prepared = self._prepared, None
+        return prepared
 
     def take_probe(self, name: str, device: str) -> Optional[Callable[[Dict[str, Any]], Optional[str]]]:
         """The probe of artifact `name` on `device` started here, as a function that waits for its verdict (and
