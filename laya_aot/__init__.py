@@ -18,6 +18,9 @@ def __getattr__(name: str) -> Any:
     """`laya_aot.load` is `laya_aot.runtime.loader.load` itself, not a wrapper: `help()` and IDEs show its
     signature, and its warnings point at the caller's line. It is imported on first use (torch, laya)."""
     if name == "load":
+        from .probe import start_ahead
+
+        start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
         from .runtime.loader import load
 
         globals()["load"] = load

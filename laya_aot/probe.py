@@ -7,6 +7,13 @@ disk keyed by the artifact's sha256 and the machine's facts, so later starts pay
 
 Run as a module it is the child: `python -m laya_aot.probe BUNDLE CHECKPOINT DEVICE`, with the artifact's
 manifest entry (exactly the one the parent checked) in $LAYA_AOT_PROBE_ENTRY. Build and runtime both use it.
+
+Most of a child's time is importing torch. On a machine whose cache holds no verdict yet (a first start, as
+every start of a fresh container is), `start_ahead` starts a child as soon as `laya_aot.load` is looked up:
+it imports torch and the kinds while the service imports its own, then waits (`--wait`) for the artifact that
+`start` hands it on stdin, with the environment a child started then would get. It is used only by a `start`
+with the same interpreter and the same variables its imports may read (`_IMPORT_ENV`), and ended when the load
+that could have used it is over ($LAYA_AOT_PROBE_AHEAD=0 turns this off).
 """
 from __future__ import annotations
 
@@ -17,9 +24,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import LayaAotError
 from .files import cache_dir, write_json_atomic
@@ -106,6 +114,83 @@ class Pending:
             self.proc.wait()
 
 
+ENV_AHEAD = "LAYA_AOT_PROBE_AHEAD"
+WAIT_S = 300.0  # how long a child started ahead waits for its artifact before it exits on its own
+_ahead: Optional[Tuple[subprocess.Popen, Any]] = None
+_ahead_tried = False
+_ahead_lock = threading.Lock()
+
+
+def _child_env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONFAULTHANDLER="0")
+
+
+# variables a child's imports may read (the interpreter's, the linker's, torch's and its libraries'): a child
+# started ahead is used only if these are as they are now; the rest of the environment it takes with its artifact
+_IMPORT_ENV = ("PYTHON", "LD_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "TRITON", "TILELANG", "TVM")
+
+
+def _spawn_key(env: Dict[str, str]) -> Any:
+    """What a child started ahead must share with one started now: the interpreter and `_IMPORT_ENV`."""
+    return sys.executable, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_ENV)))
+
+
+def start_ahead() -> bool:
+    """Start a probe child that imports what every child imports and then waits for its artifact (module doc),
+    once per process, only where no verdict is cached at all; whether one started."""
+    global _ahead, _ahead_tried
+    with _ahead_lock:
+        if _ahead_tried:
+            return False
+        _ahead_tried = True
+        if os.environ.get(ENV_AHEAD, "1").strip().lower() in ("0", "false", "no", "off"):
+            return False
+        try:
+            probes = cache_dir() / "probes"
+            if probes.is_dir() and any(probes.glob("*.json")):
+                return False
+            timeout_s()
+            env = _child_env()
+            proc = subprocess.Popen([sys.executable, "-m", __name__, "--wait"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        except (OSError, SettingError) as e:  # a probe started when needed says what is wrong
+            log.debug("no probe child started ahead: %s", e)
+            return False
+        _ahead = (proc, _spawn_key(env))
+        return True
+
+
+def _take_ahead(key: Any) -> Optional[subprocess.Popen]:
+    """The child started ahead, if it is still waiting and was started exactly as `start` would start one."""
+    global _ahead
+    with _ahead_lock:
+        got, _ahead = _ahead, None
+    if got is None:
+        return None
+    proc, spawned = got
+    if spawned == key and proc.poll() is None:
+        return proc
+    _end(proc)
+    return None
+
+
+def end_ahead() -> None:
+    """End a child started ahead that no start took (the load it was for is over)."""
+    global _ahead
+    with _ahead_lock:
+        got, _ahead = _ahead, None
+    if got is not None:
+        _end(got[0])
+
+
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+        proc.communicate(timeout=10)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+
+
 def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine) -> Pending:
     """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
     path = verdict_path(entry, machine, device)
@@ -120,8 +205,20 @@ def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
     except SettingError as e:
         return Pending.failed(entry, path, machine, device, "it could not be probed: %s" % e)
     cmd = [sys.executable, "-m", __name__, str(bundle), str(checkpoint), device]
-    env = dict(os.environ, PYTHONFAULTHANDLER="0", LAYA_AOT_PROBE_ENTRY=json.dumps(entry.to_dict()))
+    base = _child_env()
+    env = dict(base, LAYA_AOT_PROBE_ENTRY=json.dumps(entry.to_dict()))
     launch = dict(args=cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ahead = _take_ahead(_spawn_key(base))
+    if ahead is not None:  # past its imports already: it takes this artifact on stdin
+        try:
+            assert ahead.stdin is not None
+            ahead.stdin.write(json.dumps({"bundle": str(bundle), "checkpoint": str(checkpoint), "device": device,
+                                          "env": env}) + "\n")
+            ahead.stdin.close()
+            ahead.stdin = None  # closed: `communicate` must not flush or close it again
+            return Pending(entry, path, machine, device, proc=ahead, launch=launch)
+        except OSError:
+            _end(ahead)
     try:
         proc = subprocess.Popen(**launch)
     except OSError as e:  # the interpreter cannot be run by this user, no process left, ...: this artifact's probe
@@ -208,7 +305,29 @@ def probe(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
     return finish(start(bundle, entry, checkpoint, device, machine), stats)
 
 
-def _child(bundle: str, checkpoint: str, device: str) -> int:
+def _wait_for_artifact() -> int:
+    """`--wait`: import what a child needs now, then probe the artifact `start` writes on stdin (nothing within
+    WAIT_S, or stdin closed: exit without a word)."""
+    import select
+
+    t0 = time.perf_counter()
+    import torch  # noqa: F401 - the point: imported while the service imports its own
+
+    from . import kinds
+
+    kinds.BY_NAME  # noqa: B018 - the registry, with every kind's module
+    imported = time.perf_counter() - t0
+    ready, _, _ = select.select([sys.stdin], [], [], WAIT_S)
+    line = sys.stdin.readline() if ready else ""
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    os.environ.clear()  # the environment a child started now would get, its artifact's entry included
+    os.environ.update(job["env"])
+    return _child(job["bundle"], job["checkpoint"], job["device"], ahead={"imported_ahead_s": round(imported, 3)})
+
+
+def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, Any]] = None) -> int:
     """Load the artifact, run one small batch (and, where its kind replays CUDA graphs, capture and replay
     it), report on stdout.
 
@@ -252,7 +371,7 @@ def _child(bundle: str, checkpoint: str, device: str) -> int:
         result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
             "no graph was captured"
         timeline["graph_capture_s"] = time.perf_counter() - t0 - sum(timeline.values())
-    result["timeline"] = {k: round(v, 3) for k, v in timeline.items()}
+    result["timeline"] = dict({k: round(v, 3) for k, v in timeline.items()}, **(ahead or {}))
     print(_MARK + json.dumps(result), flush=True)
     return 0
 
@@ -265,4 +384,4 @@ def _entry_from_env() -> Artifact:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(*sys.argv[1:4]))
+    sys.exit(_wait_for_artifact() if sys.argv[1:] == ["--wait"] else _child(*sys.argv[1:4]))

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no probe child started ahead (probe.start_ahead) by whichever test first looks up `laya_aot.load`: that would
+# depend on the tests' order; tests/runtime/test_probe_ahead.py turns it on where it checks it
+os.environ.setdefault("LAYA_AOT_PROBE_AHEAD", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

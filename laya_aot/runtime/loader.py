@@ -220,6 +220,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     finally:
         if early is not None:
             early.close()
+        _end_probe_ahead()
     load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
     if chosen is not None:
         chosen.load_stats.update(load_stats)
@@ -232,6 +233,13 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
                   RuntimeWarning, stacklevel=2)
     _install_fallback(agent, eager, rejected, load_stats)
     return agent
+
+
+def _end_probe_ahead() -> None:
+    """A probe child started ahead for this load (`probe.start_ahead`) and not taken is ended with it."""
+    from ..probe import end_ahead
+
+    end_ahead()
 
 
 class _Options(NamedTuple):

@@ -1,0 +1,107 @@
+"""A first start's probe child, started ahead (`probe.start_ahead`): it imports torch beside the service and
+probes the artifact `start` hands it; it is used only when started as a child would be now, and never outlives
+the load it was for."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from laya_aot import probe
+
+FIRST_START = """
+import json, sys, laya_aot
+agent = laya_aot.load(sys.argv[1], bundle=sys.argv[2], device="cpu", prefer="aoti", strict=True)
+from laya_aot import probe
+s = agent.backend_object.load_stats
+print("RESULT " + json.dumps({"probe": s["probe"], "timeline": s.get("probe_timeline"), "backend": agent.backend,
+                              "left": probe._ahead is not None}))
+"""
+
+
+def _first_start(ckpt, bundle, cache, **env):
+    p = subprocess.run([sys.executable, "-c", FIRST_START, str(ckpt), str(bundle)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), **env))
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, p.stderr[-3000:]
+    return json.loads(line[7:])
+
+
+def test_a_first_start_probes_with_the_child_started_ahead_and_a_later_one_reads_its_verdict(demo_ckpt, demo_bundle,
+                                                                                            tmp_path):
+    first = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1")
+    assert first["probe"] == "ran" and first["backend"].startswith("aot:") and not first["left"]
+    assert first["timeline"]["imported_ahead_s"] > 0 and first["timeline"]["imports_s"] < 0.5
+    later = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1")
+    assert later["probe"] == "cached" and later["backend"] == first["backend"]
+    off = _first_start(demo_ckpt, demo_bundle, tmp_path / "other-cache", LAYA_AOT_PROBE_AHEAD="0")
+    assert off["probe"] == "ran" and "imported_ahead_s" not in off["timeline"]   # a child started when needed
+
+
+@pytest.fixture
+def ahead(monkeypatch, tmp_path):
+    """This process's one chance to start a child ahead, given back; a fresh cache; the feature on."""
+    monkeypatch.setattr(probe, "_ahead_tried", False)
+    monkeypatch.setattr(probe, "_ahead", None)
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LAYA_AOT_PROBE_AHEAD", "1")
+    yield
+    probe.end_ahead()
+
+
+def _aoti(bundle):
+    from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
+
+    return read_bundle(bundle, kinds.BY_NAME).artifact("aoti-cpu")
+
+
+def test_a_child_started_ahead_under_other_settings_is_not_used(ahead, demo_ckpt, demo_bundle, monkeypatch):
+    from laya_aot.variant import current_machine
+
+    assert probe.start_ahead() and not probe.start_ahead()   # once per process
+    proc = probe._ahead[0]
+    monkeypatch.setenv("PYTHONHASHSEED", "123")   # a variable its imports may have read: it is not that child
+    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    assert pending.proc is not proc and proc.poll() is not None   # ended, and a child started now instead
+    stats = {}
+    assert probe.finish(pending, stats) is None and "imported_ahead_s" not in stats["probe_timeline"]
+
+
+def test_a_child_started_ahead_takes_the_environment_of_its_artifacts_start(ahead, demo_ckpt, demo_bundle,
+                                                                             monkeypatch):
+    from laya_aot.variant import current_machine
+
+    assert probe.start_ahead()
+    proc = probe._ahead[0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # read when the child probes, not when it imports
+    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    assert pending.proc is proc
+    stats = {}
+    assert probe.finish(pending, stats) is None and stats["probe_timeline"]["imported_ahead_s"] > 0
+
+
+def test_no_child_is_started_ahead_where_a_verdict_is_cached_or_it_is_off(ahead, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYA_AOT_PROBE_AHEAD", "0")
+    assert not probe.start_ahead()
+    monkeypatch.setattr(probe, "_ahead_tried", False)
+    monkeypatch.setenv("LAYA_AOT_PROBE_AHEAD", "1")
+    (tmp_path / "cache" / "probes").mkdir(parents=True)
+    (tmp_path / "cache" / "probes" / "some-verdict.json").write_text("{}")
+    assert not probe.start_ahead() and probe._ahead is None
+
+
+def test_a_child_started_ahead_that_no_start_took_ends_with_the_load(ahead, demo_bundle, alt_ckpt):
+    import warnings
+
+    import laya_aot
+
+    assert probe.start_ahead()
+    proc = probe._ahead[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agent = laya_aot.load(str(alt_ckpt), bundle=str(demo_bundle), device="cpu")   # another checkpoint's bundle
+    assert agent.backend == "eager" and probe._ahead is None and proc.poll() is not None
