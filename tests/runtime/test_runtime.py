@@ -396,12 +396,11 @@ def test_probe_stand_in_weights_have_the_checkpoints_shapes(demo_ckpt, demo_bund
 
 
 def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_recorded(demo_bundle, demo_ckpt,
-                                                                                   tmp_path, monkeypatch):
+                                                                                   tmp_path, monkeypatch,
+                                                                                   probe_starts):
     """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune): the probe
     child may start before the weights' digest is known; the mismatch refuses the bundle, and no
     verdict is cached for it."""
-    from laya_aot import probe as probe_mod
-
     other = tmp_path / "finetuned"
     shutil.copytree(demo_ckpt, other)
     from safetensors.torch import load_file, save_file
@@ -418,13 +417,7 @@ def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_record
     # the demo's weights (0.7 MB in fp16) count as a large file here, as a real checkpoint's would
     monkeypatch.setattr(ckpt_mod, "small_files_match", functools.partial(ckpt_mod.small_files_match,
                                                                          limit_bytes=1 << 18))
-    started = []
-    real_start = probe_mod.start
-
-    def recording_start(*a, **k):
-        started.append(real_start(*a, **k))
-        return started[-1]
-    monkeypatch.setattr(probe_mod, "start", recording_start)
+    started = probe_starts
     _load_expect_eager(other, demo_bundle, "built from another checkpoint", prefer="aoti")
     assert started and all(p.proc.poll() is not None for p in started)   # started early, then ended
     assert not list((tmp_path / "fresh-cache" / "probes").glob("*.json"))

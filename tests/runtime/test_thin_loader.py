@@ -137,21 +137,14 @@ def test_prepared_weights_are_the_ones_the_package_would_read(demo_ckpt, demo_bu
 
 
 def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(demo_ckpt, demo_bundle, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, probe_starts):
     import time
 
-    from laya_aot import probe as probe_mod
     from laya_aot.runtime.head_start import HeadStart
 
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
     _package_first(monkeypatch)
-    started = []
-    real_start = probe_mod.start
-
-    def recording_start(*a, **k):
-        started.append(real_start(*a, **k))
-        return started[-1]
-    monkeypatch.setattr(probe_mod, "start", recording_start)
+    started = probe_starts
     hs = HeadStart(demo_ckpt, demo_bundle, "cpu", None, thin=True)
     deadline = time.monotonic() + 60
     while not started and time.monotonic() < deadline:

@@ -1,0 +1,19 @@
+"""Fixtures of the runtime's tests."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def probe_starts(monkeypatch) -> list:
+    """Every probe child `probe.start` starts from now on (its `Pending`), in order."""
+    from laya_aot import probe
+
+    started: list = []
+    real_start = probe.start
+
+    def recording_start(*a, **k):
+        started.append(real_start(*a, **k))
+        return started[-1]
+    monkeypatch.setattr(probe, "start", recording_start)
+    return started
