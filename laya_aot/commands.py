@@ -219,16 +219,23 @@ TABLE_WIDTH = 170
 def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: str) -> str:
     """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
     the hashes; the probe, the load and the smoke check come at load time)."""
-    from .runtime.select import rank
+    from .runtime import start_costs
+    from .runtime.select import rank, start_tie_reason
+    from .variant import current_machine
 
     here = {r["name"]: r["here"] for r in rows}
-    ranked, _ = rank([e for e in artifacts if here[e.name] == "usable"], device)
+    usable_here = [e for e in artifacts if here[e.name] == "usable"]
+    starts = start_costs.known(usable_here, current_machine(device), device) if usable_here else {}
+    ranked, _ = rank(usable_here, device, starts=starts)
     if not ranked:
         return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
                 "why)")
     first = ranked[0]
     lat = first.latency_ms.get(device) or {}
-    if lat:
+    tie = start_tie_reason(first, usable_here, device, starts)
+    if lat and tie:
+        why = "measured on %s at build: %s; %s" % (device, _latencies(lat), tie)
+    elif lat:
         why = "the fastest usable artifact measured on %s at build: %s" % (device, _latencies(lat))
     else:
         why = "no latency measured on %s, so the kinds' fixed order decides" % device

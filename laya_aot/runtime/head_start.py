@@ -29,6 +29,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, usable
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..manifest import Artifact
+from . import start_costs
 from .select import rank
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class HeadStart:
                 return                                                                       # or tokenizer
             # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
             here = usable.here(ckpt_mod.read_config(ckpt), device)
-            candidates, _ = rank(manifest.artifacts, here.device_type, prefer)
+            starts = start_costs.known(manifest.artifacts, here.machine, here.device_type)
+            candidates, _ = rank(manifest.artifacts, here.device_type, prefer, starts)
             art = next((a for a in candidates if here.reject_reason(a) is None), None)
             kind = kinds.get(art.kind) if art is not None else None
             probed = bool(kind and kind.native and probe)

@@ -29,10 +29,11 @@ from ..errors import LayaAotError
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult
 from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
+from . import start_costs
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
 from .head_start import HeadStart
-from .select import rank, reject_reason
+from .select import rank, reject_reason, start_tie_reason
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
     if chosen is not None:
         chosen.load_stats.update(load_stats)
+        _remember_start(agent, chosen)
         if chosen.eager_module is not None and (eager_module == "background" or near_ties != "off"):
             chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (eager_module, near_ties))
         return agent
@@ -233,6 +235,16 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
                   RuntimeWarning, stacklevel=2)
     _install_fallback(agent, eager, rejected, load_stats)
     return agent
+
+
+def _remember_start(agent, backend: AOTBackend) -> None:
+    """What this start of the artifact cost, for the next start's ranking (`start_costs`): not a start that ran the
+    probe child (paid once per machine), so the figures compare later starts with later starts."""
+    stats = backend.load_stats
+    if stats.get("probe") not in (None, "cached"):
+        return
+    start_costs.record(backend.artifact, current_machine(str(agent.device)), agent.device.type,
+                       stats["agent_load_s"] + stats["select_s"])
 
 
 def _end_probe_ahead() -> None:
@@ -330,14 +342,17 @@ def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
     if why is not None:
         rejected.append(("bundle", why))
         return None
-    candidates, skipped = rank(manifest.artifacts, agent.device.type, opts.prefer)
+    trial = _Trial(agent, ckpt, bundle, manifest, opts, rejected, load_stats, early, eager)
+    starts = start_costs.known(manifest.artifacts, trial.machine, agent.device.type)
+    candidates, skipped = rank(manifest.artifacts, agent.device.type, opts.prefer, starts)
     rejected.extend(skipped)
     load_stats["serving_dtype"] = laya_api.serving_dtype(agent)
-    trial = _Trial(agent, ckpt, bundle, manifest, opts, rejected, load_stats, early, eager)
     for art in candidates:
         backend = trial.run(art)
         if backend is not None:
-            _log_choice(ckpt, backend, agent.device.type, opts.near_ties)
+            backend.load_stats["start_costs_here_s"] = starts
+            _log_choice(ckpt, backend, agent.device.type, opts.near_ties,
+                        start_tie_reason(art, manifest.artifacts, agent.device.type, starts))
             return backend
     return None
 
@@ -467,12 +482,13 @@ class _Trial:
         return got
 
 
-def _log_choice(ckpt: Path, backend: AOTBackend, device: str, near_ties: str) -> None:
+def _log_choice(ckpt: Path, backend: AOTBackend, device: str, near_ties: str, start_tie: Optional[str] = None) -> None:
     """One log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists."""
     art, margin = backend.artifact, backend.tie_margin
     lat = art.latency_ms.get(device) or {}
     shapes = ", ".join("%s %.2f ms" % kv for kv in lat.items())
-    why_first = ("chosen by its build latency on %s, %s (the lowest sum of those usable here)" % (device, shapes)
+    why_first = ("chosen by its build latency on %s, %s (%s)" % (
+                     device, shapes, start_tie or "the lowest sum of those usable here")
                  if lat else "no latency measured on %s: chosen by the kinds' order" % device)
     log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", ckpt, art.name, art.variant, why_first,
              "every answer is the artifact's" if margin is None else

@@ -7,7 +7,7 @@ import pytest
 
 from laya_aot import kinds
 from laya_aot.manifest import Artifact, Needs, VerifyResult
-from laya_aot.runtime.select import rank, reject_reason
+from laya_aot.runtime.select import MIX_TIE, rank, reject_reason, start_tie_reason
 from laya_aot.variant import Machine, isa_satisfies, mismatch, torch_tag
 
 CPU = Machine(torch="2.13.0", cxx11_abi=True, cpu_isa="AVX512", cuda=None, gpu_arch=None, machine="x86_64",
@@ -71,6 +71,35 @@ def test_rank_by_measured_latency_then_fixed_order():
     assert [e.name for e in rank(es, "cpu")[0]] == ["aoti", "onnx", "tl"]
     es = [_entry("onnx", "onnx"), _entry("compile", "compile"), _entry("aoti", "aoti"), _entry("tl", "tilelang")]
     assert [e.name for e in rank(es, "cpu")[0]] == ["tl", "aoti", "compile", "onnx"]
+
+
+def test_a_tie_on_the_mix_goes_to_the_artifact_that_starts_faster_here():
+    tl, aoti = _entry("tl", "tilelang", lat=1.00), _entry("aoti", "aoti", lat=1.03)
+    onnx = _entry("onnx", "onnx", lat=2.0)
+    es = [tl, aoti, onnx]
+    assert [e.name for e in rank(es, "cpu")[0]] == ["tl", "aoti", "onnx"]          # no start recorded: the mix
+    starts = {"tl": 21.0, "aoti": 4.2, "onnx": 1.0}
+    assert [e.name for e in rank(es, "cpu", starts=starts)[0]] == ["aoti", "tl", "onnx"]   # onnx: not a tie
+    assert "starts faster here (4.20 s against 21.00 s)" in start_tie_reason(aoti, es, "cpu", starts)
+    assert start_tie_reason(tl, es, "cpu", {"tl": 21.0}) is None      # the mix put it first
+    # beyond the tie, the mix decides whatever the start costs
+    slower = _entry("aoti", "aoti", lat=1.0 * (1 + MIX_TIE) + 0.01)
+    assert [e.name for e in rank([tl, slower], "cpu", starts=starts)[0]] == ["tl", "aoti"]
+    # an artifact never started here goes after one whose start is known, within the tie
+    assert [e.name for e in rank([tl, aoti], "cpu", starts={"aoti": 30.0})[0]] == ["aoti", "tl"]
+
+
+def test_start_costs_are_recorded_per_artifact_and_machine(tmp_path, monkeypatch):
+    from laya_aot.runtime import start_costs
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    a, b = _entry("aoti", "aoti", lat=1.0), _entry("tl", "tilelang", lat=1.0)
+    assert start_costs.known([a, b], CPU, "cpu") == {}
+    start_costs.record(a, CPU, "cpu", 3.25)
+    assert start_costs.known([a, b], CPU, "cpu") == {"aoti": 3.25}
+    assert start_costs.known([a], H200, "cpu") == {} and start_costs.known([a], CPU, "cuda") == {}
+    # another build's entry of the same name is another artifact
+    assert start_costs.known([replace(a, sha256={"model.pt2": "0" * 64})], CPU, "cpu") == {}
 
 
 def test_prefer_keeps_one_kind_and_says_why_for_the_rest():

@@ -1,0 +1,61 @@
+"""What each artifact cost to start on this machine: recorded by the loader after every start it served, read
+when the loader (and `inspect`) rank a bundle's artifacts.
+
+The build measures what each artifact costs per call, on a mix of shapes (`Artifact.latency_ms`); what it costs
+to start depends on this machine (its disks, its CPU, whether the route builds laya's module or loads
+kernels). A start's cost is the whole of `laya_aot.load` for it: laya's agent, the artifact's load, checks and
+smoke check, as the service waits for them. Only starts whose probe verdict was already cached are recorded, so
+the figures compare like with like (a first start's probe child is paid once per machine). `select.rank` uses
+them between artifacts whose measured mix is within `select.MIX_TIE` of the fastest: there, the one that starts
+faster here goes first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Dict, Iterable, Optional
+
+from ..files import write_json_atomic
+from ..manifest import Artifact
+from ..variant import Machine
+
+log = logging.getLogger(__name__)
+
+
+def _path(art: Artifact, machine: Machine, device: str) -> Path:
+    from ..probe import verdict_path
+
+    return verdict_path(art, machine, "start:" + device)  # keyed like a verdict: the whole entry and the machine
+
+
+def record(art: Artifact, machine: Machine, device: str, seconds: float) -> None:
+    """Remember that starting `art` on this machine and device took `seconds` (best effort: a cache that cannot be
+    written only loses the figure)."""
+    try:
+        path = _path(art, machine, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"artifact": art.name, "start_s": round(float(seconds), 3),
+                                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    except OSError as e:
+        log.debug("could not record the start cost of %s: %s", art.name, e)
+
+
+def known(arts: Iterable[Artifact], machine: Machine, device: str) -> Dict[str, float]:
+    """The recorded start cost of each of `arts` on this machine and device, by name (those never started here
+    are left out)."""
+    out: Dict[str, float] = {}
+    for art in arts:
+        seconds = _read(_path(art, machine, device))
+        if seconds is not None:
+            out[art.name] = seconds
+    return out
+
+
+def _read(path: Path) -> Optional[float]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("start_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e6 else None
