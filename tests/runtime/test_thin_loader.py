@@ -91,8 +91,8 @@ def _package_first(monkeypatch):
 
     real = loader.rank
 
-    def rank(arts, device, prefer=None):
-        order, skipped = real(arts, device, prefer)
+    def rank(arts, device, prefer=None, starts=None):
+        order, skipped = real(arts, device, prefer, starts)
         return sorted(order, key=lambda a: a.name != "aoti-cpu"), skipped
     monkeypatch.setattr(loader, "rank", rank)
     monkeypatch.setattr(head_start, "rank", rank)
