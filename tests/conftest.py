@@ -7,14 +7,22 @@ each saying why). Any test whose fixtures include one of BUILDS is marked here; 
 body carries `@pytest.mark.slow`. A test left unmarked that builds in this process fails, naming what it
 started (`_Guard`), so `python -m pytest -m "not slow"` stays the fast loop it claims to be.
 `heavy` marks the long reliability runs: they run only when `-m` names `heavy`.
+
+With pytest-xdist installed (the test extra installs it), a run that names no test file runs on WORKERS
+worker processes (`-n 0` runs in this process, `-n N` on N): each worker is a session of its own, so the
+session's demo checkpoints and bundles are made once for the whole run under a lock (`_made_once`), and the
+tests of a module run in one worker, in order (`pytest_xdist_make_scheduler`), so that its fixtures are made
+once too.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,25 +32,66 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LAYA_AOT_PROBE_AHEAD", "0")
 
 
+# worker processes of a whole-suite run, when pytest-xdist is installed (2 cores: builds are mostly one core each)
+WORKERS = 2
+
+
+def _xdist_worker():
+    """This worker's name under pytest-xdist (set once it starts, after this file is imported), else None."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """The directory every worker of this run sees: the parent of the workers' own base directories."""
+    root = tmp_path_factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Probe verdicts and digests go to a per-session directory, never the user's ~/.cache."""
+    """Probe verdicts and digests go to a per-session directory, never the user's ~/.cache. Under pytest-xdist
+    the TileLang kernel cache (otherwise inside that directory) is one for the whole run, as it is for a run in
+    one process: a kernel compiled by one worker is not compiled again by the other."""
     os.environ["LAYA_AOT_CACHE_DIR"] = str(tmp_path_factory.mktemp("laya-aot-cache"))
+    if _xdist_worker() is not None:
+        os.environ.setdefault("LAYA_AOT_KERNEL_CACHE", str(_shared_root(tmp_path_factory) / "tilelang-kernels"))
     yield
+
+
+def _made_once(tmp_path_factory, folder: str, name: str, make: Callable[[Path], object]) -> Path:
+    """`make(folder/name)` once for the run; returns that path. In one process: a new directory of the session,
+    as a session fixture makes it. Under pytest-xdist: the first worker to need it makes it in the run's shared
+    directory while holding a lock, and the other workers wait for it and use the same one."""
+    if _xdist_worker() is None:
+        out = tmp_path_factory.mktemp(folder) / name
+        make(out)
+        return out
+    root = _shared_root(tmp_path_factory)
+    out, done = root / ("%s-%s" % (folder, name)) / name, root / ("%s-%s.done" % (folder, name))
+    with open(root / ("%s-%s.lock" % (folder, name)), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            if out.parent.exists():  # what a worker that failed to make it left
+                shutil.rmtree(out.parent)
+            out.parent.mkdir()
+            make(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory) -> Path:
     from laya_aot.demo import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo", "tiny", seed=0)
+    return _made_once(tmp_path_factory, "ckpt", "demo", lambda out: make_checkpoint(out, "tiny", seed=0))
 
 
 @pytest.fixture(scope="session")
 def alt_ckpt(tmp_path_factory) -> Path:
     from laya_aot.demo import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "alt", "tiny-alt", seed=3)
+    return _made_once(tmp_path_factory, "ckpt", "alt", lambda out: make_checkpoint(out, "tiny-alt", seed=3))
 
 
 def build_bundle(ckpt: Path, out: Path, *overrides: str) -> dict:
@@ -57,16 +106,12 @@ def build_bundle(ckpt: Path, out: Path, *overrides: str) -> dict:
 
 @pytest.fixture(scope="session")
 def demo_bundle(demo_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "demo"
-    build_bundle(demo_ckpt, out)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "demo", lambda out: build_bundle(demo_ckpt, out))
 
 
 @pytest.fixture(scope="session")
 def alt_bundle(alt_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "alt"
-    build_bundle(alt_ckpt, out)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "alt", lambda out: build_bundle(alt_ckpt, out))
 
 
 # the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests)
@@ -75,9 +120,7 @@ SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8"
 
 @pytest.fixture(scope="session")
 def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "small"
-    build_bundle(demo_ckpt, out, *SMALL)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "small", lambda out: build_bundle(demo_ckpt, out, *SMALL))
 
 
 @pytest.fixture
@@ -98,6 +141,46 @@ BUILDS = {
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
     "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
 }
+
+
+# modules whose tests are independent and each long (a build per configuration): under pytest-xdist each of their
+# tests goes to whichever worker is free; the tests of any other module run in one worker, in order, so that the
+# module's fixtures are made once and tests that rely on an earlier one of their module still see it
+SPREAD_OVER_WORKERS = {"tests/pipeline/test_matrix.py"}
+_BY_MODULE = pytest.StashKey[bool]()  # set when pytest_cmdline_main chose the workers
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A run that names no test file (the whole suite, or folders of it) runs on WORKERS pytest-xdist workers
+    when that plugin is here and no `-n` or `--dist` was given; `-n 0` keeps it in this process."""
+    opt = config.option
+    if not config.pluginmanager.hasplugin("xdist") or _xdist_worker() is not None:
+        return None
+    if getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no" or opt.collectonly \
+            or getattr(opt, "usepdb", False) or getattr(opt, "tx", None):
+        return None
+    if any(not os.path.isdir(arg.split("::")[0]) for arg in config.args):
+        return None
+    opt.numprocesses, opt.dist = WORKERS, "loadscope"
+    config.stash[_BY_MODULE] = True
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's hook: the scheduler of a run that pytest_cmdline_main distributed. One unit of work per
+    module (per test in SPREAD_OVER_WORKERS), handed to whichever worker is free."""
+    if not config.stash.get(_BY_MODULE, False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in SPREAD_OVER_WORKERS else module
+
+    return ByModule(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
