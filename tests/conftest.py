@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, List, NamedTuple, Tuple
 
 import pytest
 
@@ -131,6 +136,49 @@ def bundle_copy(demo_bundle, tmp_path) -> Path:
     return dst
 
 
+def readme_serving_blocks() -> Tuple[List[str], List[str]]:
+    """The README's Serving section: the block that builds and serves, and the block that asks."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n## Serving\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [[line for line in b.splitlines() if line and not line.startswith("#")] for b in blocks]
+    serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
+    ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
+    return serve, ask
+
+
+class ReadmeDemo(NamedTuple):
+    """Where the README's `laya-aot demo` ran (a fresh directory, as a fresh clone), how it ended, its output."""
+
+    dir: Path
+    returncode: int
+    output: str
+
+
+@pytest.fixture(scope="session")
+def readme_demo(tmp_path_factory) -> ReadmeDemo:
+    """The README serving block's command after its install, `laya-aot demo`, run as written in a fresh
+    directory (the environment is already made): it trains the demo checkpoint and builds its bundle there.
+    Run once: the README serving test serves from that directory, and the demo-training test checks the
+    checkpoint it trained (and trains one itself to compare)."""
+    (build_line, _), _ = readme_serving_blocks()
+    build = build_line.split(" && ", 1)[1]
+    venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+
+    def make(clone: Path) -> None:
+        clone.mkdir()
+        p = subprocess.run(["bash", "-c", build.replace(".venv/bin/", venv_bin)], cwd=clone, env=env,
+                           capture_output=True, text=True, timeout=1200)
+        (clone.parent / "run.json").write_text(json.dumps({"returncode": p.returncode,
+                                                           "output": p.stdout[-3000:] + p.stderr[-3000:]}))
+
+    clone = _made_once(tmp_path_factory, "readme", "clone", make)
+    run = json.loads((clone.parent / "run.json").read_text())
+    return ReadmeDemo(clone, run["returncode"], run["output"])
+
+
 # fixtures that build a bundle, compile a package, train a checkpoint or start builds in child processes; a
 # test that uses one (directly or through another fixture) is marked slow
 BUILDS = {
@@ -140,6 +188,7 @@ BUILDS = {
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
     "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+    "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
 
 
