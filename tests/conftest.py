@@ -42,8 +42,14 @@ WORKERS = 2
 
 
 def _xdist_worker():
-    """This worker's name under pytest-xdist (set once it starts, after this file is imported), else None."""
+    """This worker's name under pytest-xdist (set by the worker before it imports this file), else None."""
     return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+if _xdist_worker() is not None:
+    # one compute thread per worker (torch, and ONNX Runtime, which follows torch's count), before torch is
+    # imported: two workers on two cores each spinning two threads ran the eager and ONNX phases 2-3x slower
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _shared_root(tmp_path_factory) -> Path:
