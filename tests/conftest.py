@@ -7,14 +7,27 @@ each saying why). Any test whose fixtures include one of BUILDS is marked here; 
 body carries `@pytest.mark.slow`. A test left unmarked that builds in this process fails, naming what it
 started (`_Guard`), so `python -m pytest -m "not slow"` stays the fast loop it claims to be.
 `heavy` marks the long reliability runs: they run only when `-m` names `heavy`.
+
+With pytest-xdist installed (the test extra installs it), a run that names no test file runs on WORKERS
+worker processes (`-n 0` runs in this process, `-n N` on N): each worker is a session of its own, so the
+session's demo checkpoints and bundles are made once for the whole run under a lock (`_made_once`), and the
+tests of a module run in one worker, in order (`pytest_xdist_make_scheduler`), so that its fixtures are made
+once too.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
+from typing import Callable, List, NamedTuple, Tuple
 
 import pytest
 
@@ -24,25 +37,72 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LAYA_AOT_PROBE_AHEAD", "0")
 
 
+# worker processes of a whole-suite run, when pytest-xdist is installed (2 cores: builds are mostly one core each)
+WORKERS = 2
+
+
+def _xdist_worker():
+    """This worker's name under pytest-xdist (set by the worker before it imports this file), else None."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+if _xdist_worker() is not None:
+    # one compute thread per worker (torch, and ONNX Runtime, which follows torch's count), before torch is
+    # imported: two workers on two cores each spinning two threads ran the eager and ONNX phases 2-3x slower
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _shared_root(tmp_path_factory) -> Path:
+    """The directory every worker of this run sees: the parent of the workers' own base directories."""
+    root = tmp_path_factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Probe verdicts and digests go to a per-session directory, never the user's ~/.cache."""
+    """Probe verdicts and digests go to a per-session directory, never the user's ~/.cache. Under pytest-xdist
+    the TileLang kernel cache (otherwise inside that directory) is one for the whole run, as it is for a run in
+    one process: a kernel compiled by one worker is not compiled again by the other."""
     os.environ["LAYA_AOT_CACHE_DIR"] = str(tmp_path_factory.mktemp("laya-aot-cache"))
+    if _xdist_worker() is not None:
+        os.environ.setdefault("LAYA_AOT_KERNEL_CACHE", str(_shared_root(tmp_path_factory) / "tilelang-kernels"))
     yield
+
+
+def _made_once(tmp_path_factory, folder: str, name: str, make: Callable[[Path], object]) -> Path:
+    """`make(folder/name)` once for the run; returns that path. In one process: a new directory of the session,
+    as a session fixture makes it. Under pytest-xdist: the first worker to need it makes it in the run's shared
+    directory while holding a lock, and the other workers wait for it and use the same one."""
+    if _xdist_worker() is None:
+        out = tmp_path_factory.mktemp(folder) / name
+        make(out)
+        return out
+    root = _shared_root(tmp_path_factory)
+    out, done = root / ("%s-%s" % (folder, name)) / name, root / ("%s-%s.done" % (folder, name))
+    with open(root / ("%s-%s.lock" % (folder, name)), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            if out.parent.exists():  # what a worker that failed to make it left
+                shutil.rmtree(out.parent)
+            out.parent.mkdir()
+            make(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory) -> Path:
     from laya_aot.demo import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo", "tiny", seed=0)
+    return _made_once(tmp_path_factory, "ckpt", "demo", lambda out: make_checkpoint(out, "tiny", seed=0))
 
 
 @pytest.fixture(scope="session")
 def alt_ckpt(tmp_path_factory) -> Path:
     from laya_aot.demo import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "alt", "tiny-alt", seed=3)
+    return _made_once(tmp_path_factory, "ckpt", "alt", lambda out: make_checkpoint(out, "tiny-alt", seed=3))
 
 
 def build_bundle(ckpt: Path, out: Path, *overrides: str) -> dict:
@@ -57,16 +117,12 @@ def build_bundle(ckpt: Path, out: Path, *overrides: str) -> dict:
 
 @pytest.fixture(scope="session")
 def demo_bundle(demo_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "demo"
-    build_bundle(demo_ckpt, out)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "demo", lambda out: build_bundle(demo_ckpt, out))
 
 
 @pytest.fixture(scope="session")
 def alt_bundle(alt_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "alt"
-    build_bundle(alt_ckpt, out)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "alt", lambda out: build_bundle(alt_ckpt, out))
 
 
 # the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests)
@@ -75,9 +131,7 @@ SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8"
 
 @pytest.fixture(scope="session")
 def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundles") / "small"
-    build_bundle(demo_ckpt, out, *SMALL)
-    return out
+    return _made_once(tmp_path_factory, "bundles", "small", lambda out: build_bundle(demo_ckpt, out, *SMALL))
 
 
 @pytest.fixture
@@ -86,6 +140,49 @@ def bundle_copy(demo_bundle, tmp_path) -> Path:
     dst = tmp_path / "bundle"
     shutil.copytree(demo_bundle, dst)
     return dst
+
+
+def readme_serving_blocks() -> Tuple[List[str], List[str]]:
+    """The README's Serving section: the block that builds and serves, and the block that asks."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n## Serving\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [[line for line in b.splitlines() if line and not line.startswith("#")] for b in blocks]
+    serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
+    ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
+    return serve, ask
+
+
+class ReadmeDemo(NamedTuple):
+    """Where the README's `laya-aot demo` ran (a fresh directory, as a fresh clone), how it ended, its output."""
+
+    dir: Path
+    returncode: int
+    output: str
+
+
+@pytest.fixture(scope="session")
+def readme_demo(tmp_path_factory) -> ReadmeDemo:
+    """The README serving block's command after its install, `laya-aot demo`, run as written in a fresh
+    directory (the environment is already made): it trains the demo checkpoint and builds its bundle there.
+    Run once: the README serving test serves from that directory, and the demo-training test checks the
+    checkpoint it trained (and trains one itself to compare)."""
+    (build_line, _), _ = readme_serving_blocks()
+    build = build_line.split(" && ", 1)[1]
+    venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+
+    def make(clone: Path) -> None:
+        clone.mkdir()
+        p = subprocess.run(["bash", "-c", build.replace(".venv/bin/", venv_bin)], cwd=clone, env=env,
+                           capture_output=True, text=True, timeout=1200)
+        (clone.parent / "run.json").write_text(json.dumps({"returncode": p.returncode,
+                                                           "output": p.stdout[-3000:] + p.stderr[-3000:]}))
+
+    clone = _made_once(tmp_path_factory, "readme", "clone", make)
+    run = json.loads((clone.parent / "run.json").read_text())
+    return ReadmeDemo(clone, run["returncode"], run["output"])
 
 
 # fixtures that build a bundle, compile a package, train a checkpoint or start builds in child processes; a
@@ -97,7 +194,48 @@ BUILDS = {
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
     "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+    "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
+
+
+# modules whose tests are independent and each long (a build per configuration): under pytest-xdist each of their
+# tests goes to whichever worker is free; the tests of any other module run in one worker, in order, so that the
+# module's fixtures are made once and tests that rely on an earlier one of their module still see it
+SPREAD_OVER_WORKERS = {"tests/pipeline/test_matrix.py"}
+_BY_MODULE = pytest.StashKey[bool]()  # set when pytest_cmdline_main chose the workers
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A run that names no test file (the whole suite, or folders of it) runs on WORKERS pytest-xdist workers
+    when that plugin is here and no `-n` or `--dist` was given; `-n 0` keeps it in this process."""
+    opt = config.option
+    if not config.pluginmanager.hasplugin("xdist") or _xdist_worker() is not None:
+        return None
+    if getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no" or opt.collectonly \
+            or getattr(opt, "usepdb", False) or getattr(opt, "tx", None):
+        return None
+    if any(not os.path.isdir(arg.split("::")[0]) for arg in config.args):
+        return None
+    opt.numprocesses, opt.dist = WORKERS, "loadscope"
+    config.stash[_BY_MODULE] = True
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's hook: the scheduler of a run that pytest_cmdline_main distributed. One unit of work per
+    module (per test in SPREAD_OVER_WORKERS), handed to whichever worker is free."""
+    if not config.stash.get(_BY_MODULE, False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in SPREAD_OVER_WORKERS else module
+
+    return ByModule(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

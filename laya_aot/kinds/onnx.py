@@ -86,7 +86,9 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    return ONNXRunner(path)
+    # as many threads as torch's intra-op pool, which laya serve caps with LAYA_THREADS (and torch.set_num_threads
+    # or OMP_NUM_THREADS set): the cap holds whichever artifact serves; torch's default is ONNX Runtime's own
+    return ONNXRunner(path, threads=torch.get_num_threads())
 
 
 def refuse_device(device: str) -> Optional[str]:

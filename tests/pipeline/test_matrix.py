@@ -49,11 +49,14 @@ def test_matrix_checkpoint_serves_from_the_bundle_like_eager(name, eager_and_bun
     rng = np.random.default_rng(len(name))
     states = [state_text(rng, n) for n in (4, 30, 200)]
     qs = question_suite()
+    want = eager.predict_batch(states, qs)  # laya eager's answers, once: both artifacts are compared with them
     for prefer in ("aoti", "onnx"):
         agent = laya_aot.load(str(ckpt), bundle=str(bundle), device="cpu", prefer=prefer, strict=True)
         assert agent.backend == "aot:%s" % prefer
-        for got, ref in zip(agent.predict_batch(states, qs), eager.predict_batch(states, qs)):
-            assert_same_answers(got["answers"], ref["answers"])
+        got = agent.predict_batch(states, qs)
+        assert len(got) == len(want) == len(states)
+        for g, ref in zip(got, want):
+            assert_same_answers(g["answers"], ref["answers"])
         assert agent.backend_object.stats.get("artifact_calls", 0) > 0
 
 

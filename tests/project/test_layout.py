@@ -5,7 +5,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-from conftest import GUARDED
+from conftest import GUARDED, SPREAD_OVER_WORKERS
 
 TESTS = Path(__file__).resolve().parents[1]
 PKG = TESTS.parent / "laya_aot"
@@ -23,6 +23,11 @@ def test_each_way_to_build_is_guarded(module, name, what):
     fn = getattr(importlib.import_module(module), name)
     assert getattr(fn, "refuses_outside_slow", None) == what, \
         "%s.%s is not wrapped by tests/conftest.py (renamed?): update GUARDED" % (module, name)
+
+
+def test_the_modules_spread_over_workers_exist():
+    assert SPREAD_OVER_WORKERS and all((TESTS.parent / m).is_file() for m in SPREAD_OVER_WORKERS), \
+        "tests/conftest.py names a test module that is not there (renamed?): %s" % sorted(SPREAD_OVER_WORKERS)
 
 
 def test_a_test_not_marked_slow_cannot_export():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -18,6 +17,7 @@ from typing import Dict, Optional
 
 import httpx
 import pytest
+from conftest import readme_serving_blocks
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
 from tests.questions import assert_same_answers
@@ -369,37 +369,23 @@ def test_this_laya_has_what_serve_relies_on():
     assert laya_internals.check(router=Router()) == []
 
 
-def _readme_serving_blocks():
-    """The README's Serving section: the block that builds and serves, and the block that asks."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("\n## Serving\n"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    commands = [[line for line in b.splitlines() if line and not line.startswith("#")] for b in blocks]
-    serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
-    ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
-    return serve, ask
-
-
-@pytest.mark.slow  # `laya-aot demo` trains and builds
-def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(tmp_path):
+@pytest.mark.slow  # `laya-aot demo` trains and builds (conftest.readme_demo, shared with tests/shared/test_demo.py)
+def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo, tmp_path):
     """The README's Serving commands, run as written in a fresh directory (the environment is already made: CI's
     serve environment is the README's `pip install -e ".[serve]"` without the tilelang extra), answer from the
     bundle."""
-    (build_line, serve_line), ask = _readme_serving_blocks()
-    install, build = build_line.split(" && ", 1)
+    (build_line, serve_line), ask = readme_serving_blocks()
+    install = build_line.split(" && ", 1)[0]
     assert install == '.venv/bin/pip install -e ".[serve]"', "the install the README gives for serving"
     venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
     env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
-    built = subprocess.run(["bash", "-c", build.replace(".venv/bin/", venv_bin)], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=1200)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    assert readme_demo.returncode == 0, readme_demo.output
     port = _free_port()
     assert "LAYA_PORT=8000 " in serve_line and all(a.startswith("curl -s localhost:8000/") for a in ask)
     serve_line = serve_line.replace("LAYA_PORT=8000 ", "LAYA_PORT=%d " % port).replace(".venv/bin/", venv_bin)
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(["bash", "-c", serve_line], cwd=tmp_path, env=env, stdout=log,
+        proc = subprocess.Popen(["bash", "-c", serve_line], cwd=readme_demo.dir, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # its group is stopped below
     try:
         url = "http://127.0.0.1:%d" % port

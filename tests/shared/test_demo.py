@@ -121,8 +121,8 @@ def test_makers_of_one_checkpoint_at_once_keep_the_first_published(tmp_path, mon
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
 
 
-@pytest.mark.slow  # trains the demo checkpoint twice
-def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(tmp_path):
+@pytest.mark.slow  # trains the demo checkpoint, and uses the one `laya-aot demo` trained (conftest.readme_demo)
+def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(readme_demo, tmp_path):
     """`laya-aot demo`'s checkpoint answers its three states as a person would, and decisively (issue 22)."""
     import laya
 
@@ -130,7 +130,9 @@ def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(tmp_path):
     from laya_aot.demo import DEMO_SHAPE
     from laya_aot.demo_training import tickets
 
-    ckpt = make_checkpoint(tmp_path / "trained", DEMO_SHAPE, seed=0)
+    assert readme_demo.returncode == 0, readme_demo.output
+    (ckpt,) = (readme_demo.dir / "artifacts" / "checkpoints").iterdir()   # the one `laya-aot demo` made and trained
+    assert json.loads((ckpt / "rl_agent_config.json").read_text())["laya_aot_demo"]["seed"] == 0
     assert not {t["state"] for t in tickets(0, PRESETS[DEMO_SHAPE].train_tickets)} & set(DEMO_STATES)  # held out
     agent = laya.load(str(ckpt), device="cpu")
     answers = [r["answers"]["team"] for r in agent.predict_batch(DEMO_STATES, DEMO_QUESTIONS)]
