@@ -76,6 +76,17 @@ def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     return ids, att, mpos, mmask, qtype
 
 
+def smallest_batch(ranges: Ranges) -> Batch:
+    """One row at the smallest shape an artifact takes (its minimum tokens and markers, two of them real): what a
+    probe child and the loader's warm-up call it with. Values do not matter there, only that it runs."""
+    import torch
+
+    t, k = ranges.min_tokens, ranges.min_markers - 2
+    return (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
+            torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
+            torch.zeros((1,), dtype=torch.long))
+
+
 def chunks(n_rows: int, ranges: Ranges):
     """Row slices of at most `max_rows` each (a request wider than the export runs in pieces)."""
     step = ranges.max_rows

@@ -342,6 +342,7 @@ def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, 
 
     from . import kinds
     from .bundle_format import artifact_path
+    from .padding import smallest_batch
 
     timeline = {"imports_s": time.perf_counter() - t0}
     entry = _entry_from_env()
@@ -351,13 +352,7 @@ def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, 
     timeline["stand_in_weights_s"] = time.perf_counter() - t0 - sum(timeline.values())
     runner = kind.load(path, entry, env)
     timeline["load_s"] = time.perf_counter() - t0 - sum(timeline.values())
-    r = entry.ranges
-    t = r.min_tokens
-    k = r.min_markers - 2
-    batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
-             torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
-             torch.zeros((1,), dtype=torch.long))
-    inputs = [x.to(runner.device) for x in batch]
+    inputs = [x.to(runner.device) for x in smallest_batch(entry.ranges)]
     logits, act = runner(*inputs)
     result: Dict[str, Any] = {"ok": True, "error": None}
     if env.tensors is None:  # real weights: the outputs must at least be finite

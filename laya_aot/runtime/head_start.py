@@ -29,6 +29,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, usable
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..manifest import Artifact
+from ..padding import smallest_batch
 from . import start_costs
 from .select import rank
 
@@ -193,14 +194,9 @@ class HeadStart:
 
 def warm_up(runner: Any, art: Artifact) -> None:
     """One call of the artifact at its smallest shape: what its first call loads lazily (kernels, CUDA modules)."""
-    r = art.ranges
-    if r is None:
+    if art.ranges is None:
         return
-    t, k = r.min_tokens, r.min_markers - 2
-    batch = (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
-             torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
-             torch.zeros((1,), dtype=torch.long))
     with torch.no_grad():
-        runner(*(x.to(runner.device) for x in batch))
+        runner(*(x.to(runner.device) for x in smallest_batch(art.ranges)))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
