@@ -50,12 +50,19 @@ TILELANG_NAMES: Tuple[Tuple[str, str], ...] = (  # TileLang artifacts and builds
     ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
     ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
 )
+HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's host path with its own caches
+    ("laya.common", "build_head"),       # wrapped: a question's head, cached across calls
+    ("laya.common", "render_options"),   # ... keyed by the options as build_head renders them
+    ("laya.common", "serialize_state"),  # a state's text, as Agent._encode_state makes it
+    ("laya.common", "encode_text"),      # laya's tokenizer call under its lock
+    ("laya.agent", "encode_text"),       # wrapped: Agent._encode_state's state tokenisation
+)
 ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
-                                                   "tilelang": TILELANG_NAMES}
+                                                   "tilelang": TILELANG_NAMES, "host_path": HOST_PATH_NAMES}
 # the third-party packages a route imports through laya, and the extra of laya-aot that installs them
 PACKAGES: Dict[str, Tuple[str, ...]] = {"serve": ("fastapi", "uvicorn"), "tilelang": ("tilelang",)}
 _ROUTE_WORDS: Dict[str, str] = {"serve": "laya-aot serve", "tilelang": "TileLang (its kernels and artifacts)"}
-MODULE_NAMES: Tuple[Tuple[str, str], ...] = CORE_NAMES + SERVE_NAMES + TILELANG_NAMES  # every route
+MODULE_NAMES: Tuple[Tuple[str, str], ...] = CORE_NAMES + SERVE_NAMES + TILELANG_NAMES + HOST_PATH_NAMES  # every route
 AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "device", "dtype", "amp_enabled")
 # what `router_agent_kwargs` reads of a Router, as Router._build does
 ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
@@ -124,6 +131,48 @@ def install_backend(agent: Any, backend: Backend) -> None:
         backend.install()
         agent._backend = backend
         agent._fast = None
+
+
+_HOST_ROUTED = threading.Lock()
+
+
+def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable]) -> None:
+    """Send laya's `build_head` and `Agent._encode_state`'s tokenizer call through `head(stock)` and `state(stock)`
+    (runtime/host_path.py), once per process. Both return laya's stock function's result outside a host path's
+    call, so other agents in the process run exactly as before."""
+    import laya.agent
+    import laya.common
+
+    with _HOST_ROUTED:
+        if getattr(laya.common.build_head, "laya_aot_stock", None) is None:
+            wrapped = head(laya.common.build_head)
+            wrapped.laya_aot_stock = laya.common.build_head  # type: ignore[attr-defined]
+            laya.common.build_head = wrapped
+        if getattr(laya.agent.encode_text, "laya_aot_stock", None) is None:
+            wrapped = state(laya.agent.encode_text)
+            wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
+            laya.agent.encode_text = wrapped
+
+
+def render_options(q: Dict[str, Any]) -> List[str]:
+    """A normalised question's option texts, as laya's build_head renders them."""
+    from laya.common import render_options as stock
+
+    return stock(q)
+
+
+def state_text(tok: Any, state: Any) -> str:
+    """The text `Agent._encode_state` tokenises for `state`."""
+    from laya.common import serialize_state
+
+    return serialize_state(state).replace(tok.mask_token, " ")
+
+
+def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
+    """`texts` tokenised as `Agent._encode_state` tokenises a state, in one batched call under laya's lock."""
+    from laya.common import encode_text
+
+    return encode_text(tok, texts, add_special_tokens=False)["input_ids"]
 
 
 def pad_id(agent: Any) -> int:

@@ -19,6 +19,10 @@ TOKEN_MULTIPLE = 16
 # the widest batch an artifact is exported for (export.max_rows); wider requests run in slices of it. The
 # build refuses more and so does the manifest reader: verification builds a case of max_rows rows
 MAX_ROWS = 1024
+# the most padded tokens (rows x tokens) one artifact call takes by default: the forward's activations grow
+# with it (32 x 1024 in one call holds 1.25 GB of them for a ModernBERT-large) while its speed stops growing
+# long before (a GPU is busy at a few thousand tokens); 0 = only max_rows splits a batch
+CHUNK_TOKENS = 24576
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,14 @@ def smallest_batch(ranges: Ranges) -> Batch:
             torch.zeros((1,), dtype=torch.long))
 
 
-def chunks(n_rows: int, ranges: Ranges):
-    """Row slices of at most `max_rows` each (a request wider than the export runs in pieces)."""
-    step = ranges.max_rows
+def chunks(n_rows: int, ranges: Ranges, row_tokens: int = 0, budget: int = CHUNK_TOKENS):
+    """Row slices of at most `max_rows` each (a request wider than the export runs in pieces) and, for rows of
+    `row_tokens` padded tokens, at most `budget` tokens each; the rows are spread evenly over the pieces."""
+    per = ranges.max_rows
+    if budget > 0 and row_tokens > 0:
+        per = max(1, min(per, budget // row_tokens))
+    count = -(-n_rows // per)
+    step = -(-n_rows // count) if count else per
     for start in range(0, n_rows, step):
         yield slice(start, min(n_rows, start + step))
 

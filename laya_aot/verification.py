@@ -114,7 +114,8 @@ def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: 
                pad_id: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run an artifact the way the runtime does: pad, split rows into chunks, concatenate."""
     ids, att, mpos, mmask, qtype = pad_batch(batch, ranges, pad_id)
-    outs = [runner(*(t[s].to(device) for t in (ids, att, mpos, mmask, qtype))) for s in chunks(ids.shape[0], ranges)]
+    outs = [runner(*(t[s].to(device) for t in (ids, att, mpos, mmask, qtype)))
+            for s in chunks(ids.shape[0], ranges, ids.shape[1])]
     return torch.cat([o[0].float().cpu() for o in outs]), torch.cat([o[1].float().cpu() for o in outs])
 
 

@@ -18,7 +18,7 @@ import torch
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
-from ..padding import Ranges, chunks, near_tie_rows, pad_batch
+from ..padding import CHUNK_TOKENS, Ranges, chunks, near_tie_rows, pad_batch
 
 NEAR_TIE_MODES = ("call", "rows", "off")
 
@@ -41,7 +41,7 @@ class AOTBackend(Backend):
 
     def __init__(self, agent, runner: Runner, art: Artifact, pad_id: int,
                  rejected: Optional[List[Tuple[str, str]]] = None, load_stats: Optional[Dict[str, Any]] = None,
-                 near_ties: Any = DEFAULT_NEAR_TIES, eager_module: Any = None):
+                 near_ties: Any = DEFAULT_NEAR_TIES, eager_module: Any = None, chunk_tokens: int = CHUNK_TOKENS):
         super().__init__(agent)
         self.name = "aot:%s" % art.kind
         self.runner = runner
@@ -58,6 +58,8 @@ class AOTBackend(Backend):
         self._margin: Optional[Tuple[VerifyResult, Optional[float]]] = None
         # builds laya's eager module on first need when the agent was loaded thin (None: it exists)
         self.eager_module = eager_module
+        self.host_path: Any = None  # runtime/host_path.HostPath, once the loader installs it
+        self.chunk_tokens = int(chunk_tokens)  # padded tokens per artifact call (padding.chunks; 0: max_rows only)
 
     @property
     def near_ties(self) -> str:
@@ -86,6 +88,8 @@ class AOTBackend(Backend):
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
             out["cuda_graphs"] = graphs.stats
+        if self.host_path is not None:
+            out["host_path"] = self.host_path.stats
         return out
 
     def reset_stats(self) -> None:
@@ -148,7 +152,7 @@ class AOTBackend(Backend):
         dev = self.runner.device
         logits, acts = [], []
         n_chunks = 0
-        for rows in chunks(n, self.ranges):
+        for rows in chunks(n, self.ranges, batch[0].shape[1], self.chunk_tokens):
             lo, ac = self.runner(*(x[rows].to(dev) for x in batch))
             logits.append(lo[:, :k])
             acts.append(ac)

@@ -27,8 +27,10 @@ from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
 from ..errors import LayaAotError
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult
+from ..padding import CHUNK_TOKENS
 from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
+from . import host_path as host_path_mod
 from . import start_costs
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
@@ -182,7 +184,8 @@ def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: boo
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
          cuda_graphs: bool = True, bundle_sha256: Optional[str] = None,
-         near_ties: bool | str = DEFAULT_NEAR_TIES, eager_module: str = "lazy", **agent_kwargs: Any):
+         near_ties: bool | str = DEFAULT_NEAR_TIES, eager_module: str = "lazy", host_path: bool = True,
+         chunk_tokens: int = CHUNK_TOKENS, **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
@@ -197,18 +200,22 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     `eager_module`: when laya's eager DecisionModel is built. "lazy" (default): only when something needs
     laya's eager forward (a request beyond the export, a near-tie mode, a fallback); "background": in a
     thread once the artifact serves; "now": as `laya.load` builds it, before anything else (also what
-    `fast=`, `compile=` or `backend=` keyword arguments get). Other keyword arguments go to `laya.load`.
+    `fast=`, `compile=` or `backend=` keyword arguments get). `host_path` (on by default, with an artifact
+    serving): laya's tokenising with question heads kept across calls and a call's states tokenised in one
+    batch, the same tokens as laya's (runtime/host_path.py). `chunk_tokens`: the most padded tokens one
+    artifact call takes (a wider batch runs in even pieces, bounding the forward's activation memory; 0: only
+    the export's max_rows splits). Other keyword arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
     """
     t0 = time.perf_counter()
-    near_ties = _checked_arguments(prefer, near_ties, eager_module)
+    near_ties = _checked_arguments(prefer, near_ties, eager_module, chunk_tokens)
     ckpt = ckpt_mod.locate(str(checkpoint))
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
     usable = not rejected
-    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties)
+    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens)
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
     early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs) \
@@ -225,6 +232,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     load_stats["select_s"] = round(time.perf_counter() - t0 - load_stats["agent_load_s"], 3)
     if chosen is not None:
         chosen.load_stats.update(load_stats)
+        if host_path:
+            chosen.host_path = host_path_mod.install(agent)
         _remember_start(agent, chosen)
         if chosen.eager_module is not None and (eager_module == "background" or near_ties != "off"):
             chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (eager_module, near_ties))
@@ -262,10 +271,14 @@ class _Options(NamedTuple):
     smoke_check: bool
     cuda_graphs: bool
     near_ties: str
+    chunk_tokens: int
 
 
-def _checked_arguments(prefer: Optional[str], near_ties: bool | str, eager_module: str) -> str:
+def _checked_arguments(prefer: Optional[str], near_ties: bool | str, eager_module: str, chunk_tokens: int) -> str:
     """The caller's mistakes (not the bundle's) raise ValueError; returns the near-tie mode."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
+        raise ValueError("chunk_tokens=%r is not a token count; use a whole number >= 0 (0: no token budget)"
+                         % (chunk_tokens,))
     if prefer is not None and prefer not in kinds.RUNTIME_ORDER:
         raise ValueError("prefer=%r is not an artifact kind; use one of %s" % (prefer, ", ".join(kinds.RUNTIME_ORDER)))
     mode = near_tie_mode(near_ties)
@@ -447,7 +460,7 @@ class _Trial:
             runner = kind.load(artifact_path(self.bundle, art), art, env)
         stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
         backend = AOTBackend(agent, runner, art, self.pad_id, self.rejected, dict(self.load_stats, **stats),
-                             self.opts.near_ties, eager if thin else None)
+                             self.opts.near_ties, eager if thin else None, self.opts.chunk_tokens)
         why = None
         if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
             model = eager.ensure("verifying %s here" % art.name) if thin and eager else agent.model

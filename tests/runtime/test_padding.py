@@ -26,7 +26,28 @@ def test_tokens_pad_to_the_multiple_with_pad_id_and_no_attention():
 def test_out_of_range_and_chunks():
     assert R.out_of_range(64, 5) is None
     assert R.out_of_range(65, 2) == "tokens>64" and R.out_of_range(16, 6) == "markers>5"
-    assert [(s.start, s.stop) for s in chunks(9, R)] == [(0, 4), (4, 8), (8, 9)]
+    spans = lambda *a: [(s.start, s.stop) for s in chunks(*a)]  # noqa: E731
+    assert spans(9, R) == [(0, 3), (3, 6), (6, 9)]  # max_rows 4: three even pieces, not 4 + 4 + 1
+    assert spans(4, R) == [(0, 4)] and spans(1, R) == [(0, 1)] and spans(0, R) == []
+    assert spans(4, R, 64, 128) == [(0, 2), (2, 4)]  # 128 tokens a piece: two rows of 64
+    assert spans(3, R, 64, 10) == [(0, 1), (1, 2), (2, 3)]  # a budget under one row still runs one row a piece
+    assert spans(9, R, 64, 0) == spans(9, R)  # no budget: max_rows alone
+
+
+def test_a_wide_batch_runs_in_pieces_within_the_token_budget_with_the_same_answers():
+    from laya_aot.padding import CHUNK_TOKENS
+
+    backend, runner = _backend()
+    ids = torch.full((7, 60), 5)
+    batch = (ids, torch.ones_like(ids), torch.tensor([[1, 2]] * 7), torch.ones((7, 2), dtype=torch.bool),
+             torch.zeros(7, dtype=torch.long))
+    whole = backend.forward(*batch)
+    runner.shapes.clear()
+    backend.chunk_tokens = 128  # 64 padded tokens a row: two rows a piece
+    pieces = backend.forward(*batch)
+    assert [s[0] for s, _ in runner.shapes] == [2, 2, 2, 1]
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+    assert CHUNK_TOKENS >= 64 * 256  # the default leaves a 64-row export of 256 tokens in one piece
 
 
 class _Model(torch.nn.Module):
@@ -61,7 +82,7 @@ def test_backend_pads_chunks_and_slices_back():
     be, runner = _backend()
     logits, act = be.forward(*_batch(n=9, t=37, k=1))
     assert logits.shape == (9, 1) and act.shape == (9, 3) and (logits == 2).all()
-    assert runner.shapes == [((4, 48), (4, 2)), ((4, 48), (4, 2)), ((1, 48), (1, 2))]
+    assert runner.shapes == [((3, 48), (3, 2))] * 3  # 9 rows over max_rows 4: three even pieces
     assert be.stats == {"artifact_calls": 1, "chunks": 3}
 
 

@@ -55,6 +55,7 @@ def test_fifty_questions_of_all_types_answer_as_laya_eager(aot, eager):
     for got, ref in zip(aot.predict_batch(states, qs), eager.predict_batch(states, qs)):
         assert_same_answers(got["answers"], ref["answers"])
     assert aot.backend_object.stats["artifact_calls"] > before
+    assert aot.backend_object.stats["host_path"]["heads_cached"] > 0  # the default host path served this
 
 
 def test_long_states_over_several_windows(aot, eager):
@@ -80,8 +81,9 @@ def test_rows_beyond_the_export_are_chunked(aot, eager):
 
 
 def test_prefer_onnx(demo_ckpt, demo_bundle, eager):
-    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="onnx")
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="onnx", host_path=False)
     assert agent.backend == "aot:onnx"
+    assert agent.backend_object.host_path is None and "host_path" not in agent.backend_object.stats
     qs = dict(list(question_suite().items())[::5])
     state = ["the invoice is wrong"]
     for got, ref in zip(agent.predict_batch(state, qs), eager.predict_batch(state, qs)):

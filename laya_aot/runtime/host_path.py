@@ -1,0 +1,170 @@
+"""laya's host path with less work per call: the same tokens from fewer tokenizer calls.
+
+laya tokenises each state alone, and each question's head (instruction and options) once per call, though a
+service asks the same questions on every call. With a bundle installed, `HostPath` keeps laya's own
+`build_head` results across calls, keyed by everything `build_head` reads, and tokenises a call's states in
+one batched call of the fast tokenizer (parallel in its Rust core) before laya's loop asks for them one at a
+time. Each result is laya's code on laya's inputs; anything not prepared here is laya's stock path.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from functools import wraps
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import laya_internals as laya_api
+
+log = logging.getLogger(__name__)
+
+HEADS_KEPT = 4096  # question heads remembered per agent (a few hundred bytes each)
+STATES_PREFETCHED = 4096  # at most this many states of one call are tokenised ahead (laya's own window bounds it too)
+
+_CALL: ContextVar[Optional["_Call"]] = ContextVar("laya_aot_host_call", default=None)
+
+
+@dataclass
+class _Call:
+    """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises."""
+
+    path: "HostPath"
+    states: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+
+
+class HostPath:
+    """An agent's cache of question heads and its batched state tokenisation (see the module docstring)."""
+
+    def __init__(self, agent: Any):
+        self.tok = agent.tok
+        self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone."""
+        with self._lock:
+            return dict(self._counts)
+
+    def head(self, stock: Callable, tok: Any, q: Dict, head_max_len: int,
+             option_order: Optional[Sequence[int]]) -> Tuple[List[int], List[int], Dict[str, Any]]:
+        """laya's `build_head(tok, q, head_max_len, option_order)`, from the cache when laya built it before."""
+        if tok is not self.tok:
+            return stock(tok, q, head_max_len, option_order=option_order)
+        # everything build_head reads: the type, the instruction and the rendered options (render_options
+        # raises here exactly as build_head would), the order and the budget; the tokenizer is this agent's
+        key = (q["t"], str(q["ins"]), tuple(laya_api.render_options(q)), head_max_len,
+               None if option_order is None else tuple(option_order))
+        with self._lock:
+            hit = self._heads.get(key)
+            if hit is not None:
+                self._heads.move_to_end(key)
+            self._counts["heads_cached" if hit is not None else "heads_built"] += 1
+        if hit is None:
+            ids, markers, stats = stock(tok, q, head_max_len, option_order=option_order)
+            hit = (tuple(ids), tuple(markers), dict(stats))
+            with self._lock:
+                self._heads[key] = hit
+                while len(self._heads) > HEADS_KEPT:
+                    self._heads.popitem(last=False)
+        ids, markers, stats = hit
+        return list(ids), list(markers), dict(stats)  # laya's callers get lists of their own, as from laya
+
+    def state_ids(self, call: _Call, stock: Callable, tok: Any, text: Any, kwargs: Dict[str, Any]) -> Any:
+        """laya's state tokenisation (`encode_text(tok, text, add_special_tokens=False)`), prepared ahead."""
+        ids = call.states.get(text) if tok is self.tok and kwargs == {"add_special_tokens": False} \
+            and isinstance(text, str) else None
+        if ids is None:
+            self._count(states_alone=1)
+            return stock(tok, text, **kwargs)
+        self._count(states_batched=1)
+        return {"input_ids": list(ids)}
+
+    def prepare(self, states: Sequence[Any], batch_size: Optional[int]) -> _Call:
+        """The call's states tokenised in one batched tokenizer call, as laya's `_encode_state` would text them.
+
+        Only what laya itself holds at once: every state when it packs them all, else its first window of
+        `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error."""
+        call = _Call(self)
+        try:
+            n = len(states)
+        except TypeError:
+            return call
+        if batch_size and 0 < batch_size < n:
+            n = batch_size * 8
+        n = min(n, STATES_PREFETCHED)
+        if n < 2:  # one state gains nothing from a batch
+            return call
+        try:
+            texts = [laya_api.state_text(self.tok, s) for s in list(states)[:n]]
+        except Exception:  # noqa: BLE001 - laya raises its own error for this state, in its own place
+            return call
+        unique = list(dict.fromkeys(texts))
+        encoded = laya_api.encode_texts(self.tok, unique)
+        call.states = {t: tuple(ids) for t, ids in zip(unique, encoded)}
+        return call
+
+    def wrap(self, predict_batch: Callable) -> Callable:
+        """`predict_batch` with this host path active for the call (and the calls it makes, e.g. predict_long's)."""
+
+        @wraps(predict_batch)
+        def predict_batch_prepared(states, questions, batch_size=None, *args, **kwargs):
+            if _CALL.get() is not None:  # a nested call (predict_long -> predict_batch) is prepared already
+                return predict_batch(states, questions, batch_size, *args, **kwargs)
+            token = _CALL.set(self.prepare(states, batch_size))
+            try:
+                return predict_batch(states, questions, batch_size, *args, **kwargs)
+            finally:
+                _CALL.reset(token)
+
+        predict_batch_prepared.host_path = self  # type: ignore[attr-defined]
+        return predict_batch_prepared
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            self._counts.update(kw)
+
+
+def _head(stock: Callable) -> Callable:
+    @wraps(stock)
+    def build_head(tok, q, head_max_len=192, option_order=None):
+        call = _CALL.get()
+        if call is None:
+            return stock(tok, q, head_max_len, option_order=option_order)
+        return call.path.head(stock, tok, q, head_max_len, option_order)
+
+    return build_head
+
+
+def _state(stock: Callable) -> Callable:
+    @wraps(stock)
+    def encode_text(tok, text, **kwargs):
+        call = _CALL.get()
+        if call is None:
+            return stock(tok, text, **kwargs)
+        return call.path.state_ids(call, stock, tok, text, kwargs)
+
+    return encode_text
+
+
+def install(agent: Any) -> Optional[HostPath]:
+    """Give `agent` a host path (None, logged, where this laya lacks what it relies on)."""
+    current = getattr(agent.predict_batch, "host_path", None)
+    if current is not None:
+        return current
+    missing = laya_api.check(routes=("host_path",))
+    if missing:
+        log.info("laya-aot: laya's stock host path (this laya lacks %s)", ", ".join(missing))
+        return None
+    laya_api.route_host_path(_head, _state)
+    path = HostPath(agent)
+    agent.predict_batch = path.wrap(agent.predict_batch)
+    return path
+
+
+def of(agent: Any) -> Optional[HostPath]:
+    """The host path installed on `agent`, if any."""
+    return getattr(getattr(agent, "predict_batch", None), "host_path", None)

@@ -1,0 +1,160 @@
+"""The host path (runtime/host_path.py): laya's tokens from fewer tokenizer calls, proven equal to laya's own on
+fuzzed states and questions, and invisible to agents that do not have it."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from laya_aot.demo import question_suite, state_text
+from laya_aot.runtime import host_path
+
+WORDS = ["refund", "login", "outage", "invoice", "urgent", "Zahlung", "データ", "ünïcödé", "{json}", "\"quoted\"",
+         "[MASK]", "<mask>", "  ", "\n", "naïve", "emoji 🙂", "x" * 40]
+
+
+def _agent(ckpt):
+    import laya
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return laya.load(str(ckpt), device="cpu")
+
+
+def _recording(agent) -> list:
+    """Every collated batch the agent's forward sees, copied; the outputs a fixed function of the batch (the
+    model is not what is compared, and this keeps the fuzzing fast)."""
+    seen: list = []
+
+    def forward(b):
+        seen.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in b.items()})
+        ids = b["input_ids"].double()
+        rows = (ids * torch.arange(1, ids.shape[1] + 1)).sum(1, keepdim=True) % 97
+        logits = torch.cos(rows + torch.arange(b["marker_pos"].shape[1])) * b["marker_mask"]
+        acts = torch.softmax(torch.sin(rows + torch.arange(4)), -1)
+        return logits.float().numpy(), acts.float().numpy()
+
+    agent._forward = forward
+    return seen
+
+
+def _state(rng: random.Random, mask: str):
+    words = [rng.choice(WORDS + [mask]) for _ in range(rng.choice([0, 1, 5, 40, 300]))]
+    text = " ".join(words)
+    kind = rng.random()
+    if kind < 0.6:
+        return text
+    if kind < 0.8:
+        return {"ticket": text, "priority": rng.randint(0, 3), "tags": words[:3]}
+    return [{"role": "user", "content": text}, {"role": "agent", "content": " ".join(words[:7])}]
+
+
+def _questions(rng: random.Random) -> dict:
+    suite = list(question_suite().items())
+    picked = dict(rng.sample(suite, rng.randint(1, 4)))
+    extra = {
+        "long_options": {"type": "choice", "instructions": "Which one? " + "very " * rng.randint(0, 60),
+                         "criteria": {"opt%d" % i: "description " * rng.randint(1, 30)
+                                      for i in range(rng.randint(2, 9))}},
+        "structured": {"type": "choice", "instructions": {"ask": "route it", "lang": "de"},
+                       "criteria": {"a": {"desc": "payments", "n": 1}, "b": ["x", "y"], "c": None}},
+        "labelled": {"type": "noul", "instructions": "Is it urgent?", "labels": {"false": "nein", "true": "ja"}},
+        "ordered": {"type": "score", "instructions": "How severe?", "criteria": ["low", "mid", "high"],
+                    "option_order": rng.sample([0, 1, 2], 3)},
+    }
+    for name in rng.sample(sorted(extra), rng.randint(0, 3)):
+        picked[name] = extra[name]
+    return picked
+
+
+def _calls(seed: int):
+    rng = random.Random(seed)
+    for _ in range(12):
+        yield rng, rng.randint(1, 9), _questions(rng), rng.choice([{}, {"batch_size": 2}, {"batch_size": 3,
+                                                                          "sort_by_length": True},
+                                                                  {"max_len": 96, "head_max_len": 40}])
+
+
+def test_the_host_path_gives_laya_s_own_batches_and_answers_on_fuzzed_calls(demo_ckpt):
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    path = host_path.install(fast)
+    assert path is not None and host_path.of(fast) is path and host_path.of(stock) is None
+    stock_batches, fast_batches = _recording(stock), _recording(fast)
+    mask = stock.tok.mask_token
+    for seed in range(3):  # the same questions again: the second and third rounds come from the cache
+        for rng, n, questions, kwargs in _calls(seed):
+            states = [_state(rng, mask) for _ in range(n)]
+            if n > 2:
+                states[-1] = states[0]  # a repeated state in one call
+            assert fast.predict_batch(states, questions, **kwargs) == stock.predict_batch(states, questions, **kwargs)
+    long_state = state_text(np.random.default_rng(1), 1200)
+    questions = {"q": {"type": "noul", "instructions": "Does it mention a refund?"}}
+    assert fast.predict_long(long_state, questions) == stock.predict_long(long_state, questions)
+    assert len(fast_batches) == len(stock_batches) > 30
+    for got, ref in zip(fast_batches, stock_batches):
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]) if torch.is_tensor(ref[k]) else got[k] == ref[k], k
+    counts = path.stats
+    assert counts["heads_cached"] > counts["heads_built"] > 0
+    assert counts["states_batched"] > 0
+
+
+def test_heads_are_keyed_by_everything_build_head_reads(demo_ckpt):
+    """Same instruction, other options, labels, order or budget: each a head of its own, as laya builds it."""
+    import laya.common
+
+    agent = _agent(demo_ckpt)
+    path = host_path.install(agent)
+    base = {"t": "choice", "ins": "Which team?", "crit": {"billing": None, "technical": None}}
+    variants = [
+        (base, 192, None), (base, 192, [1, 0]), (base, 24, None),
+        (dict(base, crit={"billing": "payments", "technical": None}), 192, None),
+        ({"t": "noul", "ins": "Which team?", "crit": None}, 192, None),
+        ({"t": "noul", "ins": "Which team?", "crit": None, "labels": {"false": "no", "true": "yes"}}, 192, None),
+    ]
+    stock = laya.common.build_head.laya_aot_stock
+    for _ in range(2):
+        for q, budget, order in variants:
+            token = host_path._CALL.set(host_path._Call(path))
+            try:
+                got = laya.common.build_head(agent.tok, q, budget, option_order=order)
+            finally:
+                host_path._CALL.reset(token)
+            assert got == stock(agent.tok, q, budget, option_order=order)
+    assert path.stats == {"heads_built": len(variants), "heads_cached": len(variants)}
+
+
+def test_the_head_cache_stays_bounded(demo_ckpt, monkeypatch):
+    monkeypatch.setattr(host_path, "HEADS_KEPT", 3)
+    agent = _agent(demo_ckpt)
+    path = host_path.install(agent)
+    for i in range(10):
+        agent.predict_batch(["a state"], {"q": {"type": "noul", "instructions": "question %d?" % i}})
+    assert len(path._heads) == 3
+
+
+def test_agents_without_a_host_path_run_laya_s_stock_functions(demo_ckpt):
+    fast, plain = _agent(demo_ckpt), _agent(demo_ckpt)
+    path = host_path.install(fast)
+    assert host_path.install(fast) is path  # once per agent
+    q = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
+    fast.predict_batch(["one", "two"], q)
+    before = path.stats
+    plain.predict_batch(["one", "two", "three"], q)
+    assert path.stats == before  # the other agent's call touched nothing of this one's
+
+
+def test_a_state_laya_cannot_read_raises_laya_s_own_error(demo_ckpt):
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    host_path.install(fast)
+    q = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
+    bad = ["fine", {"not json": object()}]
+    with pytest.raises(TypeError) as want:
+        stock.predict_batch(bad, q)
+    with pytest.raises(TypeError) as got:
+        fast.predict_batch(bad, q)
+    assert str(got.value) == str(want.value)
