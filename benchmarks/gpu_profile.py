@@ -3,10 +3,11 @@
 
 On the GPU host, after the .device-site unpack line, with the checkpoint and bundle `gpu_start.py` made:
 
-    python3 benchmarks/gpu_profile.py --out $OUT [--ckpt DIR] [--bundle DIR] [--tag _run1]
+    python3 benchmarks/gpu_profile.py --out $OUT [--ckpt DIR] [--bundle DIR] [--tag _run1] [--paths ...] [--cprofile]
 
-One process per path (laya eager; the bundle as `laya_aot.load` leaves it). For each of `gpu_start.py`'s three
-realistic calls, median of 15 after 3 warm-ups:
+One process per path (`--paths`: laya eager; the bundle as `laya_aot.load` leaves it; `bundle_stock_host`, the
+bundle with `host_path=False`; `bundle:OPTION=N`, the bundle with that integer load option). For each of
+`gpu_start.py`'s three realistic calls, median of 15 after 3 warm-ups:
 - **total**: `predict_batch`, synchronised;
 - **forward**: the agent's model forward (laya's DecisionModel, or the installed artifact with its padding,
   chunking and copies), synchronised on entry and exit; **host** = total - forward (laya's tokenising,
@@ -15,7 +16,9 @@ realistic calls, median of 15 after 3 warm-ups:
 - the tokens the forward computed (rows x padded length, every chunk) and the **dense 16-bit limit**: the
   matmul FLOPs of the checkpoint's linear layers plus attention's (2 x linear params + 4 x layers x hidden x
   padded length, per token) at `--tflops` (the H200's dense bf16 rate, 790).
-Then one 32 x 1024 forward with torch's allocator history on: the peak, and the largest blocks live at it.
+Then the forward alone at issue 24's shapes (1x128x4, 8x256x4, 32x512x4, 32x1024x4; median of 20), with
+`--cprofile` the 25 functions with the most own time in 20 of each call (cprofile_<shape><tag>.txt), and one
+32 x 1024 forward with torch's allocator history on: the peak, and the largest blocks live at it.
 The synchronisation adds a little to what it measures; `gpu_start.py` times the calls without it.
 Writes profile_<shape><tag>.json and .md to --out.
 """
@@ -69,7 +72,7 @@ class _Timed:
         return getattr(self.fn, name)
 
 
-def child(path: str, ckpt: str, bundle: str, tflops: float) -> None:
+def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = False) -> None:
     import torch
 
     if path == "eager":
@@ -79,7 +82,10 @@ def child(path: str, ckpt: str, bundle: str, tflops: float) -> None:
     else:
         import laya_aot
 
-        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True)
+        # "bundle" = load's defaults; "bundle_stock_host" = host_path=False; "bundle:chunk_tokens=0" = a load option
+        name, _, option = path.partition(":")
+        kwargs = {k: int(v) for k, v in (option.split("="),)} if option else {}
+        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True, host_path=name == "bundle", **kwargs)
     params, layers, hidden = linear_params(ckpt)
     fwd_log: list = []
     art_log: list = []
@@ -115,8 +121,59 @@ def child(path: str, ckpt: str, bundle: str, tflops: float) -> None:
         med["forward_over_limit"] = round(med["forward_ms"] / med["limit_ms"], 2) if med["limit_ms"] else None
         med["shapes"] = rows[-1]["shapes"]
         res["calls"][name] = med
+    res["forward_only"] = forward_only(agent)
+    if cprofile:
+        res["cprofile"] = host_profile(agent)
     res["peak"] = peak_blocks(agent)
     print("RESULT " + json.dumps(res), flush=True)
+
+
+FORWARD_SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))  # rows x tokens, 4 option markers (issue 24)
+
+
+def forward_only(agent) -> dict:
+    """The agent's model forward alone at issue 24's shapes (random token ids, 4 markers): median of 20 after 3
+    warm-ups, synchronised, under the agent's autocast as laya runs it."""
+    import torch
+
+    out = {}
+    for rows, length in FORWARD_SHAPES:
+        ids = torch.randint(5, 4000, (rows, length), device="cuda")
+        args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device="cuda"),
+                torch.ones((rows, 4), dtype=torch.bool, device="cuda"),
+                torch.zeros((rows,), dtype=torch.long, device="cuda"))
+        times = []
+        for i in range(23):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad(), torch.autocast("cuda", dtype=agent.dtype, enabled=agent.amp_enabled):
+                agent.model(*args)
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        out["%dx%dx4" % (rows, length)] = round(statistics.median(times) * 1e3, 3)
+    return out
+
+
+def host_profile(agent) -> dict:
+    """cProfile of 20 calls of each realistic call: the 25 functions with the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    out = {}
+    for name, n, words, qs in CALLS:
+        st = states(n, words, seed=n * 1000 + words)
+        agent.predict_batch(st, qs)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            agent.predict_batch(st, qs)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        out[name] = buf.getvalue()
+    return out
 
 
 def peak_blocks(agent) -> dict:
@@ -162,6 +219,12 @@ def markdown(r: dict) -> str:
             lines.append("| %s | %s | %s | %s | %s | %s (%.0f%%) | %s | %s | %s |" % (
                 p, c, m["total_ms"], m["forward_ms"], m["artifact_ms"] or "-", m["host_ms"], 100 * m["host_share"],
                 m["tokens"], m["limit_ms"], m["forward_over_limit"]))
+    lines += ["", "Forward only (ms, median of 20, synchronised):", "",
+              "| path | " + " | ".join("%dx%dx4" % s for s in FORWARD_SHAPES) + " |",
+              "|---|" + "---|" * len(FORWARD_SHAPES)]
+    for p, v in r["paths"].items():
+        fo = v.get("forward_only") or {}
+        lines.append("| %s | %s |" % (p, " | ".join(str(fo.get("%dx%dx4" % s)) for s in FORWARD_SHAPES)))
     lines += ["", "| path | resident GB | peak 32x1024 GB | over resident GB | largest blocks at the peak (MB) |",
               "|---|---|---|---|---|"]
     for p, v in r["paths"].items():
@@ -180,14 +243,19 @@ def main() -> None:
     ap.add_argument("--tflops", type=float, default=790.0)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--paths", default="eager,bundle,bundle_stock_host",
+                    help="eager; bundle (laya_aot.load's defaults); bundle_stock_host (host_path=False); a path "
+                         "followed by :option=N passes that integer load option (bundle:chunk_tokens=0)")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile each call (bundle paths), to cprofile_*.txt")
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.ckpt, a.bundle, a.tflops)
+        child(a.child, a.ckpt, a.bundle, a.tflops, a.cprofile)
         return
     res = {"shape": a.shape, "command": " ".join(sys.argv), "paths": {}}
-    for path in ("eager", "bundle"):
+    for path in a.paths.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
-                            "--tflops", str(a.tflops)], capture_output=True, text=True, timeout=400)
+                            "--tflops", str(a.tflops)] + (["--cprofile"] if a.cprofile and path != "eager" else []),
+                           capture_output=True, text=True, timeout=400)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         res["paths"][path] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-3000:]}
         print(path, json.dumps(res["paths"][path])[:1500], flush=True)
@@ -195,6 +263,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / ("profile_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1))
     (out / ("profile_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
+    profiles = ["## %s, %s\n\n%s" % (p, c, text) for p, v in res["paths"].items()
+                for c, text in (v.get("cprofile") or {}).items()]
+    if profiles:
+        (out / ("cprofile_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(profiles))
     print(markdown(res))
 
 
