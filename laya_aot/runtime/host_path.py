@@ -89,17 +89,16 @@ class HostPath:
         Only what laya itself holds at once: every state when it packs them all, else its first window of
         `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error."""
         call = _Call(self)
-        try:
-            n = len(states)
-        except TypeError:
+        if not isinstance(states, (list, tuple)):  # an iterator is laya's to consume; anything else laya refuses
             return call
+        n = len(states)
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
         if n < 2:  # one state gains nothing from a batch
             return call
         try:
-            texts = [laya_api.state_text(self.tok, s) for s in list(states)[:n]]
+            texts = [laya_api.state_text(self.tok, s) for s in states[:n]]
         except Exception:  # noqa: BLE001 - laya raises its own error for this state, in its own place
             return call
         unique = list(dict.fromkeys(texts))
