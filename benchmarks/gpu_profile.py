@@ -51,6 +51,19 @@ def linear_params(ckpt: str) -> tuple:
     return n, int(enc["num_hidden_layers"]), int(enc["hidden_size"])
 
 
+FORWARD_SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))  # rows x tokens, 4 option markers (issue 24)
+REPEATS = 15  # --repeats: timed calls per realistic call, after 3 warm-ups
+SELECTED = tuple(c[0] for c in CALLS)  # --calls: which of gpu_start's realistic calls run
+DEVICE = "cuda"  # --device: "cpu" profiles a CPU bundle the same way (no dense limit, no allocator trace)
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 class _Timed:
     """A callable timed with CUDA synchronisation on entry and exit; records seconds and input shapes."""
 
@@ -58,12 +71,11 @@ class _Timed:
         self.fn, self.log = fn, log
 
     def __call__(self, *a, **k):
-        import torch
 
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         out = self.fn(*a, **k)
-        torch.cuda.synchronize()
+        _sync()
         ids = a[0] if a else k["input_ids"]
         self.log.append((time.perf_counter() - t, tuple(ids.shape)))
         return out
@@ -72,20 +84,20 @@ class _Timed:
         return getattr(self.fn, name)
 
 
-def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = False) -> None:
-    import torch
+def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = False,
+          forward_shapes: tuple = FORWARD_SHAPES) -> None:
 
     if path == "eager":
         import laya
 
-        agent = laya.load(ckpt, device="cuda")
+        agent = laya.load(ckpt, device=DEVICE)
     else:
         import laya_aot
 
         # "bundle" = load's defaults; "bundle_stock_host" = host_path=False; "bundle:chunk_tokens=0" = a load option
         name, _, option = path.partition(":")
         kwargs = {k: int(v) for k, v in (option.split("="),)} if option else {}
-        agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True, host_path=name == "bundle", **kwargs)
+        agent = laya_aot.load(ckpt, bundle=bundle, device=DEVICE, strict=True, host_path=name == "bundle", **kwargs)
     params, layers, hidden = linear_params(ckpt)
     fwd_log: list = []
     art_log: list = []
@@ -96,24 +108,26 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
     res = {"path": path, "backend": agent.backend, "linear_params": params, "layers": layers, "hidden": hidden,
            "tflops": tflops, "calls": {}}
     for name, n, words, qs in CALLS:
+        if name not in SELECTED:
+            continue
         st = states(n, words, seed=n * 1000 + words)
         for _ in range(3):
             agent.predict_batch(st, qs)
         rows = []
-        for _ in range(15):
+        for _ in range(REPEATS):
             fwd_log.clear()
             art_log.clear()
-            torch.cuda.synchronize()
+            _sync()
             t = time.perf_counter()
             agent.predict_batch(st, qs)
-            torch.cuda.synchronize()
+            _sync()
             total = time.perf_counter() - t
             shapes = [s for _, s in (art_log if path != "eager" else fwd_log)]
             tokens = sum(r * L for r, L in shapes)
             flops = sum(r * L * (2 * params + 4 * layers * hidden * L) for r, L in shapes)
             rows.append({"total_ms": total * 1e3, "forward_ms": sum(s for s, _ in fwd_log) * 1e3,
                          "artifact_ms": sum(s for s, _ in art_log) * 1e3, "tokens": tokens,
-                         "limit_ms": flops / (tflops * 1e12) * 1e3, "shapes": shapes})
+                         "limit_ms": flops / (tflops * 1e12) * 1e3 if tflops else 0.0, "shapes": shapes})
         med = {k: round(statistics.median(r[k] for r in rows), 3)
                for k in ("total_ms", "forward_ms", "artifact_ms", "tokens", "limit_ms")}
         med["host_ms"] = round(med["total_ms"] - med["forward_ms"], 3)
@@ -121,34 +135,32 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
         med["forward_over_limit"] = round(med["forward_ms"] / med["limit_ms"], 2) if med["limit_ms"] else None
         med["shapes"] = rows[-1]["shapes"]
         res["calls"][name] = med
-    res["forward_only"] = forward_only(agent)
+    res["forward_only"] = forward_only(agent, forward_shapes)
     if cprofile:
         res["cprofile"] = host_profile(agent)
-    res["peak"] = peak_blocks(agent)
+    res["peak"] = peak_blocks(agent) if DEVICE == "cuda" else None
     print("RESULT " + json.dumps(res), flush=True)
 
 
-FORWARD_SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))  # rows x tokens, 4 option markers (issue 24)
 
-
-def forward_only(agent) -> dict:
+def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
     """The agent's model forward alone at issue 24's shapes (random token ids, 4 markers): median of 20 after 3
     warm-ups, synchronised, under the agent's autocast as laya runs it."""
     import torch
 
     out = {}
-    for rows, length in FORWARD_SHAPES:
-        ids = torch.randint(5, 4000, (rows, length), device="cuda")
-        args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device="cuda"),
-                torch.ones((rows, 4), dtype=torch.bool, device="cuda"),
-                torch.zeros((rows,), dtype=torch.long, device="cuda"))
+    for rows, length in shapes:
+        ids = torch.randint(5, 4000, (rows, length), device=DEVICE)
+        args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device=DEVICE),
+                torch.ones((rows, 4), dtype=torch.bool, device=DEVICE),
+                torch.zeros((rows,), dtype=torch.long, device=DEVICE))
         times = []
         for i in range(23):
-            torch.cuda.synchronize()
+            _sync()
             t = time.perf_counter()
-            with torch.no_grad(), torch.autocast("cuda", dtype=agent.dtype, enabled=agent.amp_enabled):
+            with torch.no_grad(), torch.autocast(DEVICE, dtype=agent.dtype, enabled=agent.amp_enabled):
                 agent.model(*args)
-            torch.cuda.synchronize()
+            _sync()
             if i >= 3:
                 times.append(time.perf_counter() - t)
         out["%dx%dx4" % (rows, length)] = round(statistics.median(times) * 1e3, 3)
@@ -163,6 +175,8 @@ def host_profile(agent) -> dict:
 
     out = {}
     for name, n, words, qs in CALLS:
+        if name not in SELECTED:
+            continue
         st = states(n, words, seed=n * 1000 + words)
         agent.predict_batch(st, qs)
         prof = cProfile.Profile()
@@ -211,6 +225,8 @@ def peak_blocks(agent) -> dict:
 
 
 def markdown(r: dict) -> str:
+    shapes = sorted({k for v in r["paths"].values() for k in (v.get("forward_only") or {})},
+                    key=lambda k: tuple(int(x) for x in k.split("x")))
     lines = ["# Where a realistic call's time goes, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
              "| path | call | total ms | forward ms | artifact ms | host ms (share) | tokens computed | "
              "dense limit ms | forward / limit |", "|---|---|---|---|---|---|---|---|---|"]
@@ -220,11 +236,10 @@ def markdown(r: dict) -> str:
                 p, c, m["total_ms"], m["forward_ms"], m["artifact_ms"] or "-", m["host_ms"], 100 * m["host_share"],
                 m["tokens"], m["limit_ms"], m["forward_over_limit"]))
     lines += ["", "Forward only (ms, median of 20, synchronised):", "",
-              "| path | " + " | ".join("%dx%dx4" % s for s in FORWARD_SHAPES) + " |",
-              "|---|" + "---|" * len(FORWARD_SHAPES)]
+              "| path | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
     for p, v in r["paths"].items():
         fo = v.get("forward_only") or {}
-        lines.append("| %s | %s |" % (p, " | ".join(str(fo.get("%dx%dx4" % s)) for s in FORWARD_SHAPES)))
+        lines.append("| %s | %s |" % (p, " | ".join(str(fo.get(s)) for s in shapes)))
     lines += ["", "| path | resident GB | peak 32x1024 GB | over resident GB | largest blocks at the peak (MB) |",
               "|---|---|---|---|---|"]
     for p, v in r["paths"].items():
@@ -240,7 +255,12 @@ def main() -> None:
     ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
     ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
     ap.add_argument("--shape", default="large-1024")
-    ap.add_argument("--tflops", type=float, default=790.0)
+    ap.add_argument("--tflops", type=float, default=790.0, help="the device's dense 16-bit rate; 0: no limit column")
+    ap.add_argument("--device", default="cuda", help="cpu: a CPU bundle, profiled the same way")
+    ap.add_argument("--calls", default=",".join(c[0] for c in CALLS), help="which realistic calls run")
+    ap.add_argument("--repeats", type=int, default=15, help="timed calls of each, after 3 warm-ups (median)")
+    ap.add_argument("--forward-shapes", default=",".join("%dx%d" % s for s in FORWARD_SHAPES),
+                    help="rows x tokens for the forward-only timing (4 markers each)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--paths", default="eager,bundle,bundle_stock_host",
@@ -248,14 +268,19 @@ def main() -> None:
                          "followed by :option=N passes that integer load option (bundle:chunk_tokens=0)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each call (bundle paths), to cprofile_*.txt")
     a = ap.parse_args()
+    global DEVICE, REPEATS, SELECTED
+    DEVICE, REPEATS, SELECTED = a.device, a.repeats, tuple(a.calls.split(","))
+    shapes = tuple(tuple(int(x) for x in s.split("x")) for s in a.forward_shapes.split(","))
     if a.child:
-        child(a.child, a.ckpt, a.bundle, a.tflops, a.cprofile)
+        child(a.child, a.ckpt, a.bundle, a.tflops, a.cprofile, shapes)
         return
     res = {"shape": a.shape, "command": " ".join(sys.argv), "paths": {}}
     for path in a.paths.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
-                            "--tflops", str(a.tflops)] + (["--cprofile"] if a.cprofile and path != "eager" else []),
-                           capture_output=True, text=True, timeout=400)
+                            "--tflops", str(a.tflops), "--device", a.device, "--forward-shapes", a.forward_shapes,
+                            "--calls", a.calls, "--repeats", str(a.repeats)]
+                           + (["--cprofile"] if a.cprofile and path != "eager" else []),
+                           capture_output=True, text=True, timeout=1200)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         res["paths"][path] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-3000:]}
         print(path, json.dumps(res["paths"][path])[:1500], flush=True)
