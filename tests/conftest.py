@@ -27,7 +27,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import pytest
 
@@ -134,6 +134,31 @@ def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
     return _made_once(tmp_path_factory, "bundles", "small", lambda out: build_bundle(demo_ckpt, out, *SMALL))
 
 
+@pytest.fixture(scope="session")
+def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]]:
+    """`cuda_bundle(amp_dtype)`: (checkpoint, bundle) of a decisive tiny checkpoint (head gain 8) with that
+    amp_dtype (None: left out), built for sm_90 on this CPU machine without ONNX: the exported program in laya's
+    CUDA dtype, verified here against laya eager in that dtype, and TileLang kernels cross-compiled for sm_90a.
+    Each made once for the run: tests/shared/test_precision.py checks its dtypes, tests/pipeline/test_build.py
+    (amp_dtype absent) the stages a CPU machine skips and the kernels' hashes."""
+    from laya_aot.demo import demo_shape, make_checkpoint
+
+    def make(root: Path, amp: Optional[str]) -> None:
+        root.mkdir()
+        ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
+        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false")
+
+    made = {}
+
+    def get(amp: Optional[str]) -> Tuple[Path, Path]:
+        pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
+        if amp not in made:
+            made[amp] = _made_once(tmp_path_factory, "cuda", amp or "absent", lambda out: make(out, amp))
+        return made[amp] / "ckpt", made[amp] / "bundle"
+
+    return get
+
+
 @pytest.fixture
 def bundle_copy(demo_bundle, tmp_path) -> Path:
     """A private copy of the demo bundle that a test may damage."""
@@ -194,6 +219,7 @@ BUILDS = {
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
     "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+    "cuda_bundle",       # this file: sm_90 bundles (16-bit exported program, TileLang kernels) of a tiny checkpoint
     "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
 
