@@ -54,6 +54,7 @@ def linear_params(ckpt: str) -> tuple:
 FORWARD_SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))  # rows x tokens, 4 option markers (issue 24)
 REPEATS = 15  # --repeats: timed calls per realistic call, after 3 warm-ups
 SELECTED = tuple(c[0] for c in CALLS)  # --calls: which of gpu_start's realistic calls run
+KERNELS = False  # --kernels: torch.profiler over the forward-only shapes
 DEVICE = "cuda"  # --device: "cpu" profiles a CPU bundle the same way (no dense limit, no allocator trace)
 
 
@@ -87,10 +88,10 @@ class _Timed:
 def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = False,
           forward_shapes: tuple = FORWARD_SHAPES) -> None:
 
-    if path == "eager":
+    if path in ("eager", "eager_fast"):  # eager_fast: laya's own fast path (TileLang kernels, compiled at load)
         import laya
 
-        agent = laya.load(ckpt, device=DEVICE)
+        agent = laya.load(ckpt, device=DEVICE, **({"fast": True} if path == "eager_fast" else {}))
     else:
         import laya_aot
 
@@ -103,7 +104,7 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
     art_log: list = []
     agent.model.forward = _Timed(agent.model.forward, fwd_log)
     bo = getattr(agent, "backend_object", None)
-    if path != "eager":
+    if not path.startswith("eager"):
         bo.runner = _Timed(bo.runner, art_log)
     res = {"path": path, "backend": agent.backend, "linear_params": params, "layers": layers, "hidden": hidden,
            "tflops": tflops, "calls": {}}
@@ -122,7 +123,7 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
             agent.predict_batch(st, qs)
             _sync()
             total = time.perf_counter() - t
-            shapes = [s for _, s in (art_log if path != "eager" else fwd_log)]
+            shapes = [s for _, s in (fwd_log if path.startswith("eager") else art_log)]
             tokens = sum(r * L for r, L in shapes)
             flops = sum(r * L * (2 * params + 4 * layers * hidden * L) for r, L in shapes)
             rows.append({"total_ms": total * 1e3, "forward_ms": sum(s for s, _ in fwd_log) * 1e3,
@@ -136,6 +137,8 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
         med["shapes"] = rows[-1]["shapes"]
         res["calls"][name] = med
     res["forward_only"] = forward_only(agent, forward_shapes)
+    if KERNELS and DEVICE == "cuda":
+        res["kernels"] = kernel_profile(agent, forward_shapes)
     if cprofile:
         res["cprofile"] = host_profile(agent)
     res["peak"] = peak_blocks(agent) if DEVICE == "cuda" else None
@@ -150,10 +153,7 @@ def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
 
     out = {}
     for rows, length in shapes:
-        ids = torch.randint(5, 4000, (rows, length), device=DEVICE)
-        args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device=DEVICE),
-                torch.ones((rows, 4), dtype=torch.bool, device=DEVICE),
-                torch.zeros((rows,), dtype=torch.long, device=DEVICE))
+        args = forward_args(rows, length)
         times = []
         for i in range(23):
             _sync()
@@ -164,6 +164,47 @@ def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
             if i >= 3:
                 times.append(time.perf_counter() - t)
         out["%dx%dx4" % (rows, length)] = round(statistics.median(times) * 1e3, 3)
+    return out
+
+
+def forward_args(rows: int, length: int) -> tuple:
+    """A model forward's inputs at rows x length: random token ids, 4 markers, the first question type."""
+    import torch
+
+    ids = torch.randint(5, 4000, (rows, length), device=DEVICE)
+    return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device=DEVICE),
+            torch.ones((rows, 4), dtype=torch.bool, device=DEVICE),
+            torch.zeros((rows,), dtype=torch.long, device=DEVICE))
+
+
+def kernel_profile(agent, shapes=FORWARD_SHAPES) -> dict:
+    """torch.profiler over 5 forwards at each shape (after 3 warm-ups): the kernels by their own GPU time, and the
+    sum of all kernels' time per forward beside the wall time (a forward whose wall time is far above its
+    kernels' is bound by launches, not by compute)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for rows, length in shapes:
+        args = forward_args(rows, length)
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=agent.dtype, enabled=agent.amp_enabled):
+            for _ in range(3):
+                agent.model(*args)
+            _sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                for _ in range(5):
+                    agent.model(*args)
+                _sync()
+                wall = (time.perf_counter() - t) / 5
+        ka = prof.key_averages()
+        dev_total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka) / 5
+        try:
+            table = ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=90)
+        except Exception:  # noqa: BLE001 - an older torch names the column after CUDA
+            table = ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+        out["%dx%dx4" % (rows, length)] = {"wall_ms": round(wall * 1e3, 3), "kernels_ms": round(dev_total / 1e3, 3),
+                                           "table": table}
     return out
 
 
@@ -267,9 +308,11 @@ def main() -> None:
                     help="eager; bundle (laya_aot.load's defaults); bundle_stock_host (host_path=False); a path "
                          "followed by :option=N passes that integer load option (bundle:chunk_tokens=0)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each call (bundle paths), to cprofile_*.txt")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also torch.profiler over the forward-only shapes (every path), to kernels_*.txt")
     a = ap.parse_args()
-    global DEVICE, REPEATS, SELECTED
-    DEVICE, REPEATS, SELECTED = a.device, a.repeats, tuple(a.calls.split(","))
+    global DEVICE, REPEATS, SELECTED, KERNELS
+    DEVICE, REPEATS, SELECTED, KERNELS = a.device, a.repeats, tuple(a.calls.split(",")), a.kernels
     shapes = tuple(tuple(int(x) for x in s.split("x")) for s in a.forward_shapes.split(","))
     if a.child:
         child(a.child, a.ckpt, a.bundle, a.tflops, a.cprofile, shapes)
@@ -279,7 +322,8 @@ def main() -> None:
         p = subprocess.run([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
                             "--tflops", str(a.tflops), "--device", a.device, "--forward-shapes", a.forward_shapes,
                             "--calls", a.calls, "--repeats", str(a.repeats)]
-                           + (["--cprofile"] if a.cprofile and path != "eager" else []),
+                           + (["--cprofile"] if a.cprofile and not path.startswith("eager") else [])
+                           + (["--kernels"] if a.kernels else []),
                            capture_output=True, text=True, timeout=1200)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         res["paths"][path] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-3000:]}
@@ -292,6 +336,11 @@ def main() -> None:
                 for c, text in (v.get("cprofile") or {}).items()]
     if profiles:
         (out / ("cprofile_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(profiles))
+    kernels = ["## %s, %s: %.3f ms a forward, kernels %.3f ms\n\n%s" % (p, shape, k["wall_ms"], k["kernels_ms"],
+                                                                        k["table"])
+               for p, v in res["paths"].items() for shape, k in (v.get("kernels") or {}).items()]
+    if kernels:
+        (out / ("kernels_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(kernels))
     print(markdown(res))
 
 

@@ -116,7 +116,8 @@ class HeadStart:
                 torch.zeros(1, device=self.device)
                 self.stats["cuda_context_s"] = round(time.perf_counter() - t, 3)
             self._prepared = prepare(path, ckpt_mod.Weights(ckpt), self.device)
-            self.stats["weights_prepared_early_s"] = round(time.perf_counter() - t, 3)
+            self.stats.update(weights_prepared_early_s=round(time.perf_counter() - t, 3),
+                              weights_prepared_after_s=self._since())
         except Exception as e:  # noqa: BLE001 - the artifact's own load reads the weights again and reports it
             log.debug("weights not prepared early for %s: %s", self.name, e)
 
@@ -129,10 +130,12 @@ class HeadStart:
         env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=self._wait_prepared,
                             cuda_graphs=graphs)
         runner = kind.load(path, art, env)
+        t_warm = time.perf_counter()
         warm_up(runner, art)
         if not self._closed.is_set():
             self._runner, self._runner_graphs = runner, graphs
-            self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since())
+            self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since(),
+                              warm_up_s=round(time.perf_counter() - t_warm, 3))
 
     def _wait_prepared(self) -> Any:
         """The prepared weights once their thread is done (None: weights inside the package, or not prepared)."""
