@@ -17,8 +17,11 @@ import logging
 
 import torch
 
+from . import attention as attention_mod
+
 log = logging.getLogger(__name__)
 
+ATTENTIONS = ("banded", "stock")  # export.attention
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
 OUTPUT_NAMES = ("logits", "act_logits")
 
@@ -51,10 +54,15 @@ class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", attention: str = "stock"):
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(ATTENTIONS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
+        # what the copy computes attention with: "banded" only where laya_aot.attention knows the encoder
+        self.attention = "banded" if attention == "banded" and attention_mod.banded(self.model) else "stock"
+        self.example_tokens = attention_mod.example_tokens(self.model)  # 0: any example length will do
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

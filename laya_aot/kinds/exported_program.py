@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 NAME = "exported_program"
 
 
-def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3) -> Tuple[torch.Tensor, ...]:
+def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3,
+                   tokens: int = 48) -> Tuple[torch.Tensor, ...]:
     """A batch whose sizes are all > 1 and inside the declared ranges, so the exporter specialises none of them."""
     g = torch.Generator().manual_seed(0)
-    rows, tokens, markers = min(3, max_rows), min(48, max_tokens), 3
+    rows, tokens, markers = min(3, max_rows), min(max(48, tokens), max_tokens), 3
     ids = torch.randint(5, 200, (rows, tokens), generator=g)
     att = torch.ones(rows, tokens, dtype=torch.long)
     att[1, tokens - 5:] = 0
@@ -57,7 +58,7 @@ def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max
     if not 2 <= max_rows <= MAX_ROWS:
         raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
                          % (max_rows, MAX_ROWS))
-    args = example_inputs(max_tokens, pad_id, device, max_rows)
+    args = example_inputs(max_tokens, pad_id, device, max_rows, getattr(module, "example_tokens", 0))
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,
                                    dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers))
@@ -114,11 +115,12 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
                          % (max_tokens, ctx.info["max_len"]))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
-    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev)
+    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
+                                attention=e.attention)
     t0 = time.perf_counter()
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program))
+    made = Exported(program, ctx.dtype, ranges_of(program), module.attention)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,9 +130,11 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink()
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s not shipped: %s" % (made.ranges.as_dict(), name, why), exported=made)
-    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges)
-    return Built("ranges %s" % made.ranges.as_dict(), exported=made)
+        return Built("ranges %s; %s attention; %s not shipped: %s" % (made.ranges.as_dict(), made.attention, name,
+                                                                       why), exported=made)
+    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
+                     details={"attention": made.attention})
+    return Built("ranges %s; %s attention" % (made.ranges.as_dict(), made.attention), exported=made)
 
 
 def _does_not_load_back(path: Path) -> str:
