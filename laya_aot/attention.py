@@ -1,19 +1,20 @@
-"""Banded attention for the exported encoder: ModernBERT's local layers without an L x L mask (issue 24).
+"""Mask-free attention for the exported encoder on a GPU: flash attention's own window for ModernBERT's local
+layers, no L x L masks (issue 24).
 
-laya builds its encoder with transformers' `sdpa` attention: for every forward transformers materialises a
-rows x L x L mask for the sliding-window (local) layers and one for the global layers, and each layer hands
-SDPA a dense mask, so every local layer computes all L x L scores of which only a band of 2w+1 per query
-counts. On the H200 at 32 x 1024 tokens that is about a third of the artifact's forward.
+laya builds its encoder with transformers' `sdpa` attention. transformers then builds a rows x L x L mask for
+the sliding-window (local) layers and one for the global layers, and SDPA with a dense mask runs cuDNN's
+masked kernel over all L x L scores: at 32 x 1024 tokens on the H200, 19 ms of a 72 ms forward, plus about
+6 ms rebuilding the masks in every layer.
 
-`banded(model)` switches a copy of the model (the one an artifact is exported from) to an attention function
-registered with transformers under `NAME`, computing the same attention:
-- global layers: SDPA with the padding mask as a rows x 1 x 1 x L key mask (broadcast, never expanded);
-- local layers: queries in blocks of Q, each block against the Q + 2w keys its band can reach, with a
-  Q x (Q + 2w) band mask (a few blocks of work per query instead of L; w is read from the mask the installed
-  transformers builds, so the band is the one laya's own forward uses).
-A query with no key to attend to (a padded position far from every token) attends to all the keys in reach
-instead of producing NaN, as transformers' own SDPA mask does; what such positions hold is never read.
-Whether the result equals laya's forward is what every artifact's verification measures, as for any export.
+`switch(model, ...)` makes a copy of the model (the one an artifact is exported from) compute the same
+attention with `aten._flash_attention_forward`: local layers with its window (left = right = w, where w is
+read from the mask the installed transformers builds, so the band is the one laya's own forward uses),
+global layers without one, and no mask at all. A padding key is pushed out of every softmax by one extra head
+dimension (the query's is 1; the key's is -BIG where it is padding and 0 where it is a token; the value's is
+0), which adds exactly 0 to a token's score and -BIG * scale to a padding key's. Flash attention takes head
+dimensions in steps of 8, so the head dimension grows by 8.
+Only on CUDA in 16 bits (flash attention's domain); elsewhere the copy keeps transformers' attention. Whether
+an artifact answers like laya's forward is what its verification measures, as for every export.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-NAME = "laya_aot_banded"
+NAME = "laya_aot_flash_window"
+EXTRA = 8          # head dimensions added for the padding penalty (flash attention's step)
+BIG = 16384.0      # the penalty's size before the softmax scale: exact in bf16 and fp16
 _registered = False
 
 
@@ -64,7 +67,7 @@ def band_halfwidth(config: Any) -> Optional[int]:
                                                         attention_mask=torch.ones(1, n, dtype=torch.long),
                                                         allow_is_bidirectional_skip=False)
     except Exception as e:  # noqa: BLE001 - another transformers: the stock attention stays
-        log.info("banded attention not used: transformers' sliding-window mask cannot be read (%s)", e)
+        log.info("flash-window attention not used: transformers' sliding-window mask cannot be read (%s)", e)
         return None
     if not isinstance(mask, torch.Tensor) or mask.shape[-2:] != (n, n):
         return None
@@ -76,14 +79,23 @@ def band_halfwidth(config: Any) -> Optional[int]:
     return w
 
 
-def banded(model: torch.nn.Module) -> bool:
-    """Switch `model`'s ModernBERT encoder (a copy laya never serves from) to `NAME`; False, changing nothing,
-    when its encoder is not one this module knows the attention of."""
+def switch(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> bool:
+    """Switch `model`'s ModernBERT encoder (a copy laya never serves from) to `NAME` when it runs on a GPU in
+    16 bits; False, changing nothing, otherwise or when its encoder is not one whose attention this knows."""
+    if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _install(model)
+
+
+def _install(model: torch.nn.Module) -> bool:
     encoder = getattr(model, "encoder", None)
     config = getattr(encoder, "config", None)
     if config is None or getattr(config, "model_type", None) != "modernbert" \
             or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    heads = getattr(config, "num_attention_heads", 0)
+    if not heads or (config.hidden_size // heads) % 8 or config.hidden_size // heads + EXTRA > 256:
+        return False  # a head dimension flash attention does not take
     w = band_halfwidth(config)
     if w is None:
         return False
@@ -91,65 +103,36 @@ def banded(model: torch.nn.Module) -> bool:
     config._attn_implementation = NAME
     for m in encoder.modules():
         if hasattr(m, "sliding_window") and hasattr(m, "Wqkv"):  # ModernBertAttention
-            m.laya_aot_band = w if m.sliding_window is not None else None
+            m.laya_aot_window = w if m.sliding_window is not None else None
     return True
-
-
-def block_size(w: int) -> int:
-    """The queries per block for a band of half-width w (a multiple of 16, at least 2w)."""
-    return max(16, -(-2 * w // 16) * 16)
-
-
-def example_tokens(model: torch.nn.Module) -> int:
-    """An export example length with more than one block of queries in every banded layer (a single block would
-    be a size-1 dimension, which torch.export specialises the program to)."""
-    bands = [m.laya_aot_band for m in model.modules() if getattr(m, "laya_aot_band", None) is not None]
-    return 2 * block_size(max(bands)) + 16 if bands else 0
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
               **kwargs: Any) -> tuple:
-    """transformers' attention interface: (rows, L, heads, head_dim) out, no weights."""
-    w = getattr(module, "laya_aot_band", None)
-    keep = attention_mask
-    if w is None:
-        mask = None
-        if keep is not None:
-            keep = keep | ~keep.any(-1, keepdim=True)   # a row of padding only attends to everything
-            mask = keep[:, None, None, :]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    else:
-        out = _local(query, key, value, keep, w, dropout, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    """transformers' attention interface: query, key, value rows x heads x L x D in; rows x L x heads x D out."""
+    rows, heads, length, dim = query.shape
+    dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))   # rows x L x heads x D
+    if attention_mask is not None:
+        penalty = torch.where(attention_mask, 0.0, -BIG).to(dtype)          # rows x L
+        q = torch.cat([q, F.pad(torch.ones_like(q[..., :1]), (0, EXTRA - 1))], -1)
+        k = torch.cat([k, F.pad(penalty[:, :, None, None].expand(rows, length, heads, 1), (0, EXTRA - 1))], -1)
+        v = F.pad(v, (0, EXTRA))
+    out = _flash(q, k, v, scaling if scaling is not None else dim ** -0.5, getattr(module, "laya_aot_window", None))
+    return out[..., :dim].contiguous(), None
 
 
-def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], w: int,
-           dropout: float, scale: Optional[float]) -> torch.Tensor:
-    """Attention where query i sees key j iff |i - j| <= w and j is a token: blocks of Q queries, each against
-    its Q + 2w keys."""
-    rows, heads, length, dim = q.shape
-    block = block_size(w)
-    span = block + 2 * w
-    # one block more than the length needs: n >= 2 and n * block > length for every length, so torch.export
-    # proves its size checks instead of specialising the program to one side of them
-    n = (length + block - 1) // block + 1
-    pad = n * block - length
-    if keep is None:
-        keep = torch.ones(rows, length, dtype=torch.bool, device=q.device)
-    qb = F.pad(q, (0, 0, 0, pad)).view(rows, heads, n, block, dim).transpose(1, 2)
-    kb = F.pad(k, (0, 0, w, pad + w)).unfold(2, span, block).permute(0, 2, 1, 4, 3)
-    vb = F.pad(v, (0, 0, w, pad + w)).unfold(2, span, block).permute(0, 2, 1, 4, 3)
-    kb = kb.reshape(rows * n, heads, span, dim)
-    vb = vb.reshape(rows * n, heads, span, dim)
-    qb = qb.reshape(rows * n, heads, block, dim)
-    a = torch.arange(block, device=q.device)
-    b = torch.arange(span, device=q.device)
-    band = (a[:, None] - (b[None, :] - w)).abs() <= w                           # block x span
-    reach = F.pad(keep, (w, pad + w), value=False).unfold(1, span, block)     # rows x n x span
-    mask = band[None, None] & reach[:, :, None, :]                             # rows x n x block x span
-    mask = mask | ~mask.any(-1, keepdim=True)
-    mask = mask.reshape(rows * n, 1, block, span)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale)
-    out = out.view(rows, n, heads, block, dim).transpose(1, 2).reshape(rows, heads, n * block, dim)
-    return out[:, :, :length]
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: Optional[int]) -> torch.Tensor:
+    """Flash attention on rows x L x heads x D, keys within `window` of each query (None: all); on the CPU
+    (tests only: no artifact is built this way there) the same computation with SDPA and a band mask."""
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, False,
+                                                       False, scale=scale, window_size_left=window,
+                                                       window_size_right=window)[0]
+    mask = None
+    if window is not None:
+        i = torch.arange(q.shape[1], device=q.device)
+        mask = (i[:, None] - i[None, :]).abs() <= window
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                          scale=scale).transpose(1, 2)

@@ -21,7 +21,7 @@ from . import attention as attention_mod
 
 log = logging.getLogger(__name__)
 
-ATTENTIONS = ("banded", "stock")  # export.attention
+ATTENTIONS = ("flash", "stock")  # export.attention
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
 OUTPUT_NAMES = ("logits", "act_logits")
 
@@ -60,9 +60,10 @@ class ExplicitDtypeModel(torch.nn.Module):
             raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(ATTENTIONS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
-        # what the copy computes attention with: "banded" only where laya_aot.attention knows the encoder
-        self.attention = "banded" if attention == "banded" and attention_mod.banded(self.model) else "stock"
-        self.example_tokens = attention_mod.example_tokens(self.model)  # 0: any example length will do
+        # what the copy computes attention with: "flash" only on a GPU in 16 bits, for an encoder
+        # laya_aot.attention knows
+        self.attention = "flash" if attention == "flash" and attention_mod.switch(self.model, device_type, dtype) \
+            else "stock"
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

@@ -63,7 +63,7 @@ class Exported:
     dtype: str
     # the ranges the exporter proved (`exported_program.ranges_of`): what every artifact of it accepts
     ranges: Ranges
-    # how the program computes attention (`ExplicitDtypeModel.attention`): "banded" or "stock"
+    # how the program computes attention (`ExplicitDtypeModel.attention`): "flash" or "stock"
     attention: str = "stock"
 
 

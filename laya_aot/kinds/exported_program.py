@@ -27,11 +27,10 @@ log = logging.getLogger(__name__)
 NAME = "exported_program"
 
 
-def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3,
-                   tokens: int = 48) -> Tuple[torch.Tensor, ...]:
+def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3) -> Tuple[torch.Tensor, ...]:
     """A batch whose sizes are all > 1 and inside the declared ranges, so the exporter specialises none of them."""
     g = torch.Generator().manual_seed(0)
-    rows, tokens, markers = min(3, max_rows), min(max(48, tokens), max_tokens), 3
+    rows, tokens, markers = min(3, max_rows), min(48, max_tokens), 3
     ids = torch.randint(5, 200, (rows, tokens), generator=g)
     att = torch.ones(rows, tokens, dtype=torch.long)
     att[1, tokens - 5:] = 0
@@ -58,7 +57,7 @@ def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max
     if not 2 <= max_rows <= MAX_ROWS:
         raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
                          % (max_rows, MAX_ROWS))
-    args = example_inputs(max_tokens, pad_id, device, max_rows, getattr(module, "example_tokens", 0))
+    args = example_inputs(max_tokens, pad_id, device, max_rows)
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,
                                    dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers))
@@ -124,17 +123,27 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, str(path))
     name = "%s-%s" % (NAME, ctx.dtype)
-    why = _does_not_load_back(path)
+    why = _does_not_save(program, path) or _does_not_load_back(path)
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
-        path.unlink()
+        path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
         return Built("ranges %s; %s attention; %s not shipped: %s" % (made.ranges.as_dict(), made.attention, name,
                                                                        why), exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
                      details={"attention": made.attention})
     return Built("ranges %s; %s attention" % (made.ranges.as_dict(), made.attention), exported=made)
+
+
+def _does_not_save(program: ExportedProgram, path: Path) -> str:
+    """Why torch cannot save the program ("" when it can). torch 2.11's serializer has no entry for the uint64
+    state tensor flash attention returns (KeyError: torch.uint64)."""
+    try:
+        torch.export.save(program, str(path))
+    except Exception as e:  # noqa: BLE001 - any failure to serialise means the same: not shipped
+        return "torch %s cannot save the program (%s: %s)" % (torch.__version__.split("+")[0], type(e).__name__,
+                                                                str(e).splitlines()[0][:200] if str(e) else "")
+    return ""
 
 
 def _does_not_load_back(path: Path) -> str:
