@@ -86,10 +86,7 @@ _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "fl
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 # the most bytes of the file on the device at once beyond the converted tensors (`Weights.load_to`)
 LOAD_CHUNK_BYTES = 256 << 20
-# the size of each of the two pinned host buffers a GPU load reads the file through (`Weights.load_to`)
-STAGE_BYTES = 32 << 20
-# 0: a GPU load copies from the file's memory map instead (pageable; kept for start benchmarks, issue 20)
-PINNED = True
+
 
 class Weights(Mapping):
     """The checkpoint's tensors by name, read from model.safetensors when asked for (memory-mapped, one at a
@@ -119,11 +116,11 @@ class Weights(Mapping):
 
     def load_to(self, targets: Mapping[str, Any], device: Any) -> Dict[str, Any]:
         """The tensors named in `targets` (name -> torch dtype) on `device`, each converted there and owning its
-        storage. The file's bytes cross to the device in a few large runs of consecutive tensors (at most
-        LOAD_CHUNK_BYTES each, or one tensor) instead of one small copy per tensor; to a GPU they are read
-        through two pinned buffers, so reading the file and copying to the device overlap and the thread
-        doing it takes the GIL a few dozen times, not once per page or tensor (it runs beside laya's own
-        load). A tensor whose bytes cannot be viewed in place (unaligned, an unknown dtype) is read alone."""
+        storage. The file's bytes cross to the device in a few large copies of consecutive tensors (at most
+        LOAD_CHUNK_BYTES each) instead of one small copy per tensor; a tensor whose bytes cannot be viewed in
+        place (unaligned, an unknown dtype) is read on its own."""
+        import mmap
+
         import torch
 
         with open(self.path, "rb") as f:
@@ -142,91 +139,32 @@ class Weights(Mapping):
             else:
                 out[key] = self[key].to(device=device).to(dtype=dtype).contiguous()
         spans.sort()
-        runs, i = [], 0
-        while i < len(spans):
-            j, start = i + 1, spans[i][0]
-            while j < len(spans) and spans[j][1] - start <= LOAD_CHUNK_BYTES:
-                j += 1
-            runs.append(spans[i:j])
-            i = j
-        dev = torch.device(device)
-        with open(self.path, "rb", buffering=0) as f, _Stage(dev, f) as stage:
-            for run in runs:
-                start = run[0][0]
-                chunk = stage.read(base + start, run[-1][1] - start)
-                for begin, end, key, stored, shape, dtype in run:
-                    out[key] = chunk[begin - start:end - start].view(stored).view(shape).to(dtype=dtype, copy=True)
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            data = memoryview(mm)
+            try:
+                i = 0
+                while i < len(spans):
+                    j, start = i + 1, spans[i][0]
+                    while j < len(spans) and spans[j][1] - start <= LOAD_CHUNK_BYTES:
+                        j += 1
+                    _convert_chunk(data[base + start:base + spans[j - 1][1]], start, spans[i:j], device, out)
+                    i = j
+            finally:
+                data.release()
         return out
 
 
-class _Stage:
-    """Reads runs of the checkpoint file into tensors on a device: to the CPU straight into the tensor; to a GPU
-    through two pinned buffers of STAGE_BYTES, each refilled once its last copy to the device is done, so the
-    read of one piece overlaps the copy of the one before (PINNED = False: from the file's memory map)."""
+def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: Dict[str, Any]) -> None:
+    """Copy one run of the file's bytes to `device`, then each tensor in it, converted, into `out` (copies: none
+    of them keeps the run, or the file's mapping, alive)."""
+    import torch
 
-    def __init__(self, device: Any, f: Any):
-        self.device, self.f = device, f
-        self.gpu = device.type == "cuda"
-        self.bufs: list = []
-        self.events: list = []
-        self.k = 0
-        self.mapped: Any = None
-
-    def __enter__(self) -> "_Stage":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bufs = self.events = []  # the copies already queued keep their buffers (torch records their use)
-        if self.mapped is not None:
-            self.mapped.close()
-
-    def read(self, offset: int, size: int) -> Any:
-        import torch
-
-        if self.gpu and not PINNED:
-            return self._mapped(offset, size)
-        if not self.gpu:
-            dest = torch.empty(size, dtype=torch.uint8)
-            self._readinto(offset, memoryview(dest.numpy()))
-            return dest
-        dest = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if not self.bufs:
-            self.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self.events = [None, None]
-        for done in range(0, size, STAGE_BYTES):
-            n, k = min(STAGE_BYTES, size - done), self.k % 2
-            if self.events[k] is not None:
-                self.events[k].synchronize()  # this buffer's last copy to the device is finished
-            self._readinto(offset + done, memoryview(self.bufs[k].numpy())[:n])
-            dest[done:done + n].copy_(self.bufs[k][:n], non_blocking=True)
-            self.events[k] = torch.cuda.Event()
-            self.events[k].record(torch.cuda.current_stream(self.device))
-            self.k += 1
-        return dest
-
-    def _readinto(self, offset: int, view: memoryview) -> None:
-        self.f.seek(offset)
-        got = 0
-        while got < len(view):
-            n = self.f.readinto(view[got:])
-            if not n:
-                raise CheckpointError("%s ends inside a tensor's bytes (truncated); save the checkpoint again"
-                                      % self.f.name)
-            got += n
-
-    def _mapped(self, offset: int, size: int) -> Any:
-        import mmap
-
-        import torch
-
-        if self.mapped is None:
-            self.mapped = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
-        raw = memoryview(self.mapped)[offset:offset + size]
-        with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
-            warnings.simplefilter("ignore", UserWarning)
-            chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=self.device)
-        raw.release()
-        return chunk
+    with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
+        warnings.simplefilter("ignore", UserWarning)
+        chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=device)
+    for begin, end, key, stored, shape, dtype in spans:
+        out[key] = chunk[begin - start:end - start].view(stored).view(shape).to(dtype=dtype, copy=True).contiguous()
+    raw.release()
 
 
 _LAYOUT = "a Laya checkpoint directory (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)"

@@ -17,11 +17,8 @@ import logging
 
 import torch
 
-from . import attention as attention_mod
-
 log = logging.getLogger(__name__)
 
-ATTENTIONS = ("flash", "stock")  # export.attention
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
 OUTPUT_NAMES = ("logits", "act_logits")
 
@@ -54,16 +51,10 @@ class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
-                 device_type: str = "cpu", attention: str = "stock"):
+                 device_type: str = "cpu"):
         super().__init__()
-        if attention not in ATTENTIONS:
-            raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(ATTENTIONS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
-        # what the copy computes attention with: "flash" only on a GPU in 16 bits, for an encoder
-        # laya_aot.attention knows
-        self.attention = "flash" if attention == "flash" and attention_mod.switch(self.model, device_type, dtype) \
-            else "stock"
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

@@ -114,12 +114,11 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
                          % (max_tokens, ctx.info["max_len"]))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
-    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
-                                attention=e.attention)
+    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev)
     t0 = time.perf_counter()
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program), module.attention)
+    made = Exported(program, ctx.dtype, ranges_of(program))
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,16 +127,14 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s attention; %s not shipped: %s" % (made.ranges.as_dict(), made.attention, name,
-                                                                       why), exported=made)
-    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details={"attention": made.attention})
-    return Built("ranges %s; %s attention" % (made.ranges.as_dict(), made.attention), exported=made)
+        return Built("ranges %s; %s not shipped: %s" % (made.ranges.as_dict(), name, why), exported=made)
+    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges)
+    return Built("ranges %s" % made.ranges.as_dict(), exported=made)
 
 
 def _does_not_save(program: ExportedProgram, path: Path) -> str:
-    """Why torch cannot save the program ("" when it can). torch 2.11's serializer has no entry for the uint64
-    state tensor flash attention returns (KeyError: torch.uint64)."""
+    """Why torch cannot save the program ("" when it can): torch 2.11's serializer, for one, has no entry for the
+    uint64 state tensor of a program that calls flash attention directly (KeyError: torch.uint64)."""
     try:
         torch.export.save(program, str(path))
     except Exception as e:  # noqa: BLE001 - any failure to serialise means the same: not shipped

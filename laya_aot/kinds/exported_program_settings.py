@@ -21,6 +21,3 @@ class ExportConfig:
     max_tokens: Optional[int] = None
     # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
     action_head_dtype: str = "fp32"
-    # "flash": on a GPU in 16 bits, flash attention with its own window for ModernBERT's local layers and no
-    # L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention with its masks, as laya runs it
-    attention: str = "flash"

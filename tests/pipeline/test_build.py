@@ -212,6 +212,22 @@ def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, mo
     assert any("is not shipped" in r.getMessage() for r in caplog.records)
 
 
+def test_a_program_torch_cannot_save_is_named_instead_of_failing_the_stage(tmp_path, monkeypatch):
+    """Some programs torch cannot serialise (torch 2.11: a uint64 tensor it has no name for): the stage says why
+    and goes on with the program in memory, as for one it cannot load back (above)."""
+    import torch
+
+    from laya_aot.kinds import exported_program as export
+
+    def refuses(program, path):
+        Path(path).write_bytes(b"partial")
+        raise KeyError(torch.uint64)
+    monkeypatch.setattr(torch.export, "save", refuses)
+    assert "cannot save the program (KeyError: torch.uint64)" in export._does_not_save(object(), tmp_path / "p.pt2")
+    monkeypatch.setattr(torch.export, "save", lambda program, path: None)
+    assert export._does_not_save(object(), tmp_path / "q.pt2") == ""
+
+
 @pytest.mark.slow  # exports the program before it finds nothing to build
 def test_nothing_to_build_fails(demo_ckpt, tmp_path):
     with pytest.raises(BuildError, match="no artifact could be built"):
