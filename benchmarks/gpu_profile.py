@@ -153,7 +153,7 @@ def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
 
     out = {}
     for rows, length in shapes:
-        args = forward_args(rows, length)
+        args = forward_args(rows, length, _vocab(agent))
         times = []
         for i in range(23):
             _sync()
@@ -167,11 +167,16 @@ def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
     return out
 
 
-def forward_args(rows: int, length: int) -> tuple:
-    """A model forward's inputs at rows x length: random token ids, 4 markers, the first question type."""
+def _vocab(agent) -> int:
+    return int(getattr(getattr(getattr(agent.model, "encoder", None), "config", None), "vocab_size", 4000))
+
+
+def forward_args(rows: int, length: int, vocab: int = 4000) -> tuple:
+    """A model forward's inputs at rows x length: random token ids (within the vocabulary), 4 markers, the first
+    question type."""
     import torch
 
-    ids = torch.randint(5, 4000, (rows, length), device=DEVICE)
+    ids = torch.randint(5, min(4000, vocab), (rows, length), device=DEVICE)
     return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device=DEVICE),
             torch.ones((rows, 4), dtype=torch.bool, device=DEVICE),
             torch.zeros((rows,), dtype=torch.long, device=DEVICE))
@@ -186,7 +191,7 @@ def kernel_profile(agent, shapes=FORWARD_SHAPES) -> dict:
 
     out = {}
     for rows, length in shapes:
-        args = forward_args(rows, length)
+        args = forward_args(rows, length, _vocab(agent))
         with torch.no_grad(), torch.autocast(DEVICE, dtype=agent.dtype, enabled=agent.amp_enabled):
             for _ in range(3):
                 agent.model(*args)

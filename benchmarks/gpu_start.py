@@ -48,6 +48,38 @@ import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t
 print("FIRST", t, flush=True)
 """
 
+# --stacks: a sampler thread in one more (untimed) bundle start, every 2 ms, each other thread's innermost frames
+SAMPLER = """
+import sys, threading, time, collections
+_S, _T0 = collections.defaultdict(collections.Counter), time.perf_counter()
+def _sample():
+    me = threading.get_ident()
+    while True:
+        time.sleep(0.002)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        at = int((time.perf_counter() - _T0) / 0.25)
+        for ident, f in sys._current_frames().items():
+            if ident == me:
+                continue
+            stack = []
+            while f is not None and len(stack) < 5:
+                where = f.f_code.co_filename.split("site-packages/")[-1]
+                if where.startswith("<frozen"):  # the import machinery: one word for it
+                    if not stack or stack[-1] != "(importing)":
+                        stack.append("(importing)")
+                else:
+                    stack.append("%s:%d %s" % (where, f.f_lineno, f.f_code.co_name))
+                f = f.f_back
+            _S[names.get(ident, str(ident))][(at, " < ".join(stack))] += 1
+threading.Thread(target=_sample, daemon=True, name="sampler").start()
+"""
+SAMPLER_REPORT = """
+for _name, _c in _S.items():
+    for _at in sorted({a for a, _ in _c}):
+        for (_a, _st), _n in sorted(((k, n) for k, n in _c.items() if k[0] == _at), key=lambda kv: -kv[1])[:3]:
+            print("STACK %s %.2f-%.2fs x%d %s" % (_name, _at / 4, (_at + 1) / 4, _n, _st), flush=True)
+"""
+
 
 def states(n: int, words: int, seed: int):
     import numpy as np
@@ -169,6 +201,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
+    ap.add_argument("--stacks", action="store_true",
+                    help="one more bundle start with a stack sampler (every thread, 2 ms, quarter-second buckets), "
+                         "after the timed ones: what each of the loader's threads waits on")
     ap.add_argument("--bytecode", metavar="DIR",
                     help="PYTHONPYCACHEPREFIX for every process (build, starts, calls), and one untimed start of each "
                          "path first (with a throwaway laya-aot cache): Python's bytecode cache as a pip install "
@@ -224,6 +259,14 @@ def main() -> None:
         imports = sorted((ln for ln in p.stderr.splitlines() if ln.startswith("import time:") and "|" in ln
                           and ln.split("|")[1].strip().isdigit()), key=lambda ln: -int(ln.split("|")[1]))
         (Path(a.out) / ("importtime_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(imports[:200]))
+    if a.stacks:  # not timed: the head start's threads beside laya's load, sampled
+        p = subprocess.run([sys.executable, "-c", SAMPLER + START.format(ckpt=str(ckpt), bundle=str(bundle), q=q,
+                                                                         device=a.device) + SAMPLER_REPORT],
+                           capture_output=True, text=True, env=env, timeout=300)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / ("stacks_%s%s.txt" % (a.shape, a.tag))).write_text(
+            "\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("STACK ", "FIRST ", "STATS ")))
+            + ("\n" + p.stderr[-3000:] if p.returncode else ""))
     if not a.skip_calls:
         for path in ("eager", "bundle"):
             res["calls"][path] = run_calls(path, ckpt, bundle, env, 400, a.device)
