@@ -185,6 +185,13 @@ def vocab(agent: Any) -> int:
     return min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
 
 
+def embedding_rows_short(agent: Any) -> Optional[int]:
+    """The encoder's embedding rows when laya's tokenizer can make ids past them (tokens added to the tokenizer
+    without resizing the embeddings), else None."""
+    rows = int(agent.model.encoder.config.vocab_size)
+    return rows if len(agent.tok) > rows else None
+
+
 def context_len(agent: Any) -> int:
     """The most tokens laya puts in one row for this checkpoint: its max_len (laya's default 512)."""
     return int(agent.cfg.get("max_len", 512))
@@ -464,6 +471,7 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 
 
 __all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
-           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "install_backend", "is_thin",
+           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "embedding_rows_short",
+           "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]

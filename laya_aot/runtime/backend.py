@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import laya_internals as laya_api
+from ..errors import LayaAotError
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
@@ -34,6 +36,10 @@ def near_tie_mode(value: Any) -> str:
         return value
     raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
                      % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
+
+
+class TokenIdError(LayaAotError, IndexError):
+    """A token id past the encoder's embedding rows (a tokenizer grown without resizing the embeddings)."""
 
 
 class AOTBackend(Backend):
@@ -60,6 +66,9 @@ class AOTBackend(Backend):
         self.eager_module = eager_module
         self.host_path: Any = None  # runtime/host_path.HostPath, once the loader installs it
         self.chunk_tokens = int(chunk_tokens)  # padded tokens per artifact call (padding.chunks; 0: max_rows only)
+        # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
+        # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)
+        self.embedding_rows = laya_api.embedding_rows_short(agent)
 
     @property
     def near_ties(self) -> str:
@@ -142,6 +151,8 @@ class AOTBackend(Backend):
             self._count(eager_calls=1, eager_parallel_layout=1)
             return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype,
                                       detach_encoder, **extra), False
+        if self.embedding_rows is not None:
+            self._check_ids(input_ids)
         n, t = input_ids.shape
         k = marker_pos.shape[1]
         why = self.ranges.out_of_range(t, k)
@@ -162,6 +173,15 @@ class AOTBackend(Backend):
         logits_t = logits[0] if n_chunks == 1 else torch.cat(logits)
         acts_t = acts[0] if n_chunks == 1 else torch.cat(acts)
         return (logits_t.to(out_dev), acts_t.to(out_dev)), True
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        top = int(input_ids.max()) if input_ids.numel() else -1
+        if top >= self.embedding_rows:
+            raise TokenIdError(
+                "token id %d is past the encoder's %d embedding rows: this checkpoint's tokenizer has %d tokens "
+                "(tokens were added without resizing the embeddings; laya's own forward cannot embed it either). "
+                "Resize the encoder's embeddings to the tokenizer (resize_token_embeddings) and save the "
+                "checkpoint again, or remove the added tokens" % (top, self.embedding_rows, len(self.agent.tok)))
 
     def __repr__(self) -> str:
         return "AOTBackend(%s, variant=%s, installed=%s)" % (self.artifact.name, self.variant, self.installed)

@@ -90,6 +90,38 @@ def test_prefer_onnx(demo_ckpt, demo_bundle, eager):
         assert_same_answers(got["answers"], ref["answers"])
 
 
+def test_a_token_past_the_embedding_is_refused_with_the_fix(demo_ckpt, demo_bundle, eager):
+    """A tokenizer grown past the embedding (tokens added without resizing it) makes ids native code would index
+    past its table with (ending the process); the backend refuses them with the cause and the fix, and serves
+    on."""
+    from laya_aot.runtime.backend import TokenIdError
+
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
+    backend = agent.backend_object
+    assert backend.embedding_rows is None  # the demo's tokenizer fits its embedding: nothing is checked
+    qs = dict(list(question_suite().items())[:1])
+    state = ["the invoice is wrong and the refund never came"]
+    backend.embedding_rows = 30  # as if the tokenizer had grown past the encoder's first 30 rows
+    with pytest.raises(TokenIdError, match="past the encoder's 30 embedding rows.*resize_token_embeddings"):
+        agent.predict_batch(state, qs)
+    backend.embedding_rows = 1 << 30  # every id fits: the check passes and the artifact answers
+    for got, ref in zip(agent.predict_batch(state, qs), eager.predict_batch(state, qs)):
+        assert_same_answers(got["answers"], ref["answers"])
+
+
+def test_embedding_rows_short_names_only_a_tokenizer_past_the_embedding():
+    from types import SimpleNamespace
+
+    from laya_aot import laya_internals as laya_api
+
+    def agent(rows, tokens):
+        return SimpleNamespace(model=SimpleNamespace(encoder=SimpleNamespace(config=SimpleNamespace(vocab_size=rows))),
+                               tok=[None] * tokens)
+    assert laya_api.embedding_rows_short(agent(100, 100)) is None
+    assert laya_api.embedding_rows_short(agent(100, 60)) is None
+    assert laya_api.embedding_rows_short(agent(100, 101)) == 100
+
+
 def test_threads_give_the_serial_answers(aot):
     qs = list(question_suite().items())
     rng = np.random.default_rng(1)
