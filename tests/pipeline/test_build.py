@@ -267,21 +267,22 @@ def test_killed_first_build_leaves_nothing_that_looks_complete(demo_ckpt, tmp_pa
         read_manifest(out)
 
 
-@pytest.mark.slow  # builds a bundle with TileLang kernels
-def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(demo_ckpt, tmp_path):
+def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(cuda_bundle):
     """No GPU here: AOTInductor and the Inductor cache say why they skipped; TileLang kernels are built
-    for sm_90a, each hashed in the manifest, and left for the GPU machine to verify."""
-    pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
-    m = build_bundle(demo_ckpt, tmp_path / "b", "target=sm_90", "stages.onnx=false")
+    for sm_90a, each hashed in the manifest, and left for the GPU machine to verify (conftest.cuda_bundle: a
+    tiny checkpoint without amp_dtype built with target=sm_90 stages.onnx=false, as
+    tests/shared/test_precision.py checks its dtype)."""
+    _, bundle = cuda_bundle(None)
+    m = read_manifest(bundle)
     stages = {s["name"]: s for s in m["stages"]}
     assert stages["aoti"]["status"] == "skipped" and "GPU" in stages["aoti"]["error"]
     assert stages["inductor_cache"]["status"] == "skipped"
     assert stages["tilelang"]["status"] == "ok"
-    tl = _by_kind(read_manifest(tmp_path / "b"), "tilelang")
+    tl = _by_kind(m, "tilelang")
     assert tl["status"] == "unverified" and tl["needs"]["gpu_arch"] == "sm_90a"
     kernels = tl["details"]["kernels"]
     assert kernels and all(k["status"] == "ok" and len(k["sha256"]) == 64 for k in kernels)
-    assert _hash_problem(tmp_path / "b", tl["name"]) is None
+    assert _hash_problem(bundle, tl["name"]) is None
 
 
 def test_an_output_dir_that_is_not_a_bundle_is_never_replaced(demo_ckpt, tmp_path):

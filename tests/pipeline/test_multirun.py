@@ -38,10 +38,12 @@ def multirun(tmp_path_factory) -> Path:
     (work / "cfg" / "checkpoint").mkdir(parents=True)
     for name, seed in (("alpha", 1), ("beta", 2)):
         (work / "cfg" / "checkpoint" / ("%s.yaml" % name)).write_text(CHECKPOINT.format(name=name, seed=seed))
-    # the cpu and sm_90 jobs of one checkpoint make its demo checkpoint at the same time in two Ray workers
+    # the cpu and sm_90 jobs of one checkpoint make its demo checkpoint at the same time in two Ray workers.
+    # 8 rows, not fewer: an sm_90 job verifies its fp16 program on the 2,048-decision suite in calls of up to
+    # max_rows rows, which at 2 rows took 50 s a job instead of 30 s
     p = _cli(["build", "--config-dir", "cfg", "-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
               "checkpoint=alpha,beta", "target=cpu,sm_90", "stages.aoti=false", "stages.inductor_cache=false",
-              "export.max_rows=2", "jobs=1"], work)
+              "export.max_rows=8", "jobs=1"], work)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return work
 

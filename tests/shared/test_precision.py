@@ -118,17 +118,15 @@ def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
     assert not bad.passed and "laya eager %s" % dtype in bad.reason
 
 
-@pytest.mark.slow  # builds a bundle with TileLang kernels
 @pytest.mark.parametrize("amp, kernel_dtype", [(None, "float16"), ("bf16", "bfloat16")])
-def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, tmp_path):
+def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, cuda_bundle):
     """On a CPU machine: the exported program and the TileLang kernels for sm_90 are in the dtype laya
     serves the checkpoint in on an H200 (amp_dtype absent: fp16), the 16-bit program verified against
-    laya's eager forward in that dtype."""
-    pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
-    from laya_aot.demo import demo_shape, make_checkpoint
+    laya's eager forward in that dtype (conftest.cuda_bundle: a decisive tiny checkpoint)."""
+    from laya_aot.bundle_format import read_manifest
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
-    m = build_bundle(ckpt, tmp_path / "b", "target=sm_90", "stages.onnx=false")
+    _, bundle = cuda_bundle(amp)
+    m = read_manifest(bundle)
     want = "fp16" if amp is None else "bf16"
     (tl,) = [a for a in m["artifacts"] if a["kind"] == "tilelang"]
     (ep,) = [a for a in m["artifacts"] if a["kind"] == "exported_program"]
