@@ -134,11 +134,19 @@ def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
     return _made_once(tmp_path_factory, "bundles", "small", lambda out: build_bundle(demo_ckpt, out, *SMALL))
 
 
+# the decision suite of a 16-bit artifact verified on this CPU in a test build that checks something else (what
+# an sm_90 build skips, its dtype, a sweep, a merge): 256 decisions instead of verify.tolerance.decisions' 2,048.
+# fp16 runs slowly on a CPU: the full suite took 26 s of a 31 s sm_90 build of the tiny checkpoint, 256 take 5 s.
+# The full suite and what it finds are checked on the bf16 CPU bundle (tests/shared/test_precision.py)
+FEW_DECISIONS = "verify.tolerance.decisions=256"
+
+
 @pytest.fixture(scope="session")
 def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]]:
     """`cuda_bundle(amp_dtype)`: (checkpoint, bundle) of a decisive tiny checkpoint (head gain 8) with that
     amp_dtype (None: left out), built for sm_90 on this CPU machine without ONNX: the exported program in laya's
-    CUDA dtype, verified here against laya eager in that dtype, and TileLang kernels cross-compiled for sm_90a.
+    CUDA dtype, verified here against laya eager in that dtype (on FEW_DECISIONS), and TileLang kernels
+    cross-compiled for sm_90a.
     Each made once for the run: tests/shared/test_precision.py checks its dtypes, tests/pipeline/test_build.py
     (amp_dtype absent) the stages a CPU machine skips and the kernels' hashes."""
     from laya_aot.demo import demo_shape, make_checkpoint
@@ -146,7 +154,7 @@ def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]
     def make(root: Path, amp: Optional[str]) -> None:
         root.mkdir()
         ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
-        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false")
+        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", FEW_DECISIONS)
 
     made = {}
 
@@ -238,8 +246,8 @@ SECONDS = {
     "tests/pipeline/test_multirun.py": 250,               # the Ray sweep: four builds, after cuda_bundle(None)
     "tests/serve/test_serve.py": 170,                     # `laya-aot demo` in a fresh directory (conftest.readme_demo)
     "tests/shared/test_precision.py": 120,                # bf16_bundle and what it serves
-    "tests/pipeline/test_build.py": 110,                  # the alt bundle
     "tests/shared/test_precision.py::test_inspect_shows_both_figures": 100,
+    "tests/pipeline/test_build.py": 110,                  # the alt bundle
     "tests/distribution/test_distribution.py": 90,        # two `laya-aot build` processes
     "tests/kernels/test_kernels.py": 85,                  # TileLang kernels for two architectures
     "tests/runtime/test_runtime.py": 80,
