@@ -227,7 +227,8 @@ BUILDS = {
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "faulty_build",      # pipeline/test_build.py: a build with an ONNX fault and a program-load fault
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
-    "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+    "two_dtype_bundle",  # shared/test_precision.py: fp32 and bf16 AOTInductor packages
+    "bf16_bundle",       # shared/test_precision.py: the bf16 half of two_dtype_bundle
     "cuda_bundle",       # this file: sm_90 bundles (16-bit exported program, TileLang kernels) of a tiny checkpoint
     "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
@@ -246,7 +247,6 @@ SECONDS = {
     "tests/pipeline/test_multirun.py": 250,               # the Ray sweep: four builds, after cuda_bundle(None)
     "tests/serve/test_serve.py": 170,                     # `laya-aot demo` in a fresh directory (conftest.readme_demo)
     "tests/shared/test_precision.py": 120,                # bf16_bundle and what it serves
-    "tests/shared/test_precision.py::test_inspect_shows_both_figures": 100,
     "tests/pipeline/test_build.py": 110,                  # the alt bundle
     "tests/distribution/test_distribution.py": 90,        # two `laya-aot build` processes
     "tests/kernels/test_kernels.py": 85,                  # TileLang kernels for two architectures
