@@ -49,9 +49,10 @@ def multirun(tmp_path_factory, cuda_bundle) -> Path:
     # 8 rows, not fewer: an sm_90 job verifies its fp16 program on the 2,048-decision suite in calls of up to
     # max_rows rows, which at 2 rows took 50 s a job instead of 30 s; on conftest.FEW_DECISIONS, which takes 5 s of
     # those 30 instead of 26 (every job: the parts of a checkpoint merge only with one tolerance)
+    # no Ray dashboard: nothing here looks at it, and its processes took ~8 of the sweep's ~85 CPU seconds
     p = _cli(["build", "--config-dir", "cfg", "-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
-              "checkpoint=alpha,beta", "target=cpu,sm_90", "stages.aoti=false", "stages.inductor_cache=false",
-              "export.max_rows=8", FEW_DECISIONS, "jobs=1"], work)
+              "+hydra.launcher.ray.init.include_dashboard=false", "checkpoint=alpha,beta", "target=cpu,sm_90",
+              "stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", FEW_DECISIONS, "jobs=1"], work)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return work
 
