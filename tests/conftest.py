@@ -12,7 +12,7 @@ With pytest-xdist installed (the test extra installs it), a run that names no te
 worker processes (`-n 0` runs in this process, `-n N` on N): each worker is a session of its own, so the
 session's demo checkpoints and bundles are made once for the whole run under a lock (`_made_once`), and the
 tests of a module run in one worker, in order (`pytest_xdist_make_scheduler`), so that its fixtures are made
-once too.
+once too; the long units of work start first (SECONDS).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import pytest
 
@@ -134,6 +134,39 @@ def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
     return _made_once(tmp_path_factory, "bundles", "small", lambda out: build_bundle(demo_ckpt, out, *SMALL))
 
 
+# the decision suite of a 16-bit artifact verified on this CPU in a test build that checks something else (what
+# an sm_90 build skips, its dtype, a sweep, a merge): 256 decisions instead of verify.tolerance.decisions' 2,048.
+# fp16 runs slowly on a CPU: the full suite took 26 s of a 31 s sm_90 build of the tiny checkpoint, 256 take 5 s.
+# The full suite and what it finds are checked on the bf16 CPU bundle (tests/shared/test_precision.py)
+FEW_DECISIONS = "verify.tolerance.decisions=256"
+
+
+@pytest.fixture(scope="session")
+def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]]:
+    """`cuda_bundle(amp_dtype)`: (checkpoint, bundle) of a decisive tiny checkpoint (head gain 8) with that
+    amp_dtype (None: left out), built for sm_90 on this CPU machine without ONNX: the exported program in laya's
+    CUDA dtype, verified here against laya eager in that dtype (on FEW_DECISIONS), and TileLang kernels
+    cross-compiled for sm_90a.
+    Each made once for the run: tests/shared/test_precision.py checks its dtypes, tests/pipeline/test_build.py
+    (amp_dtype absent) the stages a CPU machine skips and the kernels' hashes."""
+    from laya_aot.demo import demo_shape, make_checkpoint
+
+    def make(root: Path, amp: Optional[str]) -> None:
+        root.mkdir()
+        ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
+        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", FEW_DECISIONS)
+
+    made = {}
+
+    def get(amp: Optional[str]) -> Tuple[Path, Path]:
+        pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
+        if amp not in made:
+            made[amp] = _made_once(tmp_path_factory, "cuda", amp or "absent", lambda out: make(out, amp))
+        return made[amp] / "ckpt", made[amp] / "bundle"
+
+    return get
+
+
 @pytest.fixture
 def bundle_copy(demo_bundle, tmp_path) -> Path:
     """A private copy of the demo bundle that a test may damage."""
@@ -192,17 +225,78 @@ BUILDS = {
     "parts",             # distribution/test_distribution.py: two `laya-aot build` processes
     "tiny_build",        # kernels/test_kernels.py: the tiny demo's TileLang kernels for two architectures
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
+    "faulty_build",      # pipeline/test_build.py: a build with an ONNX fault and a program-load fault
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
-    "bf16_bundle",       # shared/test_precision.py: a bf16 AOTInductor bundle
+    "two_dtype_bundle",  # shared/test_precision.py: fp32 and bf16 AOTInductor packages
+    "bf16_bundle",       # shared/test_precision.py: the bf16 half of two_dtype_bundle
+    "cuda_bundle",       # this file: sm_90 bundles (16-bit exported program, TileLang kernels) of a tiny checkpoint
     "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
 
 
-# modules whose tests are independent and each long (a build per configuration): under pytest-xdist each of their
-# tests goes to whichever worker is free; the tests of any other module run in one worker, in order, so that the
-# module's fixtures are made once and tests that rely on an earlier one of their module still see it
-SPREAD_OVER_WORKERS = {"tests/pipeline/test_matrix.py"}
+# Units of work under pytest-xdist. The tests of a module run in one worker, in order, so that the module's
+# fixtures are made once and a test that relies on an earlier one of its module still sees it. A key naming a
+# test function in SECONDS makes each of its tests (each parameter) a unit of its own: it builds what it checks
+# itself or takes it from a session fixture, and shares no module fixture with the rest of its module. TOGETHER
+# puts a test in another unit, after that unit's tests in collection order, because it checks what they made
+# (the other worker would wait for it under the session fixture's lock).
+# SECONDS: roughly how long each long unit takes in a whole-suite run on the 2-core machine (--durations; only
+# the order matters). The longest units start first and the short modules (any unit not listed) fill in at the
+# end, so that neither worker idles while the other finishes a long one.
+SECONDS = {
+    "tests/pipeline/test_multirun.py": 250,               # the Ray sweep: four builds, after cuda_bundle(None)
+    "tests/serve/test_serve.py": 170,                     # `laya-aot demo` in a fresh directory (conftest.readme_demo)
+    "tests/shared/test_precision.py": 120,                # bf16_bundle and what it serves
+    "tests/pipeline/test_build.py": 110,                  # the alt bundle
+    "tests/distribution/test_distribution.py": 90,        # two `laya-aot build` processes
+    "tests/kernels/test_kernels.py": 85,                  # TileLang kernels for two architectures
+    "tests/runtime/test_runtime.py": 80,
+    "tests/pipeline/test_matrix.py::test_matrix_checkpoint_serves_from_the_bundle_like_eager": 60,
+    "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included": 60,
+    # made by the sweep's fixture by the time it starts (or else 60)
+    "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]": 5,
+    "tests/kinds/test_compile_artifact.py::test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check":
+        60,
+    "tests/kinds/test_compile_artifact.py": 50,
+    "tests/reliability/test_build_kills.py::test_builds_killed_mid_compile_leave_nothing_running_and_nothing_half_written":
+        45,
+    "tests/distribution/test_safety.py": 45,
+    "tests/pipeline/test_build.py::test_aoti_failure_is_recorded_and_the_build_goes_on": 35,
+    "tests/pipeline/test_build.py::test_onnx_failure_is_recorded_and_the_build_goes_on": 40,
+    "tests/shared/test_progress.py": 27,
+    "tests/reliability/test_build_kills.py::test_two_builds_into_one_output_at_once": 25,
+    "tests/pipeline/test_multirun.py::test_a_failed_job_fails_the_multirun_after_the_others_ran": 25,
+    "tests/pipeline/test_build.py::test_artifact_over_tolerance_is_marked_unusable_with_the_figure": 18,
+    "tests/kernels/test_kernels.py::test_catalogue_is_exactly_what_fastlaya_requests": 15,
+    "tests/pipeline/test_build.py::test_nothing_to_build_fails": 10,
+}
+TOGETHER = {
+    # the checkpoint `laya-aot demo` trained (conftest.readme_demo)
+    "tests/shared/test_demo.py::test_the_demo_command_checkpoint_is_trained_and_routes_its_states":
+        "tests/serve/test_serve.py",
+    # conftest.cuda_bundle(None)
+    "tests/pipeline/test_build.py::test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang":
+        "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]",
+    # test_build.faulty_build
+    "tests/pipeline/test_build.py::test_a_program_torch_cannot_load_back_is_not_shipped":
+        "tests/pipeline/test_build.py::test_onnx_failure_is_recorded_and_the_build_goes_on",
+}
 _BY_MODULE = pytest.StashKey[bool]()  # set when pytest_cmdline_main chose the workers
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to (SECONDS, TOGETHER): its module, itself, or the unit it joins."""
+    module, _, rest = nodeid.partition("::")
+    function = "%s::%s" % (module, rest.split("[", 1)[0])
+    if function in TOGETHER:
+        return TOGETHER[function]
+    return nodeid if function in SECONDS else module
+
+
+def unit_seconds(unit: str) -> int:
+    """SECONDS of a unit (0 for a short one); a test that is a unit of its own is known by its function."""
+    module, _, rest = unit.partition("::")
+    return SECONDS.get(unit, SECONDS.get("%s::%s" % (module, rest.split("[", 1)[0]), 0))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -224,18 +318,32 @@ def pytest_cmdline_main(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's hook: the scheduler of a run that pytest_cmdline_main distributed. One unit of work per
-    module (per test in SPREAD_OVER_WORKERS), handed to whichever worker is free."""
+    """pytest-xdist's hook: the scheduler of a run that pytest_cmdline_main distributed. The units of work
+    (`unit_of`), longest first (`unit_seconds`), each handed to whichever worker is about to run out."""
     if not config.stash.get(_BY_MODULE, False):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByModule(LoadScopeScheduling):
+    class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return nodeid if module in SPREAD_OVER_WORKERS else module
+            return unit_of(nodeid)
 
-    return ByModule(config, log)
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_longest_first", False):  # the first call: the queue is full, nothing handed out
+                self._longest_first = True
+                order = sorted(self.workqueue, key=lambda unit: -unit_seconds(unit))  # ties keep xdist's order
+                self.workqueue = type(self.workqueue)((unit, self.workqueue[unit]) for unit in order)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            # the next unit goes to a worker only when it is down to its last test (which a worker runs once
+            # it knows what comes after it), not two tests ahead as LoadScopeScheduling does: a unit handed out
+            # early waits behind a long test while the other worker may run out of work
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return ByUnit(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

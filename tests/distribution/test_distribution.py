@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import FEW_DECISIONS
 
 from laya_aot import kinds
 from laya_aot.bundle_format import read_bundle
@@ -36,7 +37,9 @@ from laya_aot.usable import usable_here
 zstandard = pytest.importorskip("zstandard")
 pytest.importorskip("tilelang", reason="the tilelang extra is not installed (cross-compiles the sm_90a part)")
 
-SMALL = ["export.max_rows=8"]
+# 8 rows, and the sm_90 part's fp16 program verified on conftest.FEW_DECISIONS (a merge needs one tolerance, so
+# both parts take it)
+SMALL = ["export.max_rows=8", FEW_DECISIONS]
 CPU_PART = ["stages.aoti=false", *SMALL]  # the CPU artifacts: ONNX (AOTInductor is the slow one to build)
 TILELANG_PART = ["target=sm_90", "stages.aoti=false", "stages.onnx=false", "stages.inductor_cache=false", *SMALL]
 
@@ -169,14 +172,13 @@ def test_merge_refuses_two_fingerprints_and_leaves_nothing(parts, tmp_path):
     assert not out.exists() and _leftovers(out) == []
 
 
-def test_merge_lists_every_conflict_of_a_different_export(parts, demo_ckpt, tmp_path):
-    """A third real build with other export settings: its exported program, ONNX model, ranges and smoke batch
-    all differ, and each is one line of the one error."""
-    wider = tmp_path / "wider"
-    _run_builds(_build_cmd(demo_ckpt, wider, ["stages.aoti=false", "export.max_rows=16"]))
+def test_merge_lists_every_conflict_of_a_different_export(parts, demo_bundle, tmp_path):
+    """A real build of the same checkpoint with other export settings (the demo bundle: 64 rows, where the
+    parts have 8, and the default decision suite): its exported program, ONNX model, ranges and smoke batch all
+    differ, and each is one line of the one error."""
     out = tmp_path / "out"
     with pytest.raises(BundleError) as e:
-        merge(out, [parts[0], wider])
+        merge(out, [parts[0], demo_bundle])
     lines = str(e.value).split("\n  - ")[1:]
     assert any("other ranges" in x for x in lines), lines
     assert any("exported_program-fp32: different programs" in x for x in lines), lines

@@ -157,15 +157,42 @@ def test_aoti_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, mon
     assert _by_kind(read_manifest(tmp_path / "b"), "onnx")["status"] == "verified"
 
 
-@pytest.mark.slow  # builds a bundle
-def test_onnx_failure_is_recorded_and_the_build_goes_on(demo_ckpt, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def faulty_build(demo_ckpt, tmp_path_factory):
+    """One build with a fault in each of two stages: the ONNX exporter raises, and torch cannot load the saved
+    program back. The AOTInductor package (compiled from the program in memory) is left to verify; each of the
+    two tests below checks what its fault leaves, from one AOTInductor compile instead of one each.
+    (manifest, bundle, the messages logged at WARNING and above)."""
+    import logging
+
     import laya_aot.kinds.onnx as onnx_export
 
-    monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **k: (_ for _ in ()).throw(ValueError("no opset")))
-    m = build_bundle(demo_ckpt, tmp_path / "b", *FAILURES)
+    def no_opset(*a, **k):
+        raise ValueError("no opset")
+
+    def unreadable(*a, **k):  # what torch 2.11 says of the autocast regions it saved
+        raise RuntimeError("SpecViolationError: Node.meta wrap_with_autocast_2 is missing val field")
+
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    out = tmp_path_factory.mktemp("faults") / "b"
+    logging.getLogger().addHandler(handler)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(onnx_export, "export_onnx", no_opset)
+            mp.setattr(torch.export, "load", unreadable)
+            m = build_bundle(demo_ckpt, out, *FAILURES)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    return m, out, [r.getMessage() for r in logged]
+
+
+def test_onnx_failure_is_recorded_and_the_build_goes_on(faulty_build):
+    m, bundle, _ = faulty_build
     stage = next(s for s in m["stages"] if s["name"] == "onnx")
     assert stage["status"] == "failed" and "no opset" in stage["error"]
-    assert _by_name(read_manifest(tmp_path / "b"), "aoti-cpu")["status"] == "verified"
+    assert _by_name(read_manifest(bundle), "aoti-cpu")["status"] == "verified"
 
 
 @pytest.mark.slow  # builds a bundle
@@ -194,22 +221,16 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
 
 
-@pytest.mark.slow  # builds a bundle
-def test_a_program_torch_cannot_load_back_is_not_shipped(demo_ckpt, tmp_path, monkeypatch, caplog):
+def test_a_program_torch_cannot_load_back_is_not_shipped(faulty_build):
     """torch 2.11 saves autocast regions it cannot read back: the portable file is left out (said in the stage
     record and the log), and the compiled artifacts, built from the program in memory, still verify."""
-    import torch
-
-    def unreadable(*a, **k):
-        raise RuntimeError("SpecViolationError: Node.meta wrap_with_autocast_2 is missing val field")
-    monkeypatch.setattr(torch.export, "load", unreadable)
-    m = build_bundle(demo_ckpt, tmp_path / "b", "stages.onnx=false", *FAILURES)
+    m, bundle, logged = faulty_build
     names = {a["name"]: a["status"] for a in m["artifacts"]}
-    assert names == {"aoti-cpu": "verified"}, names
+    assert names == {"aoti-cpu": "verified", "onnx-cpu": "build_failed"}, names   # ONNX: the build's other fault
     (export,) = [s for s in m["stages"] if s["name"] == "exported_program"]
     assert "exported_program-fp32 not shipped" in export["summary"] and "wrap_with_autocast_2" in export["summary"]
-    assert not list((tmp_path / "b").glob("exported_program/*"))
-    assert any("is not shipped" in r.getMessage() for r in caplog.records)
+    assert not list(bundle.glob("exported_program/*"))
+    assert any("is not shipped" in message for message in logged)
 
 
 def test_a_program_torch_cannot_save_is_named_instead_of_failing_the_stage(tmp_path, monkeypatch):
@@ -283,21 +304,22 @@ def test_killed_first_build_leaves_nothing_that_looks_complete(demo_ckpt, tmp_pa
         read_manifest(out)
 
 
-@pytest.mark.slow  # builds a bundle with TileLang kernels
-def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(demo_ckpt, tmp_path):
+def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(cuda_bundle):
     """No GPU here: AOTInductor and the Inductor cache say why they skipped; TileLang kernels are built
-    for sm_90a, each hashed in the manifest, and left for the GPU machine to verify."""
-    pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
-    m = build_bundle(demo_ckpt, tmp_path / "b", "target=sm_90", "stages.onnx=false")
+    for sm_90a, each hashed in the manifest, and left for the GPU machine to verify (conftest.cuda_bundle: a
+    tiny checkpoint without amp_dtype built with target=sm_90 stages.onnx=false, as
+    tests/shared/test_precision.py checks its dtype)."""
+    _, bundle = cuda_bundle(None)
+    m = read_manifest(bundle)
     stages = {s["name"]: s for s in m["stages"]}
     assert stages["aoti"]["status"] == "skipped" and "GPU" in stages["aoti"]["error"]
     assert stages["inductor_cache"]["status"] == "skipped"
     assert stages["tilelang"]["status"] == "ok"
-    tl = _by_kind(read_manifest(tmp_path / "b"), "tilelang")
+    tl = _by_kind(m, "tilelang")
     assert tl["status"] == "unverified" and tl["needs"]["gpu_arch"] == "sm_90a"
     kernels = tl["details"]["kernels"]
     assert kernels and all(k["status"] == "ok" and len(k["sha256"]) == 64 for k in kernels)
-    assert _hash_problem(tmp_path / "b", tl["name"]) is None
+    assert _hash_problem(bundle, tl["name"]) is None
 
 
 def test_an_output_dir_that_is_not_a_bundle_is_never_replaced(demo_ckpt, tmp_path):

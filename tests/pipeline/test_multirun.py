@@ -7,6 +7,7 @@ caller's relative paths and that two jobs making the same demo checkpoint at onc
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FEW_DECISIONS
 
 pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="the test extra installs hydra-ray-launcher")
 
@@ -33,15 +35,24 @@ def _cli(args, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def multirun(tmp_path_factory) -> Path:
+def multirun(tmp_path_factory, cuda_bundle) -> Path:
+    # the sm_90 jobs cross-compile the tiny checkpoint's TileLang kernels: conftest.cuda_bundle(None) has compiled
+    # the same ones into the run's kernel cache first, so that the two jobs, which would each compile them at the
+    # same time in two Ray workers, take them from there (compiling is what tests/kernels checks; this, the sweep)
+    if importlib.util.find_spec("tilelang") is not None:
+        cuda_bundle(None)
     work = tmp_path_factory.mktemp("multirun")
     (work / "cfg" / "checkpoint").mkdir(parents=True)
     for name, seed in (("alpha", 1), ("beta", 2)):
         (work / "cfg" / "checkpoint" / ("%s.yaml" % name)).write_text(CHECKPOINT.format(name=name, seed=seed))
-    # the cpu and sm_90 jobs of one checkpoint make its demo checkpoint at the same time in two Ray workers
+    # the cpu and sm_90 jobs of one checkpoint make its demo checkpoint at the same time in two Ray workers.
+    # 8 rows, not fewer: an sm_90 job verifies its fp16 program on the 2,048-decision suite in calls of up to
+    # max_rows rows, which at 2 rows took 50 s a job instead of 30 s; on conftest.FEW_DECISIONS, which takes 5 s of
+    # those 30 instead of 26 (every job: the parts of a checkpoint merge only with one tolerance)
+    # no Ray dashboard: nothing here looks at it, and its processes took ~8 of the sweep's ~85 CPU seconds
     p = _cli(["build", "--config-dir", "cfg", "-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
-              "checkpoint=alpha,beta", "target=cpu,sm_90", "stages.aoti=false", "stages.inductor_cache=false",
-              "export.max_rows=2", "jobs=1"], work)
+              "+hydra.launcher.ray.init.include_dashboard=false", "checkpoint=alpha,beta", "target=cpu,sm_90",
+              "stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", FEW_DECISIONS, "jobs=1"], work)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return work
 

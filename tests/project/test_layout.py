@@ -5,7 +5,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-from conftest import GUARDED, SPREAD_OVER_WORKERS
+from conftest import GUARDED, SECONDS, TOGETHER
 
 TESTS = Path(__file__).resolve().parents[1]
 PKG = TESTS.parent / "laya_aot"
@@ -25,9 +25,15 @@ def test_each_way_to_build_is_guarded(module, name, what):
         "%s.%s is not wrapped by tests/conftest.py (renamed?): update GUARDED" % (module, name)
 
 
-def test_the_modules_spread_over_workers_exist():
-    assert SPREAD_OVER_WORKERS and all((TESTS.parent / m).is_file() for m in SPREAD_OVER_WORKERS), \
-        "tests/conftest.py names a test module that is not there (renamed?): %s" % sorted(SPREAD_OVER_WORKERS)
+def test_the_units_of_work_name_tests_that_exist():
+    """SECONDS and TOGETHER (how the workers share the suite) name modules and test functions that are there."""
+    missing = []
+    for name in [*SECONDS, *TOGETHER, *TOGETHER.values()]:
+        module, _, function = name.partition("::")
+        path = TESTS.parent / module
+        if not path.is_file() or (function and "def %s(" % function.split("[", 1)[0] not in path.read_text()):
+            missing.append(name)
+    assert SECONDS and not missing, "tests/conftest.py names a test that is not there (renamed?): %s" % missing
 
 
 def test_a_test_not_marked_slow_cannot_export():

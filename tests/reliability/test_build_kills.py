@@ -108,8 +108,10 @@ def _kills(demo_ckpt, tmp_path, times, compiler_kills):
     assert all(r["state"] in ("absent", "complete") for r in runs), runs
     assert not [r for r in runs if r["left_running"]], runs
     assert all(r["compiler_running"] for r in runs[:compiler_kills]), runs[:compiler_kills]
-    # the next build cleans up what the killed ones left and publishes a complete bundle
-    done = subprocess.run(_cmd(demo_ckpt, out), env=env, capture_output=True, text=True)
+    # the next build cleans up what the killed ones left and publishes a complete bundle (ONNX only: the clean-up
+    # is the staging's, whatever the build compiles, and ONNX builds in a third of AOTInductor's time)
+    done = subprocess.run(_cmd(demo_ckpt, out, "stages.aoti=false", "stages.onnx=true"), env=env,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _bundle_state(out) == "complete"
     assert not list(tmp_path.glob(".out.partial-*")) and not list(tmp_path.glob(".out.old-*"))

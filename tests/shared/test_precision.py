@@ -6,6 +6,7 @@ checkpoint with decisive answers, where a fixed absolute bound rejected correct 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -118,17 +119,15 @@ def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
     assert not bad.passed and "laya eager %s" % dtype in bad.reason
 
 
-@pytest.mark.slow  # builds a bundle with TileLang kernels
 @pytest.mark.parametrize("amp, kernel_dtype", [(None, "float16"), ("bf16", "bfloat16")])
-def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, tmp_path):
+def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, cuda_bundle):
     """On a CPU machine: the exported program and the TileLang kernels for sm_90 are in the dtype laya
     serves the checkpoint in on an H200 (amp_dtype absent: fp16), the 16-bit program verified against
-    laya's eager forward in that dtype."""
-    pytest.importorskip("tilelang", reason="the tilelang extra is not installed")
-    from laya_aot.demo import demo_shape, make_checkpoint
+    laya's eager forward in that dtype (conftest.cuda_bundle: a decisive tiny checkpoint)."""
+    from laya_aot.bundle_format import read_manifest
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
-    m = build_bundle(ckpt, tmp_path / "b", "target=sm_90", "stages.onnx=false")
+    _, bundle = cuda_bundle(amp)
+    m = read_manifest(bundle)
     want = "fp16" if amp is None else "bf16"
     (tl,) = [a for a in m["artifacts"] if a["kind"] == "tilelang"]
     (ep,) = [a for a in m["artifacts"] if a["kind"] == "exported_program"]
@@ -140,9 +139,31 @@ def test_cuda_target_builds_in_lavas_dtype_tilelang_included(amp, kernel_dtype, 
 
 
 @pytest.fixture(scope="module")
-def bf16_bundle(demo_ckpt, tmp_path_factory):
+def two_dtype_bundle(demo_ckpt, tmp_path_factory):
+    """The demo checkpoint's AOTInductor packages (not frozen, no ONNX) in fp32 and in bf16, each verified."""
+    out = tmp_path_factory.mktemp("two-dtypes") / "b"
+    build_bundle(demo_ckpt, out, "target.dtypes=[fp32,bf16]", "aoti.cpu_frozen=false", "stages.onnx=false")
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_bundle(two_dtype_bundle, tmp_path_factory):
+    """A bundle with bf16 artifacts only, as `target.dtypes=[bf16]` builds it: a copy of two_dtype_bundle whose
+    fp32 artifacts are left out (their files and their manifest entries). The bf16 artifacts are the ones that
+    build made and verified, so the one build serves both fixtures (it used to be a second build of its own)."""
+    from laya_aot import kinds
+    from laya_aot.bundle_format import artifact_path, read_bundle, write_manifest
+
     out = tmp_path_factory.mktemp("bf16") / "b"
-    build_bundle(demo_ckpt, out, "target.dtypes=[bf16]", "aoti.cpu_frozen=false", "stages.onnx=false")
+    shutil.copytree(two_dtype_bundle, out)
+    m = read_bundle(out, kinds.NAMES)
+    for art in m.artifacts:
+        if art.dtype != "bf16":
+            path = artifact_path(out, art)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    m.artifacts = [a for a in m.artifacts if a.dtype == "bf16"]
+    assert {a.kind for a in m.artifacts} == {"exported_program", "aoti"}
+    write_manifest(out, m)
     return out
 
 
@@ -193,13 +214,10 @@ def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, mo
         assert "near_tie_whole_calls" not in stats
 
 
-@pytest.mark.slow  # builds a bundle
-def test_inspect_shows_both_figures(tmp_path, demo_ckpt, capsys):
+def test_inspect_shows_both_figures(two_dtype_bundle, capsys):
     from laya_aot.commands import inspect
 
-    build_bundle(demo_ckpt, tmp_path / "b", "target.dtypes=[fp32,bf16]", "aoti.cpu_frozen=false",
-                 "stages.onnx=false")
-    assert inspect([str(tmp_path / "b"), "--json"], 0.0) == 0
+    assert inspect([str(two_dtype_bundle), "--json"], 0.0) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["artifacts"]}
     assert set(rows) == {"exported_program-bf16", "exported_program-fp32", "aoti-cpu-bf16", "aoti-cpu-fp32"}
     assert rows["aoti-cpu-fp32"]["here"] == "usable"               # this agent serves fp32
