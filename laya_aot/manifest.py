@@ -41,6 +41,7 @@ MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts an
 MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
 # what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
 _MAX_EXTENT = {"rows": MAX_ROWS, "tokens": 1 << 20, "markers": 1 << 12}
+_MAX_ACTIONS = 1 << 12  # checkpoint.n_actions: a decision head far wider than any laya trains
 MAX_DEPTH = 32  # nesting of free-form values (details, config, stages); the build writes fewer than 10 levels
 SMOKE_INPUTS = (("input_ids", "int64", 2), ("attention_mask", "int64", 2), ("marker_pos", "int64", 2),
                 ("marker_mask", "bool", 2), ("qtype", "int64", 1))
@@ -240,6 +241,9 @@ class Bundle:
             _fail(source, "checkpoint.max_len", "between 1 and %d" % _MAX_EXTENT["tokens"], context)
         if bundle.ranges is not None:
             _check_ranges(bundle.ranges, "ranges", source, context)
+        if not 1 <= bundle.checkpoint.n_actions <= _MAX_ACTIONS:  # the smoke record's width follows it
+            _fail(source, "checkpoint.n_actions", "between 1 and %d" % _MAX_ACTIONS,
+                  bundle.checkpoint.n_actions)
         if bundle.smoke is not None:
             _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
         seen = set()

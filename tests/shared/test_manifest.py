@@ -79,6 +79,15 @@ def test_fuzzed_manifests_are_read_or_refused_naming_the_field(manifest, data):
     OUTCOMES[_check(mutated, keys)] += 1
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1 << 13])
+def test_an_impossible_action_count_is_refused_naming_it(manifest, bad):
+    """Found by the fuzzer: n_actions 0 was read, and the smoke record's width was blamed for it."""
+    mutated = copy.deepcopy(manifest)
+    mutated["checkpoint"]["n_actions"] = bad
+    with pytest.raises(BundleError, match=r"checkpoint\.n_actions"):
+        Bundle.from_dict(mutated, kinds.NAMES)
+
+
 def test_the_fuzzer_both_refused_and_accepted():
     # runs after the fuzz test: a fuzzer that only ever hit free-form fields would prove nothing
     assert OUTCOMES["refused"] >= 100 and OUTCOMES["read"] >= 10, OUTCOMES
