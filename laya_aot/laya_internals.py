@@ -187,9 +187,12 @@ def vocab(agent: Any) -> int:
 
 def embedding_rows_short(agent: Any) -> Optional[int]:
     """The encoder's embedding rows when laya's tokenizer can make ids past them (tokens added to the tokenizer
-    without resizing the embeddings), else None."""
-    rows = int(agent.model.encoder.config.vocab_size)
-    return rows if len(agent.tok) > rows else None
+    without resizing the embeddings), else None (also for a stand-in agent with no encoder or tokenizer)."""
+    rows = getattr(getattr(getattr(agent.model, "encoder", None), "config", None), "vocab_size", None)
+    tok = getattr(agent, "tok", None)
+    if rows is None or tok is None:
+        return None
+    return int(rows) if len(tok) > int(rows) else None
 
 
 def context_len(agent: Any) -> int:

@@ -120,6 +120,7 @@ def test_embedding_rows_short_names_only_a_tokenizer_past_the_embedding():
     assert laya_api.embedding_rows_short(agent(100, 100)) is None
     assert laya_api.embedding_rows_short(agent(100, 60)) is None
     assert laya_api.embedding_rows_short(agent(100, 101)) == 100
+    assert laya_api.embedding_rows_short(SimpleNamespace(model=SimpleNamespace(), tok=[None] * 5)) is None
 
 
 def test_threads_give_the_serial_answers(aot):
