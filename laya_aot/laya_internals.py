@@ -378,6 +378,8 @@ def _install_thin_hooks() -> None:
     import laya.agent
     import safetensors.torch
 
+    from . import tokenizer_snapshot
+
     with _HOOKS_LOCK:
         if getattr(laya.agent.build_model, "_laya_aot_thin", False):
             return
@@ -395,13 +397,18 @@ def _install_thin_hooks() -> None:
                 stamp = (os.path.abspath(tok_dir), os.path.getmtime(os.path.join(tok_dir, "tokenizer_config.json")))
             except OSError:
                 return tokenizer_original(tok_dir, cfg)
+            snap = tokenizer_snapshot.load(tok_dir, lambda: tokenizer_original(tok_dir, cfg))
+            if snap is not None:
+                return snap
             with laya.agent._TOKENIZERS_LOCK:
                 cached = laya.agent._TOKENIZERS.get(stamp)
                 if cached is None:
                     cached = _fast_tokenizer(tok_dir)
                     if cached is not None:
                         laya.agent._TOKENIZERS[stamp] = cached
-            return cached if cached is not None else tokenizer_original(tok_dir, cfg)
+            real = cached if cached is not None else tokenizer_original(tok_dir, cfg)
+            tokenizer_snapshot.store(tok_dir, real)  # the next start on this machine skips transformers
+            return real
 
         def build_model(cfg: Any, encoder_dir: Optional[str] = None, *args: Any, **kwargs: Any):
             if not getattr(_THIN, "on", False):

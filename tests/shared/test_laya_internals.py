@@ -115,27 +115,35 @@ def test_serve_without_its_extra_is_one_line_naming_it(monkeypatch):
                             'pip install "laya-aot[serve]"')
 
 
-def test_the_thin_agents_tokenizer_is_the_one_autotokenizer_gives(demo_ckpt, tmp_path):
-    """The thin agent loads the class AutoTokenizer resolves to directly (AutoTokenizer's import costs seconds):
-    same class, same settings and the same ids on fuzzed text pairs, truncated and padded, as laya's own."""
+def test_the_thin_agents_tokenizer_is_the_one_autotokenizer_gives(demo_ckpt, tmp_path, monkeypatch):
+    """The first thin agent on a machine loads the class AutoTokenizer resolves to directly (AutoTokenizer's
+    import costs seconds), a later one the snapshot of it (laya_aot.tokenizer_snapshot, no transformers import):
+    both the same settings and the same ids on fuzzed text pairs, truncated and padded, as laya's own."""
     import random
 
     from transformers import AutoTokenizer
 
-    agent = laya_internals.thin_agent(str(demo_ckpt), device="cpu")
-    ours, laya = agent.tok, AutoTokenizer.from_pretrained(str(demo_ckpt / "tokenizer"))
-    assert type(ours) is type(laya)
-    for attr in ("model_max_length", "padding_side", "truncation_side", "special_tokens_map", "pad_token_id"):
-        assert getattr(ours, attr) == getattr(laya, attr), attr
-    rng = random.Random(0)
-    alphabet = "abcdefghij klmnop QRSTUV 0123 .,!?'\"-\n\té漢字🙂[CLS][SEP][PAD][MASK]"
-    for _ in range(300):
-        a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
-        b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
-        for kw in ({"truncation": True, "max_length": 64}, {"padding": "max_length", "max_length": 96,
-                                                             "truncation": True}):
-            assert ours(a, b, **kw)["input_ids"] == laya(a, b, **kw)["input_ids"]
-        assert ours([a, b], padding=True)["attention_mask"] == laya([a, b], padding=True)["attention_mask"]
+    from laya_aot import tokenizer_snapshot
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_snapshot, "_LOADED", {})
+    laya = AutoTokenizer.from_pretrained(str(demo_ckpt / "tokenizer"))
+    first = laya_internals.thin_agent(str(demo_ckpt), device="cpu").tok
+    later = laya_internals.thin_agent(str(demo_ckpt), device="cpu").tok
+    assert type(first) is type(laya) and type(later) is tokenizer_snapshot.SnapshotTokenizer
+    for ours in (first, later):
+        for attr in ("model_max_length", "padding_side", "truncation_side", "special_tokens_map", "pad_token_id"):
+            assert getattr(ours, attr) == getattr(laya, attr), attr
+        rng = random.Random(0)
+        alphabet = "abcdefghij klmnop QRSTUV 0123 .,!?'\"-\n\té漢字🙂[CLS][SEP][PAD][MASK]"
+        for _ in range(300):
+            a = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+            b = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+            for kw in ({"truncation": True, "max_length": 64}, {"padding": "max_length", "max_length": 96,
+                                                                 "truncation": True}):
+                assert ours(a, b, **kw)["input_ids"] == laya(a, b, **kw)["input_ids"]
+            assert ours([a, b], padding=True)["attention_mask"] == laya([a, b], padding=True)["attention_mask"]
+            assert ours(a, add_special_tokens=False) == dict(laya(a, add_special_tokens=False))
 
 
 def test_a_tokenizer_of_another_class_goes_through_laya(demo_ckpt, tmp_path):
