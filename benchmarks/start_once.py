@@ -4,8 +4,11 @@
     python benchmarks/start_once.py bundle CHECKPOINT BUNDLE [DEVICE]
 
 Time it from outside (`/usr/bin/time -v`, hyperfine, or any whole-process timer) to get process start to
-first answer; run the two modes in turn for a ratio.
+first answer; run the two modes in turn for a ratio. A whole-process timer also counts the interpreter's exit
+(0.4-0.7 s on the CPU with torch loaded): with LAYA_AOT_PRINT_FIRST_ANSWER=1 the process also prints, on stderr,
+the seconds from its creation (the kernel's start time, 10 ms ticks) to its first answer.
 """
+import os
 import sys
 
 QUESTION = {"team": {"type": "choice", "instructions": "Which team should handle this?",
@@ -23,3 +26,10 @@ if __name__ == "__main__":
 
         agent = laya_aot.load(ckpt, bundle=sys.argv[3], device=device)
     agent.predict_batch(["I was charged twice for the March invoice"], QUESTION)
+    if os.environ.get("LAYA_AOT_PRINT_FIRST_ANSWER"):
+        import time
+
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        print("first answer %.3f s after the process started" % (time.clock_gettime(time.CLOCK_BOOTTIME) - started),
+              file=sys.stderr)
