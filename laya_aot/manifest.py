@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Uni
 
 from .dtypes import NAMES as DTYPES
 from .errors import LayaAotError
-from .padding import MAX_ROWS, Ranges
+from .padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
 from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
@@ -377,8 +377,14 @@ def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = N
             _fail(source, "%s.min_%s/max_%s" % (where, what, what), "1 <= min <= max <= %d" % limit, (lo, hi))
     if r.min_markers < 2:  # laya's head always has the two marker columns of a yes/no question
         _fail(source, where + ".min_markers", "at least 2", r.min_markers)
-    if not 1 <= r.token_multiple <= r.max_tokens:
-        _fail(source, where + ".token_multiple", "between 1 and max_tokens", r.token_multiple)
+    # every kind takes tokens as TOKEN_MULTIPLE x Dim: a native program fed any other length may kill the process
+    # (a manifest edited to min_tokens 15 made the warm-up call die of SIGFPE), so the ranges must say so
+    if r.token_multiple != TOKEN_MULTIPLE:
+        _fail(source, where + ".token_multiple", "%d (the export's token step)" % TOKEN_MULTIPLE, r.token_multiple)
+    for what in ("min_tokens", "max_tokens"):
+        if getattr(r, what) % r.token_multiple:
+            _fail(source, "%s.%s" % (where, what), "a multiple of token_multiple (%d)" % r.token_multiple,
+                  getattr(r, what))
     if context is not None and r.max_tokens > context:
         _fail(source, where + ".max_tokens", "at most checkpoint.max_len (%d), the checkpoint's context" % context,
               r.max_tokens)

@@ -88,6 +88,18 @@ def test_an_impossible_action_count_is_refused_naming_it(manifest, bad):
         Bundle.from_dict(mutated, kinds.NAMES)
 
 
+@pytest.mark.parametrize("field,bad", [("min_tokens", 15), ("max_tokens", 100), ("token_multiple", 8),
+                                       ("token_multiple", 15)])
+def test_a_token_range_the_export_cannot_take_is_refused_naming_it(manifest, field, bad):
+    """Found by the fuzzer: a manifest edited to min_tokens 15 was read, and the artifact's warm-up call with 15
+    tokens (its program takes 16 x Dim) killed the process with SIGFPE."""
+    mutated = copy.deepcopy(manifest)
+    art = next(a for a in mutated["artifacts"] if a.get("ranges"))
+    art["ranges"][field] = bad
+    with pytest.raises(BundleError, match=r"ranges\.%s" % field):
+        Bundle.from_dict(mutated, kinds.NAMES)
+
+
 def test_the_fuzzer_both_refused_and_accepted():
     # runs after the fuzz test: a fuzzer that only ever hit free-form fields would prove nothing
     assert OUTCOMES["refused"] >= 100 and OUTCOMES["read"] >= 10, OUTCOMES
