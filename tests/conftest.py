@@ -226,7 +226,7 @@ BUILDS = {
     "tiny_build",        # kernels/test_kernels.py: the tiny demo's TileLang kernels for two architectures
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "faulty_build",      # pipeline/test_build.py: a build with an ONNX fault and a program-load fault
-    "multirun",          # pipeline/test_multirun.py: a Ray sweep of four builds
+    "multirun",          # pipeline/test_multirun.py: a Ray sweep of two builds
     "two_dtype_bundle",  # shared/test_precision.py: fp32 and bf16 AOTInductor packages
     "bf16_bundle",       # shared/test_precision.py: the bf16 half of two_dtype_bundle
     "cuda_bundle",       # this file: sm_90 bundles (16-bit exported program, TileLang kernels) of a tiny checkpoint
@@ -244,14 +244,14 @@ BUILDS = {
 # the order matters). The longest units start first and the short modules (any unit not listed) fill in at the
 # end, so that neither worker idles while the other finishes a long one.
 SECONDS = {
-    "tests/pipeline/test_multirun.py": 250,               # the Ray sweep: four builds, after cuda_bundle(None)
+    "tests/pipeline/test_multirun.py": 150,               # the Ray sweep: two builds, after cuda_bundle(None)
     "tests/serve/test_serve.py": 170,                     # `laya-aot demo` in a fresh directory (conftest.readme_demo)
     "tests/shared/test_precision.py": 120,                # bf16_bundle and what it serves
     "tests/pipeline/test_build.py": 110,                  # the alt bundle
     "tests/distribution/test_distribution.py": 90,        # two `laya-aot build` processes
     "tests/kernels/test_kernels.py": 85,                  # TileLang kernels for two architectures
     "tests/runtime/test_runtime.py": 80,
-    "tests/pipeline/test_matrix.py::test_matrix_checkpoint_serves_from_the_bundle_like_eager": 60,
+    "tests/pipeline/test_matrix.py::test_matrix_checkpoint_serves_from_the_bundle_like_eager": 40,
     "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included": 60,
     # made by the sweep's fixture by the time it starts (or else 60)
     "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]": 5,
