@@ -153,6 +153,10 @@ class SnapshotTokenizer:
         text = self._backend.decode(list(token_ids), skip_special_tokens=False)
         return _clean_up(text) if self._cleanup else text
 
+    def __reduce__(self) -> Any:
+        """Pickled or deep-copied (an agent sent to another process): as the real tokenizer, which pickles."""
+        return (_same, (self.real(),))
+
     def real(self) -> Any:
         """The transformers tokenizer this snapshot was made from (imports transformers on first use)."""
         with self._real_lock:
@@ -182,6 +186,10 @@ class SnapshotTokenizer:
         if vals is None:
             return None
         return list(vals[:cut]) if cut else list(vals)
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def _snapshot_of(real: Any) -> Dict[str, Any]:

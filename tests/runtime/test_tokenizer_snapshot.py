@@ -124,6 +124,17 @@ def test_other_calls_go_to_the_real_tokenizer(tmp_path):
     assert snap.convert_ids_to_tokens([5, 6]) == real.convert_ids_to_tokens([5, 6])
 
 
+def test_a_pickled_or_copied_snapshot_is_the_real_tokenizer(tmp_path):
+    import copy
+    import pickle
+
+    real, snap = _made(_saved(tmp_path, _byte_level_bpe()))
+    for other in (pickle.loads(pickle.dumps(snap)), copy.deepcopy(snap)):
+        assert type(other) is type(real)
+        assert other("a refund was charged", add_special_tokens=False)["input_ids"] == \
+            snap("a refund was charged", add_special_tokens=False)["input_ids"]
+
+
 def test_a_tokenizer_it_cannot_reproduce_gets_no_snapshot(tmp_path):
     tok_dir = _saved(tmp_path, _wordpiece())
     real = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
