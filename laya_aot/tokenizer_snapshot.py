@@ -17,16 +17,16 @@ tensors) goes to the real tokenizer, loaded on first such use.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import os
 import threading
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .files import cache_dir, write_bytes_atomic
+from .files import cache_dir, cached_sha256, sha256_tree, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ _CHECK_TEXTS = (
 )
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> Dict[str, str]:
     out = {}
     for name in _VERSIONED:
@@ -65,18 +66,14 @@ def _versions() -> Dict[str, str]:
 
 
 def key(tok_dir: str) -> Optional[str]:
-    """The snapshot's name: the tokenizer directory's files (names and bytes) and the library versions."""
-    h = hashlib.sha256(json.dumps({"format": FORMAT, "versions": _versions()}, sort_keys=True).encode())
+    """The snapshot's name: the tokenizer directory's files (names and bytes; digests cached per file like the
+    loader's) and the library versions."""
     try:
-        for name in sorted(os.listdir(tok_dir)):
-            path = os.path.join(tok_dir, name)
-            if os.path.isfile(path):
-                h.update(name.encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
+        files = sha256_tree(tok_dir, file_digest=cached_sha256)
     except OSError:
         return None
-    return h.hexdigest()
+    facts = {"format": FORMAT, "versions": _versions(), "files": files}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
 def _path(k: str) -> Path:
@@ -139,10 +136,9 @@ class SnapshotTokenizer:
             return self.real()(text, *args, **kwargs)
         single = isinstance(text, str)
         encs = self._backend.encode_batch([text] if single else list(text), add_special_tokens=False)
-        cut = plain
         out = Encoded()
         for name in self._names:
-            rows = [self._field(e, name, cut) for e in encs]
+            rows = [self._field(e, name, plain) for e in encs]
             if rows and rows[0] is not None:
                 out[name] = rows[0] if single else rows
         return out
