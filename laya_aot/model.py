@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from . import attention as attention_mod
+
 log = logging.getLogger(__name__)
 
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
@@ -51,10 +53,16 @@ class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", attention: str = "stock"):
         super().__init__()
+        if attention not in attention_mod.ATTENTIONS:
+            raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
+        # what the copy computes attention with: "triton" only on a GPU in 16 bits, for an encoder
+        # laya_aot.attention knows
+        self.attention = "triton" if attention == "triton" and attention_mod.switch(self.model, device_type, dtype) \
+            else "stock"
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

@@ -63,6 +63,8 @@ class Exported:
     dtype: str
     # the ranges the exporter proved (`exported_program.ranges_of`): what every artifact of it accepts
     ranges: Ranges
+    # how the program computes attention (`ExplicitDtypeModel.attention`): "triton" or "stock"
+    attention: str = "stock"
 
 
 @dataclass

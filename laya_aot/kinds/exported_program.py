@@ -95,8 +95,10 @@ def ranges_of(ep: ExportedProgram) -> Ranges:
 class ExportedProgramRunner(Runner):
     """The portable ExportedProgram run as a module (verification only: it is eager speed)."""
 
-    def __init__(self, path: Path, device: str = "cpu"):
+    def __init__(self, path: Path, device: str = "cpu", attention: str = "stock"):
         self.device = torch.device(device)  # the device the program was exported on
+        if attention == "triton":  # the program calls the kernel's op: registered before it is read
+            from .. import window_attention  # noqa: F401
         self._module = torch.export.load(str(path)).module()
         self.stats = {}
 
@@ -114,11 +116,12 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
                          % (max_tokens, ctx.info["max_len"]))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
-    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev)
+    module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
+                                attention=e.attention)
     t0 = time.perf_counter()
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program))
+    made = Exported(program, ctx.dtype, ranges_of(program), module.attention)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,9 +130,11 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s not shipped: %s" % (made.ranges.as_dict(), name, why), exported=made)
-    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges)
-    return Built("ranges %s" % made.ranges.as_dict(), exported=made)
+        return Built("ranges %s; %s attention; %s not shipped: %s" % (made.ranges.as_dict(), made.attention, name,
+                                                                       why), exported=made)
+    ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
+                     details={"attention": made.attention})
+    return Built("ranges %s; %s attention" % (made.ranges.as_dict(), made.attention), exported=made)
 
 
 def _does_not_save(program: ExportedProgram, path: Path) -> str:
@@ -156,7 +161,7 @@ def _does_not_load_back(path: Path) -> str:
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    return ExportedProgramRunner(path, env.device)
+    return ExportedProgramRunner(path, env.device, str(art.details.get("attention", "stock")))
 
 
 def needs(m: Machine, device: str) -> Needs:

@@ -21,3 +21,7 @@ class ExportConfig:
     max_tokens: Optional[int] = None
     # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
     action_head_dtype: str = "fp32"
+    # "triton": on a GPU in 16 bits, ModernBERT's attention with one Triton kernel reading the padding mask and
+    # the local window directly, no L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention
+    # with its masks, as laya runs it. The CPU and fp32 always export stock attention.
+    attention: str = "triton"

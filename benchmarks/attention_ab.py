@@ -1,0 +1,178 @@
+"""The exported encoder's attention, A/B on a GPU: transformers' SDPA with its masks (a built bundle) against
+`laya_aot.attention`'s Triton window kernel (exported and packaged here), issue 24.
+
+On the GPU host, after the .device-site unpack line, with the checkpoint and stock bundle `gpu_start.py` uses:
+
+    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1]
+
+First times the kernel alone against SDPA with the dense masks transformers builds, for a few tile configurations
+(`--configs`), at 32 x 16 heads x 1024 x 64 in bf16 with padding, local (w=64) and global.
+Then exports laya's model with `export.attention=triton` as the build does (bf16 under autocast, the same ranges),
+packages it with AOTInductor (weights from the checkpoint at load, CUDA graphs on), and loads the bundle's
+stock AOTInductor artifact the same way. Both are compared with laya's eager fp32 forward on seeded batches
+with padding (max |logit difference| and decisions equal), then timed at the forward-only shapes (median of 20
+after 3 warm-ups, synchronised). Not a build: the build's own verification is what ships an artifact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
+CHECKS = ((1, 80), (5, 272), (8, 640), (16, 1024))
+
+
+def batch(rows: int, length: int, seed: int, vocab: int, pad_id: int, device: str) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, min(vocab, 4000), (rows, length), generator=g)
+    att = torch.ones(rows, length, dtype=torch.long)
+    for r in range(1, rows):  # rows padded by different amounts, as a realistic batch is
+        att[r, int(torch.randint(length // 4, length, (1,), generator=g)):] = 0
+    ids[att == 0] = pad_id
+    mpos = torch.stack([torch.randperm(int(att[r].sum()), generator=g)[:4] for r in range(rows)])
+    return tuple(t.to(device) for t in (ids, att, mpos, torch.ones(rows, 4, dtype=torch.bool),
+                                        torch.arange(rows) % 3))
+
+
+def timed(fn, args, n: int = 20) -> float:
+    times = []
+    for i in range(n + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def main() -> None:
+    import laya
+    from safetensors import safe_open
+
+    from laya_aot import checkpoint as ck
+    from laya_aot import laya_internals as laya_api
+    from laya_aot.kinds import aoti
+    from laya_aot.kinds.exported_program import export_model
+    from laya_aot.model import ExplicitDtypeModel
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
+    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="the export's token range, as the build's")
+    ap.add_argument("--kernel-only", action="store_true", help="only the kernel against SDPA, no export")
+    a = ap.parse_args()
+    res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    res["kernel"] = kernel_bench()
+    if a.kernel_only:
+        write(a, res)
+        return
+    agent = laya.load(a.ckpt, device="cuda")
+    model = agent.model.eval()
+    pad_id, vocab = laya_api.pad_id(agent), model.encoder.config.vocab_size
+    t = time.perf_counter()
+    module = ExplicitDtypeModel(model, torch.bfloat16, torch.float32, "cuda", attention="triton")
+    res["attention"] = module.attention
+    program = export_model(module, 64, a.max_tokens, 64, pad_id, "cuda")
+    res["export_s"] = round(time.perf_counter() - t, 1)
+    with safe_open(str(Path(a.ckpt) / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    t = time.perf_counter()
+    flash_dir = Path("/tmp/aoti-triton")
+    res["package"] = aoti.package(program, flash_dir, keys)
+    res["package_s"] = round(time.perf_counter() - t, 1)
+    print("packaged", res, flush=True)
+    manifest = json.loads((Path(a.bundle) / "bundle.json").read_text())
+    stock_dir = Path(a.bundle) / next(x["path"] for x in manifest["artifacts"] if x["kind"] == "aoti")
+    runners = {"stock": aoti.AOTIRunner(stock_dir, ck.Weights(a.ckpt), "cuda", cuda_graphs=True),
+               "triton": aoti.AOTIRunner(flash_dir, ck.Weights(a.ckpt), "cuda", cuda_graphs=True)}
+    res["checks"] = {}
+    for rows, length in CHECKS:
+        args = batch(rows, length, rows * 7 + length, vocab, pad_id, "cuda")
+        with torch.no_grad():
+            ref = model(*args)
+            row = {}
+            for name, run in runners.items():
+                got = run(*args)
+                d = max(float((x.float() - y.float()).abs().max()) for x, y in zip(ref, got))
+                same = int((ref[0].argmax(-1) == got[0].argmax(-1)).sum())
+                row[name] = {"max_abs_logit_diff": round(d, 5), "argmax_equal": "%d/%d" % (same, ref[0].shape[0])}
+        res["checks"]["%dx%d" % (rows, length)] = row
+        print("check", rows, length, row, flush=True)
+    res["forward_ms"] = {}
+    with torch.no_grad():
+        for rows, length in SHAPES:
+            args = batch(rows, length, 0, vocab, pad_id, "cuda")
+            res["forward_ms"]["%dx%dx4" % (rows, length)] = {n: timed(r, args) for n, r in runners.items()}
+            print("forward", rows, length, res["forward_ms"]["%dx%dx4" % (rows, length)], flush=True)
+    write(a, res)
+
+
+def write(a, res: dict) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("attention_ab%s.json" % a.tag)).write_text(json.dumps(res, indent=1, default=str))
+
+
+CONFIGS = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+           dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+           dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+           dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+           dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)]
+
+
+def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64) -> dict:
+    """The kernel alone per tile configuration, and SDPA with transformers-style dense boolean masks."""
+    import torch.nn.functional as F
+    import triton
+
+    from laya_aot import attention
+    from laya_aot import window_attention as wa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(rows, heads, length, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+               for _ in range(3))
+    keep = torch.ones(rows, length, dtype=torch.bool, device="cuda")
+    for r in range(1, rows):
+        keep[r, length - 16 * (r * 7 % (length // 32)):] = False
+    flops = {}
+    out: dict = {}
+    i = torch.arange(length, device="cuda")
+    for window in (64, -1):
+        allowed = keep[:, None, None, :].expand(rows, 1, length, length)
+        if window >= 0:
+            allowed = allowed & ((i[:, None] - i[None, :]).abs() <= window)
+        flops[window] = 4.0 * float(allowed.sum()) * heads * dim
+        ref = attention.reference(q[:4], k[:4], v[:4], keep[:4], None if window < 0 else window, dim ** -0.5).float()
+        row: dict = {"sdpa_dense_mask_ms": timed(lambda m=allowed: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m), ())}
+        for c in CONFIGS:
+            name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+            o = torch.empty(rows, length, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+            def run(c=c, o=o, window=window):
+                grid = (triton.cdiv(length, c["BLOCK_M"]), rows * heads)
+                wa._kernel[grid](q, k, v, keep, o, dim ** -0.5 * wa.LOG2E, length, heads,
+                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                                 v.stride(0), v.stride(1), v.stride(2), keep.stride(0), o.stride(0), o.stride(1),
+                                 o.stride(2), WINDOW=window, HEAD_DIM=dim, BLOCK_D=dim, **c)
+            try:
+                ms = timed(run, ())
+                err = float((o[:4].float() - ref).abs().max())
+                row[name] = {"ms": ms, "tflops_useful": round(flops[window] / ms / 1e9, 1), "max_err": round(err, 5)}
+            except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot run
+                row[name] = {"error": "%s: %s" % (type(e).__name__, str(e)[:200])}
+        out["window%d" % window] = row
+        print("kernel", window, row, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
