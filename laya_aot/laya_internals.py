@@ -491,6 +491,20 @@ def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
+def eager_agent(checkpoint: str, **kwargs: Any) -> Any:
+    """The agent `laya.load(checkpoint, **kwargs)` returns, its module built by `build_eager_module` (a thin agent
+    given laya's module, as the loader gives it to one): for a child that runs laya's module on the real weights.
+    Unlike `laya.load`, a device without room for the module raises (as in the loader) instead of falling back to
+    the CPU. With one of laya's accelerations (`fast=`, `compile=`, `backend=`): `laya.load` itself."""
+    if accelerated(kwargs):
+        import laya
+
+        return laya.load(checkpoint, **kwargs)
+    agent = thin_agent(checkpoint, **kwargs)
+    set_model(agent, build_eager_module(agent, checkpoint))
+    return agent
+
+
 def _shared_tensors(model: torch.nn.Module) -> List[List[Tuple[torch.nn.Module, str, bool]]]:
     """Groups of (module, name, is_parameter) registering one tensor object under several names, ordered by when
     `load_state_dict` last visits each (none in laya 0.4's DecisionModel; tied weights in a future one)."""
@@ -523,7 +537,8 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 
 
 __all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
-           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "embedding_rows_short",
+           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
+           "embedding_rows_short",
            "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]

@@ -8,12 +8,14 @@ import shutil
 import warnings
 
 import laya
+import numpy as np
 import pytest
 import torch
+from questions import assert_same_answers
 from safetensors.torch import load_file, save_file
 
 from laya_aot import laya_internals as laya_api
-from laya_aot.demo import make_checkpoint
+from laya_aot.demo import make_checkpoint, question_suite, state_text
 
 
 def _resaved(src, dst, convert):
@@ -171,3 +173,16 @@ def test_tied_parameters_stay_one_parameter_holding_the_value_laya_s_load_leaves
     assert not torch.equal(file["scorer.1.weight"], file["head.layers.0.self_attn.out_proj.weight"])
     assert torch.equal(got.scorer[1].weight, file["scorer.1.weight"].float())   # loaded after the head's
 
+
+def test_eager_agent_is_laya_load_s_agent_with_the_fast_module(alt_ckpt):
+    """What the TileLang probe child and the compile route's fresh-process check load instead of `laya.load`."""
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want, got = laya.load(str(alt_ckpt), device="cpu"), laya_api.eager_agent(str(alt_ckpt), device="cpu")
+    assert not laya_api.is_thin(got) and got.backend == want.backend == "eager"
+    assert (got.device, got.dtype, got.amp_enabled, got.cfg) == (want.device, want.dtype, want.amp_enabled, want.cfg)
+    assert_same_module(got.model, want.model)
+    states = [state_text(np.random.default_rng(3), n) for n in (10, 60)]
+    for g, w in zip(got.predict_batch(states, question_suite()), want.predict_batch(states, question_suite())):
+        assert_same_answers(g["answers"], w["answers"], tol=0.0)
