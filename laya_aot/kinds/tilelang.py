@@ -28,8 +28,10 @@ class TileLangRunner(Runner):
         from ..kernels import make_fast_forward
 
         self.device = agent.device
-        self.stats = {}
         self._fast = make_fast_forward(agent, Path(art_dir), str(art.needs.gpu_arch), art.details.get("kernels"))
+        # the driver's own figures, kept up to date by its background preload: kernels loaded before the first
+        # answer, and what the background loaded, in how long, and what failed there
+        self.stats = self._fast.stats
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
         return self._fast.forward(ids, att, mpos, mmask, qtype)
