@@ -458,20 +458,76 @@ def is_thin(agent: Any) -> bool:
 
 
 def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
-    """laya's eager DecisionModel for `agent`, as `Agent.__init__` builds and places it."""
+    """laya's eager DecisionModel for `agent`, bitwise what `Agent.__init__` builds and places, without its copies.
+
+    laya's own `build_model` makes the module: its classes, its config, and its non-persistent buffers (such as
+    ModernBERT's RoPE frequencies) computed on the CPU as laya computes them. It initialises no parameter, so
+    their CPU memory is allocated and never written. The weights then go from the file straight to the agent's
+    device in a few large copies, each tensor converted there to the dtype laya's module holds (fp32: exact from
+    the fp16 or bf16 the file holds; `checkpoint.Weights.load_to`, the artifacts' own reader), and are assigned to
+    the module by laya's strict load (`load_state_dict(strict=True, assign=True)`, its errors included), instead
+    of being copied into fp32 CPU tensors that `.to(device)` copies again. That `.to` now moves the buffers only,
+    as laya's moves them."""
     import os
 
     from laya.common import build_model
-    from safetensors.torch import load_file
+
+    from .checkpoint import Weights
 
     enc_dir = os.path.join(checkpoint, "encoder")
     model = build_model(agent.cfg, encoder_dir=enc_dir if os.path.exists(enc_dir) else None, pretrained=False)
-    model.load_state_dict(load_file(os.path.join(checkpoint, "model.safetensors")), strict=True)
+    device = torch.device(agent.device)
+    like = model.state_dict()
+    file = Weights(checkpoint)
+    weights: Dict[str, Any] = file.load_to({k: like[k].dtype for k in file if k in like}, device)
+    weights.update({k: file[k] for k in file if k not in like})   # unexpected: for the strict load to name
+    shared = _shared_tensors(model)
+    model.load_state_dict(weights, strict=True, assign=True)
+    _retie(model, shared)
     try:
         model.encoder.config.reference_compile = False
     except Exception:  # noqa: BLE001 - laya itself treats this setting as best effort
         pass
-    return model.to(agent.device).eval()
+    return model.to(device).eval()
+
+
+def eager_agent(checkpoint: str, **kwargs: Any) -> Any:
+    """The agent `laya.load(checkpoint, **kwargs)` returns, its module built by `build_eager_module` (a thin agent
+    given laya's module, as the loader gives it to one): for a child that runs laya's module on the real weights.
+    Unlike `laya.load`, a device without room for the module raises (as in the loader) instead of falling back to
+    the CPU. With one of laya's accelerations (`fast=`, `compile=`, `backend=`): `laya.load` itself."""
+    if accelerated(kwargs):
+        import laya
+
+        return laya.load(checkpoint, **kwargs)
+    agent = thin_agent(checkpoint, **kwargs)
+    set_model(agent, build_eager_module(agent, checkpoint))
+    return agent
+
+
+def _shared_tensors(model: torch.nn.Module) -> List[List[Tuple[torch.nn.Module, str, bool]]]:
+    """Groups of (module, name, is_parameter) registering one tensor object under several names, ordered by when
+    `load_state_dict` last visits each (none in laya 0.4's DecisionModel; tied weights in a future one)."""
+    seen: Dict[int, Dict[Tuple[int, str], Tuple[torch.nn.Module, str, bool]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):   # load_state_dict's walk: shared modules too
+        for is_param, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    places = seen.setdefault(id(t), {})
+                    places.pop((id(module), name), None)
+                    places[(id(module), name)] = (module, name, is_param)
+    return [list(places.values()) for places in seen.values() if len(places) > 1]
+
+
+def _retie(model: torch.nn.Module, shared: List[List[Tuple[torch.nn.Module, str, bool]]]) -> None:
+    """Make each group one tensor again after an assigning load, as a copying load leaves it: the one object,
+    holding the value of the name loaded last."""
+    for group in shared:
+        last_module, last_name, is_param = group[-1]
+        table = "_parameters" if is_param else "_buffers"
+        keep = getattr(last_module, table)[last_name]
+        for module, name, _ in group[:-1]:
+            getattr(module, table)[name] = keep
 
 
 def set_model(agent: Any, model: torch.nn.Module) -> None:
@@ -481,7 +537,8 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 
 
 __all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
-           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "embedding_rows_short",
+           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
+           "embedding_rows_short",
            "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]

@@ -9,6 +9,7 @@ outside a bundle the factories JIT-compile as before. `make_fast_forward` and
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import json
@@ -91,8 +92,14 @@ class KernelBundle:
                                        if e.get("status") != "ok"}
         self.verify = verify
         self.loaded: Dict[str, Any] = {}
+        self.loaded_in_background: set = set()   # keys `load_in_background` loaded
         self.load_seconds = 0.0
         self._lock = threading.Lock()
+        # turns between the callers (a forward, a load on demand) and the background thread: no background load
+        # starts while a caller is inside `foreground()`, and a caller entering waits for the one in flight
+        self._turns = threading.Condition()
+        self._callers = 0
+        self._background_busy = False
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -144,9 +151,50 @@ class KernelBundle:
             out_idx=meta["out_idx"], execution_backend=meta["execution_backend"],
             pass_configs=impl.pass_configs, compile_flags=impl.compile_flags)
 
+    @contextlib.contextmanager
+    def foreground(self) -> Iterator[None]:
+        """While inside (re-entrant), no background load starts; entering waits for the one in flight (at most
+        one kernel's load). A forward runs inside it, so no background load overlaps a call, its CUDA graph
+        capture included, or competes with it for the interpreter."""
+        with self._turns:
+            self._callers += 1
+            self._turns.wait_for(lambda: not self._background_busy)
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._callers -= 1
+                self._turns.notify_all()
+
     def load(self, spec: KernelSpec):
         """The loaded kernel for `spec`; KernelMissing if the bundle does not have it."""
-        key = spec.key
+        with self.foreground():
+            return self._load(spec.key, background=False)
+
+    def load_in_background(self, spec: KernelSpec, stop: threading.Event) -> Optional[bool]:
+        """Load `spec` when no caller is inside `foreground()`: True when this loaded it, False when a caller had
+        meanwhile, None when `stop` was set first. Errors raise, and are not remembered: a caller that needs the
+        kernel later loads it again and gets the error itself."""
+        with self._turns:
+            self._turns.wait_for(lambda: self._callers == 0 or stop.is_set())
+            if stop.is_set():
+                return None
+            self._background_busy = True
+        try:
+            had = spec.key in self.loaded
+            self._load(spec.key, background=True)
+            return not had
+        finally:
+            with self._turns:
+                self._background_busy = False
+                self._turns.notify_all()
+
+    def wake(self) -> None:
+        """Let a background thread waiting for its turn see its stop event."""
+        with self._turns:
+            self._turns.notify_all()
+
+    def _load(self, key: str, background: bool):
         with self._lock:
             if key in self.loaded:
                 return self.loaded[key]
@@ -159,8 +207,15 @@ class KernelBundle:
                                     "use another backend." % (key, why, self.dir))
             t0 = time.perf_counter()
             kernel = self.loaded[key] = self._load_entry(entry)
+            if background:
+                self.loaded_in_background.add(key)
             self.load_seconds += time.perf_counter() - t0
             return kernel
+
+    def loaded_in_foreground(self) -> int:
+        """How many kernels callers loaded (construction and calls), as opposed to the background thread."""
+        with self._lock:
+            return len(self.loaded) - len(self.loaded_in_background)
 
 
 # ------------------------------------------------------------------------------------ the hook
@@ -203,6 +258,11 @@ class PrecompiledFast:
 
     Every request is checked against the bundle before it reaches FastLaya, so a shape outside
     the export range fails with KernelMissing before any GPU work or CUDA-graph capture.
+
+    Construction loads only the kernels FastLaya's constructor asks for, and a call the ones its shape needs
+    (on demand, through the hooked factories). With `preload` the bundle's other kernels load in a thread
+    started after construction (`Preload`), in the gaps between calls; `stats` says how many kernels were
+    loaded before the first answer and what the background did.
     """
 
     def __init__(self, agent, bundle: KernelBundle, use_graphs: bool = True, preload: bool = True):
@@ -218,20 +278,32 @@ class PrecompiledFast:
         self.head_layers = len(model.head.layers) if getattr(model, "head", None) is not None else 0
         self._served: set = set()
         t0 = time.perf_counter()
-        with active(bundle):
-            if preload:
-                self._preload()
+        with active(bundle), bundle.foreground():
             self.fast = FastLaya(model, max_len=self.max_len, use_graphs=use_graphs, dtype=self.dtype)
         self.init_seconds = time.perf_counter() - t0
-        log.info("TileLang fast path from %s: %d/%d kernels loaded (%.2f s), ready in %.2f s", bundle.dir,
-                 len(bundle.loaded), len(bundle), bundle.load_seconds, self.init_seconds)
+        self.stats: Dict[str, Any] = {"kernels": len(bundle), "kernels_at_construction": len(bundle.loaded),
+                                      "construction_s": round(self.init_seconds, 3),
+                                      "kernels_before_first_answer": None,
+                                      "preload": "background" if preload else "off"}
+        self._first_call = True
+        self.preload = Preload(bundle, self.stats) if preload else None
+        log.info("TileLang fast path from %s: %d of %d kernels loaded for its construction (%.2f s), ready in %.2f s%s",
+                 bundle.dir, len(bundle.loaded), len(bundle), bundle.load_seconds, self.init_seconds,
+                 "; the others load in the background, between calls" if preload else "")
 
-    def _preload(self) -> None:
-        """Load every bundle kernel now (about a millisecond each) so no request pays a dlopen."""
-        from laya import tl_kernels
+    def wait_preloaded(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the background preload (True: it ended, or there is none)."""
+        return self.preload is None or self.preload.wait(timeout)
 
-        for spec in self.bundle.specs():
-            getattr(tl_kernels, spec.factory)(**spec.kwargs)
+    def close(self) -> None:
+        """Stop the background preload after the kernel it is loading (kernels loaded stay)."""
+        if self.preload is not None:
+            self.preload.stop()
+
+    def __del__(self) -> None:
+        preload = getattr(self, "preload", None)
+        if preload is not None:
+            preload.stop()
 
     def required(self, n_rows: int, n_tokens: int) -> List[KernelSpec]:
         return shape_specs(self.dims, str(self.dtype), n_rows, n_tokens, self.max_len, self.head_layers)
@@ -255,10 +327,91 @@ class PrecompiledFast:
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False):
         self.check(int(input_ids.shape[0]), int(input_ids.shape[1]))
-        with active(self.bundle):
-            return self.fast.forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder)
+        with active(self.bundle), self.bundle.foreground():
+            out = self.fast.forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder)
+        if self._first_call:
+            self._first_call = False
+            self.stats["kernels_before_first_answer"] = self.bundle.loaded_in_foreground()
+        return out
 
     __call__ = forward
+
+
+# background preloads still running, stopped at interpreter exit (after the kernel each is loading)
+_RUNNING: set = set()
+_RUNNING_LOCK = threading.Lock()
+_RUNNING_ATEXIT: List[bool] = []   # the exit hook, registered with the first preload
+
+
+def _stop_running() -> None:
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for p in running:
+        p.stop()
+    for p in running:
+        p.wait(5.0)
+
+
+class Preload:
+    """The bundle's kernels nobody has loaded yet, loaded in a daemon thread (`bundle.load_in_background`:
+    only while no call is in flight). Loads go to the bundle, not through TileLang's factories, whose
+    Python-level call caches are not made for two threads; a call's factory then finds its kernel loaded.
+    A kernel that fails here is recorded in `stats["background_failed"]` and logged; a call that needs it
+    loads it again and raises the error, as a load on demand does. Updates `stats` (the runner's) in place."""
+
+    def __init__(self, bundle: KernelBundle, stats: Dict[str, Any]):
+        self.bundle, self.stats = bundle, stats
+        self._stop = threading.Event()
+        stats.update(background="running", background_kernels=0, background_s=None, background_failed={})
+        self.thread = threading.Thread(target=self._run, daemon=True, name="laya-aot-tilelang-preload")
+        with _RUNNING_LOCK:
+            if not _RUNNING_ATEXIT:
+                atexit.register(_stop_running)
+                _RUNNING_ATEXIT.append(True)
+            _RUNNING.add(self)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        bundle, failed, done, stopped = self.bundle, {}, 0, False
+        try:
+            with active(bundle):   # this thread's own context: what a factory called from here would load from
+                for spec in bundle.specs():
+                    if spec.key in bundle.loaded:
+                        continue
+                    try:
+                        loaded = bundle.load_in_background(spec, self._stop)
+                        if loaded is None:
+                            stopped = True
+                            break
+                        done += loaded
+                    except Exception as e:  # noqa: BLE001 - recorded; a call that needs it raises it again
+                        failed[spec.key] = ("%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:300])
+                                            if str(e).strip() else type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - never the process's end; calls still load on demand
+            failed["(preload)"] = "%s: %s" % (type(e).__name__, e)
+        finally:
+            seconds = time.perf_counter() - t0
+            self.stats.update(background="stopped" if stopped else "done", background_kernels=done,
+                              background_s=round(seconds, 3), background_failed=failed)
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
+        if failed:
+            log.warning("laya-aot: %d TileLang kernel(s) of %s failed to load in the background (a call that needs "
+                        "one raises its error): %s", len(failed), bundle.dir,
+                        "; ".join("%s: %s" % kv for kv in list(failed.items())[:3]))
+        first = self.stats.get("kernels_before_first_answer")
+        log.info("laya-aot: %d TileLang kernels of %s loaded in the background in %.2f s%s (%s)", done, bundle.dir,
+                 seconds, ", then stopped" if stopped else "",
+                 "no call yet" if first is None else "%d were loaded before the first answer" % first)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.bundle.wake()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
 
 def make_fast_forward(agent, kernels_dir: Path, arch: Optional[str] = None,
@@ -269,8 +422,10 @@ def make_fast_forward(agent, kernels_dir: Path, arch: Optional[str] = None,
     kernels_dir: the directory build_for_checkpoint wrote (holding <arch>/), or the arch dir.
     arch: e.g. "sm_90a"; None detects the local GPU's.
     manifest_kernels: the "kernels" list compile_catalogue returned (None reads kernels.json).
-    Raises KernelMissing if a kernel FastLaya needs at construction is absent, BundleError if a
-    file is missing/altered or the bundle was built with another TileLang/laya.
+    preload: load the kernels construction did not in a background thread, between calls (else on demand).
+    Raises KernelMissing if a kernel FastLaya needs at construction is absent, BundleError if one of
+    those kernels' files is missing/altered or the bundle was built with another TileLang/laya (any other
+    kernel raises so when a call needs it).
     """
     bundle = KernelBundle(kernels_dir, arch or detect_arch(), manifest_kernels, verify=verify)
     return PrecompiledFast(agent, bundle, use_graphs=use_graphs, preload=preload)
@@ -311,6 +466,8 @@ class PrecompiledTileLangBackend(Backend):
         self.max_len = self.runner.max_len
 
     def _uninstall(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         self.runner = self.fast = None
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False):
@@ -320,5 +477,5 @@ class PrecompiledTileLangBackend(Backend):
         return self.agent.warmup(shapes)
 
 
-__all__ = ["BundleError", "KernelBundle", "KernelMissing", "PrecompiledFast", "PrecompiledTileLangBackend",
+__all__ = ["BundleError", "KernelBundle", "KernelMissing", "PrecompiledFast", "PrecompiledTileLangBackend", "Preload",
            "active", "arch_of", "detect_arch", "install_hooks", "make_fast_forward", "select_arch"]

@@ -202,9 +202,10 @@ def check_in_fresh_process(art_dir: Path, ckpt: Path, device: str, timeout_s: fl
 
 
 def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
-    import laya
+    from .. import laya_internals as laya_api
 
-    agent = laya.load(ckpt, device=device)
+    # laya's module as the runtime's loader builds it for this kind (a thin agent given build_eager_module's)
+    agent = laya_api.eager_agent(ckpt, device=device)
     runner = CompileRunner(Path(art_dir), agent.model, device)
     runner(*_batch(MIN_ROWS, 32, 2, device))
     print(FRESH_MARK + json.dumps(runner.stats), flush=True)

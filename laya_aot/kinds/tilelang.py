@@ -28,8 +28,10 @@ class TileLangRunner(Runner):
         from ..kernels import make_fast_forward
 
         self.device = agent.device
-        self.stats = {}
         self._fast = make_fast_forward(agent, Path(art_dir), str(art.needs.gpu_arch), art.details.get("kernels"))
+        # the driver's own figures, kept up to date by its background preload: kernels loaded before the first
+        # answer, and what the background loaded, in how long, and what failed there
+        self.stats = self._fast.stats
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
         return self._fast.forward(ids, att, mpos, mmask, qtype)
@@ -65,13 +67,12 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
 
 def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:
     """laya's agent serving in the kernels' dtype (a probe child's own environment: LAYA_CUDA_AMP is set
-    for this process only)."""
+    for this process only), its module on the real weights built as the loader builds it (a thin agent given
+    `build_eager_module`'s module: laya's, bitwise, without laya's fp32 copy on the CPU)."""
     import os
 
-    import laya
-
     os.environ["LAYA_CUDA_AMP"] = str(art.dtype)
-    return LoadEnv(device=device, agent=laya.load(str(checkpoint), device=device))
+    return LoadEnv(device=device, agent=laya_api.eager_agent(str(checkpoint), device=device))
 
 
 def needs(m: Machine, device: str) -> Needs:

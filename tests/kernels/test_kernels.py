@@ -287,6 +287,7 @@ def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeyp
     import laya
 
     from laya_aot.kernels import KernelMissing, make_fast_forward
+    from laya_aot.kernels.driver import active
     from laya_aot.kernels.guard import jit_guard
 
     ckpt, out, reports = tiny_build
@@ -299,13 +300,16 @@ def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeyp
         for n, t in [(1, 1), (64, 256), (3, 100), (200, 256)]:
             fast.check(n, t)   # up to 256 tokens the dynamic kernels serve any row count
         f = fast.fast
-        kernels = [f.k_qkv, f.k_o, f.k_geglu, f.k_o2, f.k_addln, f.k_addln_b, f.k_ln_b, f.k_in, f.k_out, f.k_ffn1,
-                   f.k_ffn2, f.rope_k(), f.attn_k(4, 64, 0), f.attn_k(4, 64, 32), f.attn_k_head(4, 64)]
+        with active(fast.bundle):   # as PrecompiledFast.forward calls them
+            kernels = [f.k_qkv, f.k_o, f.k_geglu, f.k_o2, f.k_addln, f.k_addln_b, f.k_ln_b, f.k_in, f.k_out, f.k_ffn1,
+                       f.k_ffn2, f.rope_k(), f.attn_k(4, 64, 0), f.attn_k(4, 64, 32), f.attn_k_head(4, 64)]
+        assert fast.wait_preloaded(120)   # the kernels construction did not need, loaded in the background
     assert sum(attempts.values()) == 0, dict(attempts)
     libs = {Path(k.adapter.libpath).resolve() for k in kernels}
     bundle_libs = {(out / arch / e["path"]).resolve() for e in reports[arch]["kernels"]}
     assert libs == bundle_libs   # all 15 kernels FastLaya holds are the bundle's, and it uses all of them
-    assert len(fast.bundle.loaded) == len(bundle_libs)
+    assert len(fast.bundle.loaded) == len(bundle_libs) and fast.stats["background_failed"] == {}
+    assert fast.stats["kernels_at_construction"] == 11   # the fixed kernels; rope and attention on first need
     with pytest.raises(KernelMissing, match="max_len"):
         fast.check(1, 300)
 
@@ -316,6 +320,7 @@ def test_runtime_refuses_missing_or_altered_kernels(tiny_build, monkeypatch, tmp
     import laya
 
     from laya_aot.kernels import BundleError, KernelMissing, make_fast_forward
+    from laya_aot.kernels.driver import active
     from laya_aot.kernels.guard import JITForbidden, jit_guard
 
     ckpt, out, reports = tiny_build
@@ -334,8 +339,12 @@ def test_runtime_refuses_missing_or_altered_kernels(tiny_build, monkeypatch, tmp
         with open(copy / victim["path"], "ab") as f:
             f.write(b"\0")
         _forget_jit_caches()
-        with pytest.raises(BundleError, match="sha256"):
-            make_fast_forward(agent, copy, "sm_86", entries, use_graphs=False)
+        # not a kernel construction needs: the background preload records it, and the call that needs it raises
+        fast = make_fast_forward(agent, copy, "sm_86", entries, use_graphs=False)
+        assert fast.wait_preloaded(120)
+        assert "sha256" in fast.stats["background_failed"][victim["key"]]
+        with pytest.raises(BundleError, match="sha256"), active(fast.bundle):
+            fast.fast.rope_k()
         # and the guard itself bites: a factory miss with no bundle active would compile
         from laya import tl_kernels
         with pytest.raises(JITForbidden):
