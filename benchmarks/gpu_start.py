@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--build-args", default="target=sm_90 stages.onnx=false stages.tilelang=false "
                                             "stages.inductor_cache=false")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--second-bundle", metavar="DIR",
+                    help="another built bundle (path bundle2) whose starts alternate with the others' in the same "
+                         "run: two routes on one machine")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
@@ -236,16 +239,19 @@ def main() -> None:
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     subprocess.run(["rm", "-rf", str(cache)])
     q = ONE
+    paths = [("eager", START_EAGER, bundle), ("bundle", START, bundle)]
+    if a.second_bundle:
+        paths.append(("bundle2", START, Path(a.second_bundle)))
     if a.bytecode:  # untimed: writes the bytecode of everything a start imports; the timed starts' cache stays empty
         warm = dict(env, LAYA_AOT_CACHE_DIR="/tmp/laya-aot-warmup-cache")
-        res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device),
+        res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device),
                                            warm, 300).get("first_answer_s")
-                         for path, code in (("eager", START_EAGER), ("bundle", START))}
+                         for path, code, b in paths}
         print("warm-up", res["warmup"], flush=True)
-    for i in range(a.starts):  # eager and bundle alternate; the first bundle start has an empty cache
-        for path, code in (("eager", START_EAGER), ("bundle", START)):
-            r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device), env, 300)
-            r.update(path=path, n=i, first_on_machine=(path == "bundle" and i == 0))
+    for i in range(a.starts):  # the paths alternate; each bundle's first start has an empty cache
+        for path, code, b in paths:
+            r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device), env, 300)
+            r.update(path=path, n=i, first_on_machine=(path != "eager" and i == 0))
             res["starts"].append(r)
             print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
     if a.profile:  # not timed: where a later bundle start spends its time, by function
