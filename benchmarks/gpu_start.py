@@ -254,6 +254,7 @@ def main() -> None:
             r.update(path=path, n=i, first_on_machine=(path != "eager" and i == 0))
             res["starts"].append(r)
             print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
+            _partial(a, res)  # a run cut short by the device call's limit keeps every start it made
     if a.profile:  # not timed: where a later bundle start spends its time, by function
         code = ("import cProfile, pstats, io, time; pr = cProfile.Profile(); pr.enable()\n" +
                 START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device) +
@@ -288,6 +289,12 @@ def main() -> None:
     (out / ("start_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1, default=str))
     (out / ("start_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
     print(markdown(res))
+
+
+def _partial(a, res: dict) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ("start_%s%s.partial.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1, default=str))
 
 
 def _bytecode_beside_torch() -> bool:
