@@ -34,7 +34,7 @@ THREE = dict(ONE, urgent={"type": "noul", "instructions": "Is this urgent?"},
                        "criteria": ["minor", "moderate", "serious", "critical"]})
 START = """
 import time, laya_aot
-agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r})
+agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r}{prefer})
 agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
 import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t = time.time()
 print("FIRST", t, flush=True)
@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--second-bundle", metavar="DIR",
                     help="another built bundle (path bundle2) whose starts alternate with the others' in the same "
                          "run: two routes on one machine")
+    ap.add_argument("--second-prefer", metavar="KIND", default=None,
+                    help="the second bundle's starts ask for this artifact kind (prefer=KIND): one bundle holding "
+                         "two routes, each timed")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
@@ -239,25 +242,26 @@ def main() -> None:
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     subprocess.run(["rm", "-rf", str(cache)])
     q = ONE
-    paths = [("eager", START_EAGER, bundle), ("bundle", START, bundle)]
+    paths = [("eager", START_EAGER, bundle, ""), ("bundle", START, bundle, "")]
     if a.second_bundle:
-        paths.append(("bundle2", START, Path(a.second_bundle)))
+        paths.append(("bundle2", START, Path(a.second_bundle),
+                      ", prefer=%r" % a.second_prefer if a.second_prefer else ""))
     if a.bytecode:  # untimed: writes the bytecode of everything a start imports; the timed starts' cache stays empty
         warm = dict(env, LAYA_AOT_CACHE_DIR="/tmp/laya-aot-warmup-cache")
-        res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device),
-                                           warm, 300).get("first_answer_s")
-                         for path, code, b in paths}
+        res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device,
+                                                       prefer=pref), warm, 300).get("first_answer_s")
+                         for path, code, b, pref in paths}
         print("warm-up", res["warmup"], flush=True)
     for i in range(a.starts):  # the paths alternate; each bundle's first start has an empty cache
-        for path, code, b in paths:
-            r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device), env, 300)
+        for path, code, b, pref in paths:
+            r = spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device, prefer=pref), env, 300)
             r.update(path=path, n=i, first_on_machine=(path != "eager" and i == 0))
             res["starts"].append(r)
             print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
             _partial(a, res)  # a run cut short by the device call's limit keeps every start it made
     if a.profile:  # not timed: where a later bundle start spends its time, by function
         code = ("import cProfile, pstats, io, time; pr = cProfile.Profile(); pr.enable()\n" +
-                START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device) +
+                START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device, prefer="") +
                 "pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative')"
                 ".print_stats(60); print(s.getvalue())")
         p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, env=env)
@@ -268,7 +272,8 @@ def main() -> None:
         (Path(a.out) / ("importtime_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(imports[:200]))
     if a.stacks:  # not timed: the head start's threads beside laya's load, sampled
         p = subprocess.run([sys.executable, "-c", SAMPLER + START.format(ckpt=str(ckpt), bundle=str(bundle), q=q,
-                                                                         device=a.device) + SAMPLER_REPORT],
+                                                                         device=a.device, prefer="")
+                            + SAMPLER_REPORT],
                            capture_output=True, text=True, env=env, timeout=300)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / ("stacks_%s%s.txt" % (a.shape, a.tag))).write_text(
