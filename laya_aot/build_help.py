@@ -35,7 +35,8 @@ Keys (KEY=VALUE overrides one value):
                           the largest batch an artifact accepts: rows, options per question, tokens
   export.action_head_dtype
                           the dtype of the action head (default fp32)
-  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits) or stock
+  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
+                          rotary embedding fused into it) or stock
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache

@@ -59,10 +59,9 @@ class ExplicitDtypeModel(torch.nn.Module):
             raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
-        # what the copy computes attention with: "triton" only on a GPU in 16 bits, for an encoder
+        # what the copy computes attention with: "triton" or "triton_rope" only on a GPU in 16 bits, for an encoder
         # laya_aot.attention knows
-        self.attention = "triton" if attention == "triton" and attention_mod.switch(self.model, device_type, dtype) \
-            else "stock"
+        self.attention = attention_mod.switch(self.model, device_type, dtype, attention)
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

@@ -97,7 +97,7 @@ class ExportedProgramRunner(Runner):
 
     def __init__(self, path: Path, device: str = "cpu", attention: str = "stock"):
         self.device = torch.device(device)  # the device the program was exported on
-        if attention == "triton":  # the program calls the kernel's op: registered before it is read
+        if attention.startswith("triton"):  # the program calls the kernel's op: registered before it is read
             from .. import window_attention  # noqa: F401
         self._module = torch.export.load(str(path)).module()
         self.stats = {}

@@ -23,5 +23,6 @@ class ExportConfig:
     action_head_dtype: str = "fp32"
     # "triton": on a GPU in 16 bits, ModernBERT's attention with one Triton kernel reading the padding mask and
     # the local window directly, no L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention
-    # with its masks, as laya runs it. The CPU and fp32 always export stock attention.
+    # with its masks, as laya runs it; "triton_rope": the same kernel also applying the rotary embedding as it loads
+    # queries and keys (no separate rotary kernel). The CPU and fp32 always export stock attention.
     attention: str = "triton"
