@@ -31,7 +31,7 @@ class _Call:
     """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises."""
 
     path: "HostPath"
-    states: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    states: Dict[str, List[int]] = field(default_factory=dict)
 
 
 class HostPath:
@@ -39,6 +39,7 @@ class HostPath:
 
     def __init__(self, agent: Any):
         self.tok = agent.tok
+        self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
@@ -81,7 +82,7 @@ class HostPath:
             self._count(states_alone=1)
             return stock(tok, text, **kwargs)
         self._count(states_batched=1)
-        return {"input_ids": list(ids)}
+        return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
 
     def prepare(self, states: Sequence[Any], batch_size: Optional[int]) -> _Call:
         """The call's states tokenised in one batched tokenizer call, as laya's `_encode_state` would text them.
@@ -95,15 +96,19 @@ class HostPath:
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
-        if n < 2:  # one state gains nothing from a batch
+        if n < 1 or (n < 2 and self.encode is None):  # one state gains nothing from laya's batched call
             return call
         try:
             texts = [laya_api.state_text(self.tok, s) for s in states[:n]]
         except Exception:  # noqa: BLE001 - laya raises its own error for this state, in its own place
             return call
         unique = list(dict.fromkeys(texts))
-        encoded = laya_api.encode_texts(self.tok, unique)
-        call.states = {t: tuple(ids) for t, ids in zip(unique, encoded)}
+        encoded = self.encode(unique) if self.encode is not None else None
+        if encoded is None:  # no direct call for this tokenizer, or its backend not as laya's call leaves it
+            if len(unique) < 2:
+                return call
+            encoded = laya_api.encode_texts(self.tok, unique)
+        call.states = dict(zip(unique, encoded))
         return call
 
     def wrap(self, predict_batch: Callable) -> Callable:
