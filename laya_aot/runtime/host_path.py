@@ -28,10 +28,12 @@ _CALL: ContextVar[Optional["_Call"]] = ContextVar("laya_aot_host_call", default=
 
 @dataclass
 class _Call:
-    """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises."""
+    """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises; the
+    heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call)."""
 
     path: "HostPath"
     states: Dict[str, List[int]] = field(default_factory=dict)
+    heads: Dict[tuple, Tuple[Dict, tuple]] = field(default_factory=dict)
 
 
 class HostPath:
@@ -51,14 +53,25 @@ class HostPath:
             return dict(self._counts)
 
     def head(self, stock: Callable, tok: Any, q: Dict, head_max_len: int,
-             option_order: Optional[Sequence[int]]) -> Tuple[List[int], List[int], Dict[str, Any]]:
-        """laya's `build_head(tok, q, head_max_len, option_order)`, from the cache when laya built it before."""
+             option_order: Optional[Sequence[int]], call: Optional[_Call] = None
+             ) -> Tuple[List[int], List[int], Dict[str, Any]]:
+        """laya's `build_head(tok, q, head_max_len, option_order)`, from the cache when laya built it before.
+
+        Within a call, laya hands the same question object for every state: the key is then looked up by that
+        object (held by the call, so its id stays its own), not rendered again. laya never changes a question
+        object during a call (`internal` is made once per call)."""
         if tok is not self.tok:
             return stock(tok, q, head_max_len, option_order=option_order)
+        order = None if option_order is None else tuple(option_order)
+        if call is not None:
+            seen = call.heads.get((id(q), head_max_len, order))
+            if seen is not None and seen[0] is q:
+                self._count(heads_cached=1)
+                ids, markers, stats = seen[1]
+                return list(ids), list(markers), dict(stats)
         # everything build_head reads: the type, the instruction and the rendered options (render_options
         # raises here exactly as build_head would), the order and the budget; the tokenizer is this agent's
-        key = (q["t"], str(q["ins"]), tuple(laya_api.render_options(q)), head_max_len,
-               None if option_order is None else tuple(option_order))
+        key = (q["t"], str(q["ins"]), tuple(laya_api.render_options(q)), head_max_len, order)
         with self._lock:
             hit = self._heads.get(key)
             if hit is not None:
@@ -71,6 +84,8 @@ class HostPath:
                 self._heads[key] = hit
                 while len(self._heads) > HEADS_KEPT:
                     self._heads.popitem(last=False)
+        if call is not None:
+            call.heads[(id(q), head_max_len, order)] = (q, hit)
         ids, markers, stats = hit
         return list(ids), list(markers), dict(stats)  # laya's callers get lists of their own, as from laya
 
@@ -138,7 +153,7 @@ def _head(stock: Callable) -> Callable:
         call = _CALL.get()
         if call is None:
             return stock(tok, q, head_max_len, option_order=option_order)
-        return call.path.head(stock, tok, q, head_max_len, option_order)
+        return call.path.head(stock, tok, q, head_max_len, option_order, call)
 
     return build_head
 
