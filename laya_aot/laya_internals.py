@@ -57,6 +57,14 @@ HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's
     ("laya.common", "encode_text"),      # laya's tokenizer call under its lock
     ("laya.agent", "encode_text"),       # wrapped: Agent._encode_state's state tokenisation
     ("laya.common", "_TOKENIZE_LOCK"),   # held by the direct tokenizer call (state_encoder), as laya holds it
+    ("laya.agent", "Agent._decode_answers"),  # a host-path agent's: runtime/host_steps.Decoder, equal answers
+    ("laya.agent", "apply_binning_map"),  # ... which calls laya's binning, bucket and legend functions as it does
+    ("laya.agent", "temp_bucket"),
+    ("laya.agent", "QTYPES"),
+    ("laya.agent", "render_criterion"),
+    ("laya.agent", "answer_confidence"),
+    ("laya.agent", "confidence_from_probs"),
+    ("laya.agent", "unpermute_probs"),
 )
 ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
                                                    "tilelang": TILELANG_NAMES, "host_path": HOST_PATH_NAMES}
@@ -153,6 +161,27 @@ def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Calla
             wrapped = state(laya.agent.encode_text)
             wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
             laya.agent.encode_text = wrapped
+
+
+def stock_decode(agent: Any) -> Callable:
+    """laya's `Agent._decode_answers` bound to `agent` (whatever the instance holds in its place)."""
+    import laya.agent
+
+    return laya.agent.Agent._decode_answers.__get__(agent)
+
+
+def decode_helpers() -> Tuple[Callable, Callable, Dict[str, int], Callable]:
+    """(apply_binning_map, temp_bucket, QTYPES, render_criterion) as `Agent._decode_answers` calls them."""
+    import laya.agent
+
+    return laya.agent.apply_binning_map, laya.agent.temp_bucket, laya.agent.QTYPES, laya.agent.render_criterion
+
+
+def decode_numbers() -> Tuple[Callable, Callable, Callable]:
+    """(answer_confidence, confidence_from_probs, unpermute_probs): the functions `_decode_answers` computes with."""
+    import laya.agent
+
+    return laya.agent.answer_confidence, laya.agent.confidence_from_probs, laya.agent.unpermute_probs
 
 
 def state_encoder(tok: Any) -> Optional[Callable[[List[str]], Optional[List[List[int]]]]]:

@@ -8,6 +8,7 @@ time. Each result is laya's code on laya's inputs; anything not prepared here is
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -17,6 +18,7 @@ from functools import wraps
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import laya_internals as laya_api
+from . import host_steps
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +31,13 @@ _CALL: ContextVar[Optional["_Call"]] = ContextVar("laya_aot_host_call", default=
 @dataclass
 class _Call:
     """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises; the
-    heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call)."""
+    heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
+    the decoder's numbers for the batch being decoded."""
 
     path: "HostPath"
     states: Dict[str, List[int]] = field(default_factory=dict)
     heads: Dict[tuple, Tuple[Dict, tuple]] = field(default_factory=dict)
+    decoded: Dict[Any, Any] = field(default_factory=dict)
 
 
 class HostPath:
@@ -42,13 +46,15 @@ class HostPath:
     def __init__(self, agent: Any):
         self.tok = agent.tok
         self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
+        self.decoder = host_steps.Decoder(agent, self._count)
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
 
     @property
     def stats(self) -> Dict[str, int]:
-        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone."""
+        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone;
+        questions decoded in blocks (one per batch), and states whose answers laya's own function decoded."""
         with self._lock:
             return dict(self._counts)
 
@@ -98,6 +104,14 @@ class HostPath:
             return stock(tok, text, **kwargs)
         self._count(states_batched=1)
         return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
+
+    def decode(self, stock: Callable, logits: Any, act: Any, items: List[Dict], ids: List[str],
+               internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
+        """laya's `Agent._decode_answers`, the numbers of the call's batch computed at once (host_steps)."""
+        call = _CALL.get()
+        if call is None or call.path is not self or set(kwargs) - {"lang"}:
+            return stock(logits, act, items, ids, internal, offset, **kwargs)
+        return self.decoder(call.decoded, logits, act, items, ids, internal, offset, kwargs.get("lang"))
 
     def prepare(self, states: Sequence[Any], batch_size: Optional[int]) -> _Call:
         """The call's states tokenised in one batched tokenizer call, as laya's `_encode_state` would text them.
@@ -181,6 +195,8 @@ def install(agent: Any) -> Optional[HostPath]:
     laya_api.route_host_path(_head, _state)
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
+    stock_decode = agent._decode_answers
+    agent._decode_answers = wraps(stock_decode)(functools.partial(path.decode, stock_decode))
     return path
 
 
