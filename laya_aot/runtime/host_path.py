@@ -109,7 +109,7 @@ class HostPath:
                internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
         """laya's `Agent._decode_answers`, the numbers of the call's batch computed at once (host_steps)."""
         call = _CALL.get()
-        if call is None or call.path is not self or set(kwargs) - {"lang"}:
+        if call is None or call.path is not self or (kwargs and (len(kwargs) > 1 or "lang" not in kwargs)):
             return stock(logits, act, items, ids, internal, offset, **kwargs)
         return self.decoder(call.decoded, logits, act, items, ids, internal, offset, kwargs.get("lang"))
 

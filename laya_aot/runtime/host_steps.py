@@ -64,7 +64,8 @@ class Decoder:
                  internal: Dict[str, Dict], offset: int, lang: Optional[str] = None) -> Dict[str, Any]:
         """The answers of the state whose rows start at `offset`; `cache` is the call's (it keeps the batch's
         blocks while laya decodes that batch's states)."""
-        if lang or not checked(self.agent):
+        if lang or len(items) == getattr(logits, "shape", (0,))[0] or not checked(self.agent):
+            # (a batch of one state: nothing to share between states, laya's rows are as quick)
             if self.count is not None:
                 self.count(states_decoded_by_laya=1)
             return self.stock(logits, act, items, ids, internal, offset, **({"lang": lang} if lang else {}))
