@@ -56,6 +56,15 @@ HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's
     ("laya.common", "serialize_state"),  # a state's text, as Agent._encode_state makes it
     ("laya.common", "encode_text"),      # laya's tokenizer call under its lock
     ("laya.agent", "encode_text"),       # wrapped: Agent._encode_state's state tokenisation
+    ("laya.common", "_TOKENIZE_LOCK"),   # held by the direct tokenizer call (state_encoder), as laya holds it
+    ("laya.agent", "Agent._decode_answers"),  # a host-path agent's: runtime/host_steps.Decoder, equal answers
+    ("laya.agent", "apply_binning_map"),  # ... which calls laya's binning, bucket and legend functions as it does
+    ("laya.agent", "temp_bucket"),
+    ("laya.agent", "QTYPES"),
+    ("laya.agent", "render_criterion"),
+    ("laya.agent", "answer_confidence"),
+    ("laya.agent", "confidence_from_probs"),
+    ("laya.agent", "unpermute_probs"),
 )
 ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
                                                    "tilelang": TILELANG_NAMES, "host_path": HOST_PATH_NAMES}
@@ -152,6 +161,70 @@ def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Calla
             wrapped = state(laya.agent.encode_text)
             wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
             laya.agent.encode_text = wrapped
+
+
+def stock_decode(agent: Any) -> Callable:
+    """laya's `Agent._decode_answers` bound to `agent` (whatever the instance holds in its place)."""
+    import laya.agent
+
+    return laya.agent.Agent._decode_answers.__get__(agent)
+
+
+def decode_helpers() -> Tuple[Callable, Callable, Dict[str, int], Callable]:
+    """(apply_binning_map, temp_bucket, QTYPES, render_criterion) as `Agent._decode_answers` calls them."""
+    import laya.agent
+
+    return laya.agent.apply_binning_map, laya.agent.temp_bucket, laya.agent.QTYPES, laya.agent.render_criterion
+
+
+def decode_numbers() -> Tuple[Callable, Callable, Callable]:
+    """(answer_confidence, confidence_from_probs, unpermute_probs): the functions `_decode_answers` computes with."""
+    import laya.agent
+
+    return laya.agent.answer_confidence, laya.agent.confidence_from_probs, laya.agent.unpermute_probs
+
+
+def state_encoder(tok: Any) -> Optional[Callable[[List[str]], Optional[List[List[int]]]]]:
+    """`encode(texts)`: exactly `tok(texts, add_special_tokens=False)["input_ids"]`, from the tokenizer's Rust
+    backend directly (its `encode_batch_fast`, which skips the offsets nobody reads here), or None (the answer
+    is laya's call; this tokenizer's class is not one whose call is known to be that).
+
+    The call is known for two classes: laya-aot's `SnapshotTokenizer` (its plain call is `encode_batch` on its
+    backend) and transformers' fast tokenizer class itself (its `_encode_plus` resets the backend's truncation
+    and padding and sets `encode_special_tokens` to `split_special_tokens`, then calls `encode_batch`). `encode`
+    runs under laya's tokenizer lock and answers None, leaving the call to laya, when the backend is not in the
+    state that call would run `encode_batch` in (truncation or padding left on by an earlier call, another
+    special-token setting): it never changes the shared backend."""
+    import sys
+
+    from .tokenizer_snapshot import SnapshotTokenizer
+
+    if type(tok) is SnapshotTokenizer:
+        if not tok.__dict__.get("_right"):  # its plain call then goes to the real tokenizer
+            return None
+        backend = tok.__dict__.get("_backend")
+        want = None  # the snapshot's call never changes its backend's setting
+    else:
+        module = sys.modules.get("transformers.tokenization_utils_tokenizers")
+        fast_class = getattr(module, "TokenizersBackend", None) or getattr(module, "PreTrainedTokenizerFast", None)
+        if fast_class is None or type(tok) is not fast_class:
+            return None
+        backend = tok.__dict__.get("_tokenizer")
+        want = bool(getattr(tok, "split_special_tokens", False))
+    run = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+    if run is None:
+        return None
+    from laya.common import _TOKENIZE_LOCK
+
+    def encode(texts: List[str]) -> Optional[List[List[int]]]:
+        with _TOKENIZE_LOCK:
+            if backend.truncation is not None or backend.padding is not None \
+                    or (want is not None and backend.encode_special_tokens != want):
+                return None
+            encs = run(texts, add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    return encode
 
 
 def render_options(q: Dict[str, Any]) -> List[str]:

@@ -108,7 +108,9 @@ class AOTBackend(Backend):
 
     def _count(self, **kw: int) -> None:
         with self._lock:
-            self._counts.update(kw)
+            counts = self._counts
+            for name, n in kw.items():
+                counts[name] += n
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False, **extra):
         out, by_artifact = self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder,
@@ -161,18 +163,22 @@ class AOTBackend(Backend):
             return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder), False
         batch = pad_batch((input_ids, attention_mask, marker_pos, marker_mask, qtype), self.ranges, self.pad_id)
         dev = self.runner.device
+        pieces = list(chunks(n, self.ranges, batch[0].shape[1], self.chunk_tokens))
+        if len(pieces) == 1:  # the whole batch in one call (the common case): no row slices, one count
+            lo, ac = self.runner(*(x.to(dev) for x in batch))
+            with self._lock:
+                self._counts["artifact_calls"] += 1
+                self._counts["chunks"] += 1
+            out_dev = input_ids.device
+            return (lo[:, :k].to(out_dev), ac.to(out_dev)), True
         logits, acts = [], []
-        n_chunks = 0
-        for rows in chunks(n, self.ranges, batch[0].shape[1], self.chunk_tokens):
+        for rows in pieces:
             lo, ac = self.runner(*(x[rows].to(dev) for x in batch))
             logits.append(lo[:, :k])
             acts.append(ac)
-            n_chunks += 1
-        self._count(artifact_calls=1, chunks=n_chunks)
+        self._count(artifact_calls=1, chunks=len(pieces))
         out_dev = input_ids.device
-        logits_t = logits[0] if n_chunks == 1 else torch.cat(logits)
-        acts_t = acts[0] if n_chunks == 1 else torch.cat(acts)
-        return (logits_t.to(out_dev), acts_t.to(out_dev)), True
+        return (torch.cat(logits).to(out_dev), torch.cat(acts).to(out_dev)), True
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         top = int(input_ids.max()) if input_ids.numel() else -1

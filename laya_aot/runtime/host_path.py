@@ -8,6 +8,7 @@ time. Each result is laya's code on laya's inputs; anything not prepared here is
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -17,6 +18,7 @@ from functools import wraps
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import laya_internals as laya_api
+from . import host_steps
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +30,14 @@ _CALL: ContextVar[Optional["_Call"]] = ContextVar("laya_aot_host_call", default=
 
 @dataclass
 class _Call:
-    """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises."""
+    """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises; the
+    heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
+    the decoder's numbers for the batch being decoded."""
 
     path: "HostPath"
-    states: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    states: Dict[str, List[int]] = field(default_factory=dict)
+    heads: Dict[tuple, Tuple[Dict, tuple]] = field(default_factory=dict)
+    decoded: Dict[Any, Any] = field(default_factory=dict)
 
 
 class HostPath:
@@ -39,25 +45,39 @@ class HostPath:
 
     def __init__(self, agent: Any):
         self.tok = agent.tok
+        self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
+        self.decoder = host_steps.Decoder(agent, self._count)
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
 
     @property
     def stats(self) -> Dict[str, int]:
-        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone."""
+        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone;
+        questions decoded in blocks (one per batch), and states whose answers laya's own function decoded."""
         with self._lock:
             return dict(self._counts)
 
     def head(self, stock: Callable, tok: Any, q: Dict, head_max_len: int,
-             option_order: Optional[Sequence[int]]) -> Tuple[List[int], List[int], Dict[str, Any]]:
-        """laya's `build_head(tok, q, head_max_len, option_order)`, from the cache when laya built it before."""
+             option_order: Optional[Sequence[int]], call: Optional[_Call] = None
+             ) -> Tuple[List[int], List[int], Dict[str, Any]]:
+        """laya's `build_head(tok, q, head_max_len, option_order)`, from the cache when laya built it before.
+
+        Within a call, laya hands the same question object for every state: the key is then looked up by that
+        object (held by the call, so its id stays its own), not rendered again. laya never changes a question
+        object during a call (`internal` is made once per call)."""
         if tok is not self.tok:
             return stock(tok, q, head_max_len, option_order=option_order)
+        order = None if option_order is None else tuple(option_order)
+        if call is not None:
+            seen = call.heads.get((id(q), head_max_len, order))
+            if seen is not None and seen[0] is q:
+                self._count(heads_cached=1)
+                ids, markers, stats = seen[1]
+                return list(ids), list(markers), dict(stats)
         # everything build_head reads: the type, the instruction and the rendered options (render_options
         # raises here exactly as build_head would), the order and the budget; the tokenizer is this agent's
-        key = (q["t"], str(q["ins"]), tuple(laya_api.render_options(q)), head_max_len,
-               None if option_order is None else tuple(option_order))
+        key = (q["t"], str(q["ins"]), tuple(laya_api.render_options(q)), head_max_len, order)
         with self._lock:
             hit = self._heads.get(key)
             if hit is not None:
@@ -70,6 +90,8 @@ class HostPath:
                 self._heads[key] = hit
                 while len(self._heads) > HEADS_KEPT:
                     self._heads.popitem(last=False)
+        if call is not None:
+            call.heads[(id(q), head_max_len, order)] = (q, hit)
         ids, markers, stats = hit
         return list(ids), list(markers), dict(stats)  # laya's callers get lists of their own, as from laya
 
@@ -81,7 +103,15 @@ class HostPath:
             self._count(states_alone=1)
             return stock(tok, text, **kwargs)
         self._count(states_batched=1)
-        return {"input_ids": list(ids)}
+        return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
+
+    def decode(self, stock: Callable, logits: Any, act: Any, items: List[Dict], ids: List[str],
+               internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
+        """laya's `Agent._decode_answers`, the numbers of the call's batch computed at once (host_steps)."""
+        call = _CALL.get()
+        if call is None or call.path is not self or (kwargs and (len(kwargs) > 1 or "lang" not in kwargs)):
+            return stock(logits, act, items, ids, internal, offset, **kwargs)
+        return self.decoder(call.decoded, logits, act, items, ids, internal, offset, kwargs.get("lang"))
 
     def prepare(self, states: Sequence[Any], batch_size: Optional[int]) -> _Call:
         """The call's states tokenised in one batched tokenizer call, as laya's `_encode_state` would text them.
@@ -95,15 +125,19 @@ class HostPath:
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
-        if n < 2:  # one state gains nothing from a batch
+        if n < 1 or (n < 2 and self.encode is None):  # one state gains nothing from laya's batched call
             return call
         try:
             texts = [laya_api.state_text(self.tok, s) for s in states[:n]]
         except Exception:  # noqa: BLE001 - laya raises its own error for this state, in its own place
             return call
         unique = list(dict.fromkeys(texts))
-        encoded = laya_api.encode_texts(self.tok, unique)
-        call.states = {t: tuple(ids) for t, ids in zip(unique, encoded)}
+        encoded = self.encode(unique) if self.encode is not None else None
+        if encoded is None:  # no direct call for this tokenizer, or its backend not as laya's call leaves it
+            if len(unique) < 2:
+                return call
+            encoded = laya_api.encode_texts(self.tok, unique)
+        call.states = dict(zip(unique, encoded))
         return call
 
     def wrap(self, predict_batch: Callable) -> Callable:
@@ -133,7 +167,7 @@ def _head(stock: Callable) -> Callable:
         call = _CALL.get()
         if call is None:
             return stock(tok, q, head_max_len, option_order=option_order)
-        return call.path.head(stock, tok, q, head_max_len, option_order)
+        return call.path.head(stock, tok, q, head_max_len, option_order, call)
 
     return build_head
 
@@ -161,6 +195,8 @@ def install(agent: Any) -> Optional[HostPath]:
     laya_api.route_host_path(_head, _state)
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
+    stock_decode = agent._decode_answers
+    agent._decode_answers = wraps(stock_decode)(functools.partial(path.decode, stock_decode))
     return path
 
 

@@ -158,3 +158,29 @@ def test_a_state_laya_cannot_read_raises_laya_s_own_error(demo_ckpt):
     with pytest.raises(TypeError) as got:
         fast.predict_batch(bad, q)
     assert str(got.value) == str(want.value)
+
+
+def test_within_a_call_a_question_s_head_is_found_by_the_object_laya_hands(demo_ckpt, monkeypatch):
+    """Every state of a call asks for the same question objects: the head comes from the call's memo, without
+    rendering the options again; another object with the same content comes from the agent's cache."""
+    import laya.common
+
+    agent = _agent(demo_ckpt)
+    path = host_path.install(agent)
+    q = {"t": "choice", "ins": "Which team?", "crit": {"billing": "payments", "technical": None}}
+    rendered = []
+    real = host_path.laya_api.render_options
+    monkeypatch.setattr(host_path.laya_api, "render_options", lambda qq: rendered.append(1) or real(qq))
+    stock = laya.common.build_head.laya_aot_stock
+    token = host_path._CALL.set(host_path._Call(path))
+    try:
+        for _ in range(3):
+            assert laya.common.build_head(agent.tok, q, 192) == stock(agent.tok, q, 192)
+        assert len(rendered) == 1
+        twin = dict(q)
+        assert laya.common.build_head(agent.tok, twin, 192) == stock(agent.tok, twin, 192)
+        assert laya.common.build_head(agent.tok, q, 40) == stock(agent.tok, q, 40)  # another budget: another head
+        assert len(rendered) == 3
+    finally:
+        host_path._CALL.reset(token)
+    assert path.stats == {"heads_built": 2, "heads_cached": 3}

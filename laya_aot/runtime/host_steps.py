@@ -1,0 +1,275 @@
+"""laya's answer decoding with the numbers of a whole batch computed at once: the same answers, bit for bit.
+
+`Agent._decode_answers` turns one state's logit rows into answers, one row at a time: a dozen numpy calls on
+arrays of two to seven floats per row, and per state the same per-question work (temperature lookup, option
+keys, a score's legend). `Decoder` computes each question's rows for every state of the batch in one pass of
+the same element-wise numpy operations, and builds the answer dicts from Python floats.
+
+Equal by construction where it can be: element-wise operations (division, exp, log, clip, products) give the
+same bits in any layout; max and argmax do not depend on order; numpy's sum of a contiguous 1-D array of fewer
+than 8 elements adds them one after another from 0.0, which `_fold` does column by column (8 or more options:
+pairwise summation, so such a state goes to laya's own function). Checked, not assumed: before its first use in
+a process, `Decoder` compares its answers with laya's own `_decode_answers` on a fixed set of batches (every
+question type, 1 to 7 options, shuffled option orders, extreme logits), and where they differ in one bit it
+hands every call to laya's function (logged). Anything else it does not handle (a `lang`, more options, a
+batch not laid out as `predict_batch` lays it out) is laya's function too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from .. import laya_internals as laya_api
+
+log = logging.getLogger(__name__)
+
+MAX_FOLD = 8  # numpy sums a contiguous 1-D array of fewer elements strictly left to right (pairwise beyond)
+
+_CHECKED: Dict[str, bool] = {}  # "decode": whether this process's numpy gives laya's answers here
+_CHECK_LOCK = threading.Lock()
+
+
+def _fold(a: np.ndarray) -> np.ndarray:
+    """Row sums of a 2-D array of fewer than MAX_FOLD columns, as numpy sums each row alone: 0.0 plus each element
+    in turn, in the array's dtype. `add.accumulate` adds left to right from the first element; the same partial
+    sums as from 0.0, but for the sign of a zero, which the final + 0.0 makes +0.0 as numpy's sum from 0.0 does."""
+    return np.add.accumulate(a, axis=1)[:, -1] + 0.0
+
+
+def _clamp01(v: float) -> float:
+    return 0.0 if v < 0.0 else (1.0 if v > 1.0 else v)
+
+
+class _Block:
+    """One question's numbers for every state of a batch: row s is state s's row of that question."""
+
+    __slots__ = ("k", "t", "probs", "pmax", "argmax", "confidence", "score", "bucket", "keys", "legend", "levels")
+
+
+class Decoder:
+    """`Agent._decode_answers` for one agent, the numbers computed per batch (module docstring)."""
+
+    def __init__(self, agent: Any, count: Optional[Callable[..., None]] = None):
+        self.agent = agent
+        self.count = count  # HostPath._count: questions decoded in blocks, states left to laya's function
+        self.stock: Callable = laya_api.stock_decode(agent)
+        self.binning, self.temp_bucket, self.qtypes, self.render = laya_api.decode_helpers()
+
+    def __call__(self, cache: Dict[str, Any], logits: Any, act: Any, items: List[Dict], ids: List[str],
+                 internal: Dict[str, Dict], offset: int, lang: Optional[str] = None) -> Dict[str, Any]:
+        """The answers of the state whose rows start at `offset`; `cache` is the call's (it keeps the batch's
+        blocks while laya decodes that batch's states)."""
+        if lang or len(items) == getattr(logits, "shape", (0,))[0] or not checked(self.agent):
+            # (a batch of one state: nothing to share between states, laya's rows are as quick)
+            if self.count is not None:
+                self.count(states_decoded_by_laya=1)
+            return self.stock(logits, act, items, ids, internal, offset, **({"lang": lang} if lang else {}))
+        return self.decode(cache, logits, act, items, ids, internal, offset)
+
+    def decode(self, cache: Dict[str, Any], logits: Any, act: Any, items: List[Dict], ids: List[str],
+               internal: Dict[str, Dict], offset: int) -> Dict[str, Any]:
+        """`__call__` without a `lang` and without the check (what the check compares with laya's function)."""
+        nq = len(items)
+        if nq == 0 or len(ids) != nq or not isinstance(logits, np.ndarray) or logits.ndim != 2 \
+                or not isinstance(act, np.ndarray) or act.ndim != 2 or offset % nq or logits.shape[0] % nq \
+                or logits.shape[0] == nq:  # one state: nothing to share, laya's rows are as quick
+            if self.count is not None:
+                self.count(states_decoded_by_laya=1)
+            return self.stock(logits, act, items, ids, internal, offset)
+        if cache.get("logits") is not logits or cache.get("act") is not act:
+            cache.clear()
+            cache["logits"], cache["act"] = logits, act  # held: the batch the blocks are of
+            cache["act0"] = act[:, 0].tolist()          # float(act[r, 0]), every row
+        blocks = []
+        for j, qid in enumerate(ids):
+            q = internal[qid]
+            k = len(items[j]["markers"])
+            key = (j, qid)
+            block = cache.get(key)
+            if block is None and key not in cache:
+                block = cache[key] = self._block(logits, nq, j, q, k)
+                if block is not None and self.count is not None:
+                    self.count(questions_decoded_in_blocks=1)
+            if block is None or block.k != k:
+                if self.count is not None:
+                    self.count(states_decoded_by_laya=1)
+                return self.stock(logits, act, items, ids, internal, offset)
+            blocks.append(block)
+        s = offset // nq
+        binning_map = getattr(self.agent, "binning_map", None)
+        act0 = cache["act0"]
+        answers: Dict[str, Any] = {}
+        for j, (qid, block) in enumerate(zip(ids, blocks)):
+            q = internal[qid]
+            ans_raw = 1.0 if block.k < 1 else _clamp01(block.pmax[s])
+            if binning_map:
+                ans_conf = round(self.binning(ans_raw, block.bucket, binning_map), 4)
+            else:
+                ans_conf = round(ans_raw, 4)
+            ext = {"act_probability": round(act0[offset + j], 4)}
+            p = block.probs[s]
+            t = q["t"]
+            if t == "choice":
+                keys = block.keys
+                answers[qid] = {
+                    "type": "choice",
+                    "choice": keys[block.argmax[s]],
+                    "probabilities": {kk: round(v, 4) for kk, v in zip(keys, p)},
+                    "confidence": round(block.confidence[s], 4),
+                    "answer_confidence": ans_conf,
+                    "action": ext,
+                }
+            elif t == "score":
+                answers[qid] = {
+                    "type": "score",
+                    "score": round(block.score[s], 4),
+                    "legend": dict(block.legend),
+                    "probabilities": {lv: round(v, 4) for lv, v in zip(block.levels, p)},
+                    "confidence": round(block.confidence[s], 4),
+                    "answer_confidence": ans_conf,
+                    "action": ext,
+                }
+            else:
+                p1 = p[1]
+                answers[qid] = {
+                    "type": "noul",
+                    "noul": round(p1, 4),
+                    "confidence": round(max(p1, 1.0 - p1), 4),
+                    "answer_confidence": ans_conf,
+                    "action": ext,
+                }
+        return answers
+
+    def _block(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
+        """Question j's numbers over rows j, j + nq, ... (None: laya's function decodes it)."""
+        if not 1 <= k < MAX_FOLD or k > logits.shape[1] or q.get("t") not in ("choice", "score", "noul"):
+            return None
+        if q["t"] == "noul" and k < 2:
+            return None
+        order = q.get("option_order")
+        if order is not None and len(order) == k and sorted(int(i) for i in order) != list(range(k)):
+            return None  # not a permutation: laya's own unpermute_probs decides what that means
+        agent = self.agent
+        qt = self.qtypes[q["t"]]
+        b = _Block()
+        b.k = k
+        b.bucket = self.temp_bucket(qt, k)
+        b.t = agent.temperature_by_options.get(b.bucket, agent.temperature[qt])
+        raw = np.ascontiguousarray(logits[j::nq, :k])
+        z = raw / b.t                                  # laya: raw_rows[j] / t_scale
+        e = np.exp(z - z.max(axis=1, keepdims=True))   # p = np.exp(z - z.max())
+        p = e / _fold(e)[:, None]                      # p /= p.sum()
+        if order is not None and len(order) == k:      # unpermute_probs
+            canonical = np.empty_like(p)
+            canonical[:, np.asarray(order, dtype=int)] = p
+            p = canonical
+        b.pmax = p.max(axis=1).tolist()                # answer_confidence: float(p[:k].max())
+        b.argmax = p.argmax(axis=1).tolist()
+        if k < 2:                                      # confidence_from_probs
+            b.confidence = [1.0] * p.shape[0]
+        else:
+            # np.clip(pk, 1e-12, 1.0): the same bounds as the same dtype, NaN kept; the ufuncs without clip's wrapper
+            ent = _fold(p * np.log(np.minimum(np.maximum(p, 1e-12), 1.0))).tolist()
+            log_k = math.log(k)
+            b.confidence = [_clamp01(1.0 - (-e_) / log_k) for e_ in ent]
+        b.score = _fold(np.arange(k) * p).tolist() if q["t"] == "score" else None
+        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
+        if q["t"] == "score":
+            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
+            b.levels = [str(i) for i in range(k)]
+        else:
+            b.legend = b.levels = None
+        b.probs = p.tolist()
+        return b
+
+
+def checked(agent: Any) -> bool:
+    """Whether `Decoder` gives laya's answers bit for bit on this machine's numpy (compared once per process)."""
+    got = _CHECKED.get("decode")
+    if got is not None:
+        return got
+    with _CHECK_LOCK:
+        if "decode" not in _CHECKED:
+            try:
+                diff = self_check(agent)
+            except Exception as e:  # noqa: BLE001 - whatever went wrong, laya's own function decodes
+                diff = "%s: %s" % (type(e).__name__, e)
+            if diff:
+                log.info("laya-aot: laya's own answer decoding (the batched one differs here: %s)", diff)
+            _CHECKED["decode"] = not diff
+    return _CHECKED["decode"]
+
+
+def check_cases(seed: int = 0, states: int = 5):
+    """Batches that exercise every branch: (logits, act, items, ids, internal) with every question type, 1 to 7
+    options, shuffled option orders, and logits from ties to extremes."""
+    rng = np.random.default_rng(seed)
+    internal: Dict[str, Dict] = {}
+    for k in range(1, MAX_FOLD):
+        internal["c%d" % k] = {"t": "choice", "ins": "x", "crit": {"o%d" % i: None for i in range(k)}}
+        internal["s%d" % k] = {"t": "score", "ins": "x", "crit": ["level %d" % i for i in range(k)]}
+        order = [int(i) for i in rng.permutation(k)]
+        internal["o%d" % k] = {"t": "choice", "ins": "x", "crit": {"p%d" % i: None for i in range(k)},
+                               "option_order": order}
+    internal["n"] = {"t": "noul", "ins": "x", "crit": None}
+    internal["nr"] = {"t": "noul", "ins": "x", "crit": None, "option_order": [1, 0]}
+    ids = list(internal)
+    ks = [2 if internal[q]["t"] == "noul" else len(internal[q]["crit"]) for q in ids]
+    items = [{"markers": list(range(k)), "qtype": 0} for k in ks]
+    width = max(ks) + 1
+    cases = []
+    for scale in (1e-3, 1.0, 8.0, 60.0, 1e4):
+        logits = (rng.standard_normal((states * len(ids), width)) * scale).astype(np.float32)
+        logits[::7] = logits[::7].round()  # ties
+        act = rng.random((states * len(ids), 4)).astype(np.float32)
+        cases.append((logits, act, items, ids, internal))
+    return cases
+
+
+def self_check(agent: Any) -> Optional[str]:
+    """The first difference between `Decoder` and laya on `check_cases` (None: none): its answers against laya's
+    `_decode_answers`, and, since those are rounded to 4 decimals, each block's numbers before rounding against
+    the lines of `_decode_answers` run row by row with laya's own functions."""
+    stock = laya_api.stock_decode(agent)
+    dec = Decoder(agent)
+    for logits, act, items, ids, internal in check_cases():
+        cache: Dict[str, Any] = {}
+        for offset in range(0, logits.shape[0], len(ids)):
+            with np.errstate(all="ignore"):
+                want = stock(logits, act, items, ids, internal, offset)
+                got = dec.decode(cache, logits, act, items, ids, internal, offset)
+            if json.dumps(got) != json.dumps(want):
+                return "the answers of row %d of a batch of %d" % (offset, logits.shape[0])
+        for j, qid in enumerate(ids):
+            block = cache.get((j, qid))
+            if block is None:
+                return "question %s was not decoded in a block" % qid
+            with np.errstate(all="ignore"):
+                why = _block_differs(block, logits, len(ids), j, internal[qid])
+            if why:
+                return "%s of question %s" % (why, qid)
+    return None
+
+
+def _block_differs(b: _Block, logits: np.ndarray, nq: int, j: int, q: Dict) -> Optional[str]:
+    """Where a block's numbers differ from `_decode_answers`' lines on each of its rows (None: nowhere)."""
+    answer_confidence, confidence_from_probs, unpermute_probs = laya_api.decode_numbers()
+    k = b.k
+    for s, r in enumerate(range(j, logits.shape[0], nq)):
+        z = logits[r, :k] / b.t
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        p = unpermute_probs(p, q.get("option_order"))
+        want = [[float(v) for v in p], answer_confidence(p, k), int(p.argmax()), confidence_from_probs(p, k)]
+        got = [b.probs[s], _clamp01(b.pmax[s]), b.argmax[s], b.confidence[s]]
+        if q["t"] == "score":
+            want.append(float((np.arange(k) * p).sum()))
+            got.append(b.score[s])
+        if json.dumps(got) != json.dumps(want):
+            return "the numbers of state %d" % s
+    return None
