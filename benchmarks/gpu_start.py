@@ -201,9 +201,10 @@ def main() -> None:
     ap.add_argument("--second-bundle", metavar="DIR",
                     help="another built bundle (path bundle2) whose starts alternate with the others' in the same "
                          "run: two routes on one machine")
-    ap.add_argument("--second-prefer", metavar="KIND", default=None,
-                    help="the second bundle's starts ask for this artifact kind (prefer=KIND): one bundle holding "
-                         "two routes, each timed")
+    ap.add_argument("--second-prefer", metavar="KIND[,KIND]", default=None,
+                    help="the second bundle's starts ask for these artifact kinds (prefer=KIND), one path each "
+                         "(bundle2:KIND): one bundle holding several routes, each timed")
+    ap.add_argument("--no-eager", action="store_true", help="no laya eager starts (measured in other runs)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
@@ -242,10 +243,11 @@ def main() -> None:
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     subprocess.run(["rm", "-rf", str(cache)])
     q = ONE
-    paths = [("eager", START_EAGER, bundle, ""), ("bundle", START, bundle, "")]
+    paths = [("eager", START_EAGER, bundle, "")] * (not a.no_eager) + [("bundle", START, bundle, "")]
     if a.second_bundle:
-        paths.append(("bundle2", START, Path(a.second_bundle),
-                      ", prefer=%r" % a.second_prefer if a.second_prefer else ""))
+        for kind in (a.second_prefer or "").split(",") if a.second_prefer else [None]:
+            paths.append(("bundle2:%s" % kind if kind else "bundle2", START, Path(a.second_bundle),
+                          ", prefer=%r" % kind if kind else ""))
     if a.bytecode:  # untimed: writes the bytecode of everything a start imports; the timed starts' cache stays empty
         warm = dict(env, LAYA_AOT_CACHE_DIR="/tmp/laya-aot-warmup-cache")
         res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device,
