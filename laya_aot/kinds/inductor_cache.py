@@ -226,12 +226,12 @@ def _aot_compile_enabled() -> Iterator[None]:
         yield
 
 
-def _system_of(fn) -> Dict[str, Optional[str]]:
+def _system_of(fn, device: str) -> Dict[str, Optional[str]]:
     """What torch checks before it runs a precompiled function (`SystemInfo`), as `Needs` fields; from the function
     itself where this torch records it there, else from this process."""
     from ..variant import current_machine
 
-    m = current_machine("cuda" if torch.cuda.is_available() else "cpu")
+    m = current_machine(device)
     info = getattr(getattr(fn, "_artifacts", None), "system_info", None)
     triton = getattr(info, "triton_version", None)
     return {"torch_build": getattr(info, "torch_version", None) or m.torch_build,
@@ -272,7 +272,7 @@ def build_precompiled(agent, out_dir: Path, ranges: Ranges, dtype: str, action_h
     out_dir.mkdir(parents=True, exist_ok=True)
     fn.save_compiled_function(str(out_dir / PRECOMPILED_FILE))
     size = (out_dir / PRECOMPILED_FILE).stat().st_size
-    system = _system_of(fn)
+    system = _system_of(fn, device)
     shape = "%dx%d" % (rows, tokens)
     (out_dir / INFO_FILE).write_text(json.dumps({"format": PRECOMPILED, "options": COMPILE_OPTIONS, "dtype": dtype,
                                                  "action_head_dtype": action_head_dtype, "ranges": ranges.as_dict(),
