@@ -73,10 +73,14 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
     torch.cuda.synchronize()
     t_first = time.time()
     print("FIRST %.6f" % t_first, flush=True)
+    from laya_aot.kinds.inductor_cache import COMPILE_KEYS, compile_counters
+
+    traced = compile_counters()  # this process's Dynamo traces and Inductor compiles up to its first answer
     res = {"mode": mode, "backend": agent.backend, "t_first": t_first, "t_imported": t_import,
            "import_torch_s": t_torch - t0, "import_laya_s": t_import - t_torch, "t_child_start": t0,
            "load_stats": getattr(getattr(agent, "backend_object", None), "load_stats", None),
-           "latency_ms": {}, "first_call_s": {}, "compile_attempts_before_first_answer": sum(attempts.values())}
+           "latency_ms": {}, "first_call_s": {}, "compile_attempts_before_first_answer": sum(attempts.values()),
+           "torch_compiles_at_first_answer": {k: traced[k] for k in COMPILE_KEYS}}
     max_len = int(agent.cfg.get("max_len", 512))
     outs = {}
     for rows, tokens in SHAPES:
@@ -118,9 +122,13 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
               flush=True)
     res["compile_attempts"] = dict(attempts)
     res["backend_stats"] = getattr(getattr(agent, "backend_object", None), "stats", None)
+    # the artifact's runner: the compile route's format and whether it traced or compiled since its load
+    res["runner_stats"] = getattr(getattr(getattr(agent, "backend_object", None), "runner", None), "stats", None)
+    after = compile_counters()
+    res["torch_compiles_at_end"] = {k: after[k] for k in COMPILE_KEYS}
     res["versions"] = {"torch": torch.__version__, "laya": laya.__version__, "device": torch.cuda.get_device_name()}
     torch.save(outs, os.path.join(work, "outputs_%s.pt" % _slug(mode)))
-    print("RESULT " + json.dumps(res), flush=True)
+    print("RESULT " + json.dumps(res, default=str), flush=True)
 
 
 def _slug(mode: str) -> str:
@@ -201,7 +209,8 @@ def build(ckpt: Path, bundle: Path, work: Path, args: str, timeout: float, kerne
            "seconds": round(time.time() - t0, 1)}
     if (bundle / "bundle.json").exists():
         m = json.loads((bundle / "bundle.json").read_text())
-        out["stages"] = [{k: s.get(k) for k in ("name", "status", "seconds", "summary", "error")} for s in m["stages"]]
+        out["stages"] = [{k: s.get(k) for k in ("name", "status", "seconds", "summary", "error", "format",
+                                                 "precompile_failed") if k in s} for s in m["stages"]]
         out["artifacts"] = [{k: x.get(k) for k in ("name", "status", "variant", "size", "build_seconds", "latency_ms")}
                             | {"verify": {k: (x.get("verify") or {}).get(k) for k in
                                           ("passed", "reason", "max_abs_option_prob", "max_abs_action_prob",
@@ -282,22 +291,39 @@ def markdown(r: dict) -> str:
     keys = ["%dx%dx4" % s for s in SHAPES]
     lines = ["# GPU benchmark, checkpoint `%s` (one H200)" % r["checkpoint"], "", "Command: `%s`" % r["command"], "",
              "| mode | backend | start -> first answer | " + " | ".join(keys) + " (ms) | peak GB @32x1024 "
-             "| compiles (TileLang/nvcc) | max dp vs eager |",
-             "|---|---|---|" + "---|" * len(keys) + "---|---|---|"]
+             "| compiles (TileLang/nvcc) | torch traces+compiles at first answer | max dp vs eager |",
+             "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|"]
     for mode, m in r["modes"].items():
         lat = m.get("latency_ms") or {}
         agree = m.get("agreement_with_eager") or {}
         worst = max((max(v.values()) for v in agree.values()), default=None)
         first = m.get("start_to_first_s")
         compiles = m.get("compile_attempts")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s |" % (
+        traced = m.get("torch_compiles_at_first_answer")
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
             mode, m.get("backend", "-"),
             ("%.1f s" % first if first else "-") + (" (%s)" % m["error"] if m.get("error") else ""),
             " | ".join("%.2f" % lat[k] if k in lat else "-" for k in keys),
             "%.2f" % m["peak_gb_32x1024x4"] if "peak_gb_32x1024x4" in m else "-",
             sum(compiles.values()) if compiles is not None else "-",
+            sum(traced.values()) if traced is not None else "-",
             "%.3g" % worst if worst is not None else "-"))
+    lines += ["", *start_ratios(r)]
     return "\n".join(lines) + "\n"
+
+
+def start_ratios(r: dict) -> list:
+    """Issue 20: the compile route's start against the AOTInductor route's (goal: at most 1.5x, no compile)."""
+    out = []
+    for suffix in ("", "+restart"):
+        c, a = (r["modes"].get("bundle:%s%s" % (k, suffix)) or {} for k in ("compile", "aoti"))
+        if c.get("start_to_first_s") and a.get("start_to_first_s"):
+            fmt = (c.get("runner_stats") or {}).get("format", "?")
+            out.append("- bundle:compile%s (%s) start %.1f s / bundle:aoti%s %.1f s = %.2fx; torch traces+compiles in "
+                       "the compile route's process: %s" % (
+                           suffix, fmt, c["start_to_first_s"], suffix, a["start_to_first_s"],
+                           c["start_to_first_s"] / a["start_to_first_s"], c.get("torch_compiles_at_first_answer")))
+    return out
 
 
 if __name__ == "__main__":

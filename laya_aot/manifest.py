@@ -37,6 +37,7 @@ STATUSES = ("built", "verified", "unverified", "failed_verification", "build_fai
 REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
 _VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
 _GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
+_GPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()/+-]{0,79}")
 MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts anything
 MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
 # what the build ever writes, with room: a value beyond these is damage, and would cost memory or loop long
@@ -72,6 +73,12 @@ class Needs:
     cuda: Optional[str] = None
     machine: Optional[str] = None
     os: Optional[str] = None
+    # a precompiled function (the compile route) is bound to the exact build torch checks on load: torch's full
+    # version, Python's, and on a GPU triton's major.minor and the GPU's name. None: not bound (older bundles)
+    torch_build: Optional[str] = None
+    python_build: Optional[str] = None
+    triton: Optional[str] = None
+    gpu_name: Optional[str] = None
 
 
 @dataclass
@@ -321,7 +328,11 @@ def _value_problem(a: Artifact, at: str) -> Optional[str]:
 
     for name, pattern, expected in (("torch", _VERSION, "a torch version such as 2.13.0"),
                                     ("cuda", _VERSION, "a CUDA version such as 12.8"),
-                                    ("gpu_arch", _GPU_ARCH, "a GPU architecture such as sm_90")):
+                                    ("gpu_arch", _GPU_ARCH, "a GPU architecture such as sm_90"),
+                                    ("torch_build", _VERSION, "a torch build such as 2.11.0+cu130"),
+                                    ("python_build", _VERSION, "a Python version such as 3.11.7"),
+                                    ("triton", _VERSION, "a triton version such as 3.5"),
+                                    ("gpu_name", _GPU_NAME, "a GPU name such as NVIDIA H200")):
         v = getattr(a.needs, name)
         if v is not None and not pattern.fullmatch(v):
             return bad("needs." + name, expected, v)

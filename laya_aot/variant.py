@@ -30,6 +30,11 @@ class Machine:
     machine: str
     os: str
     python: str
+    # what a precompiled function is bound to (`Needs.torch_build` ...); None where unknown or not applicable
+    torch_build: Optional[str] = None
+    python_build: Optional[str] = None
+    triton: Optional[str] = None
+    gpu_name: Optional[str] = None
 
     def as_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -74,6 +79,12 @@ def current_machine(device: Optional[str] = None) -> Machine:
 
     use_cuda = device is None or str(device).startswith("cuda")
     arch = current_gpu_arch() if use_cuda else None
+    gpu_name = None
+    if arch:
+        try:
+            gpu_name = torch.cuda.get_device_name()
+        except Exception:  # noqa: BLE001 - unknown: an artifact bound to a GPU name is refused here
+            pass
     return Machine(
         torch=torch.__version__.split("+")[0],
         cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
@@ -83,7 +94,24 @@ def current_machine(device: Optional[str] = None) -> Machine:
         machine=platform.machine().lower(),
         os=sys.platform,
         python="%d.%d" % sys.version_info[:2],
+        torch_build=torch.__version__,
+        python_build=platform.python_version(),
+        triton=triton_version() if arch else None,
+        gpu_name=gpu_name,
     )
+
+
+def triton_version() -> Optional[str]:
+    """The installed triton's major.minor (what torch compares for a precompiled function), read from its
+    package metadata: importing triton costs a start time it does not need. None when none is installed."""
+    from importlib import metadata
+
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return ".".join(metadata.version(dist).split(".")[:2])
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def native_variant(m: Machine, device: str) -> str:
@@ -114,6 +142,9 @@ def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
     """Why a machine `m` cannot run an artifact that needs `needs`, or None when it can."""
     needs = {k: v for k, v in asdict(needs).items() if v is not None}
     why = []
+    exact = _exact_build_mismatch(needs, m)
+    if exact:  # the precompiled function's own key, which includes torch's minor version: one reason, its fix
+        return exact
     if needs.get("torch") and torch_tag(str(needs["torch"])) != torch_tag(m.torch):
         why.append("built for torch %s, this process has torch %s" % (needs["torch"], m.torch))
     if "cxx11_abi" in needs and needs["cxx11_abi"] is not None and bool(needs["cxx11_abi"]) != m.cxx11_abi:
@@ -135,3 +166,18 @@ def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
             if needs.get("cuda") and m.cuda and str(needs["cuda"]).split(".")[0] != str(m.cuda).split(".")[0]:
                 why.append("built against CUDA %s, torch here uses CUDA %s" % (needs["cuda"], m.cuda))
     return "; ".join(why) or None
+
+
+def _exact_build_mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]:
+    """Why `m` is not the exact build a precompiled function was compiled on (None: it is, or `needs` does not
+    ask). torch refuses such a function on load (or worse, runs kernels built for another GPU); this says it
+    before anything is loaded."""
+    facts = (("torch_build", "torch", m.torch_build), ("python_build", "Python", m.python_build))
+    if needs.get("device") == "cuda":
+        facts += (("triton", "triton", m.triton), ("gpu_name", "GPU", m.gpu_name))
+    diffs = ["%s %s, this process has %s" % (what, needs[key], have or "none")
+             for key, what, have in facts if needs.get(key) and str(needs[key]) != have]
+    if not diffs:
+        return None
+    return ("a precompiled function runs only on the exact build it was compiled on (%s): rebuild the compile "
+            "route with this machine's torch (`laya-aot build` here)" % "; ".join(diffs))

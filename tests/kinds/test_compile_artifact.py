@@ -140,3 +140,199 @@ def test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check
         build_cache(agent, tmp_path / "compile", Ranges(1, 8, 16, 256, 2, 64), "fp32", "fp32", device="cpu")
     with pytest.raises(RuntimeError, match="did not serve a fresh process"):
         check_in_fresh_process(tmp_path / "compile", demo_ckpt, "cpu")
+
+
+# ---- the precompiled function (format `precompiled`): what the build ships where torch can precompile ----
+
+# The serving side in a fresh process, as the loader drives it (kinds.get("compile").load with laya's module):
+# every verification case against eager fp32 within the fp32 rule, and what the process traced and compiled from
+# before the load to after the last case. mode "recompile" stands in for a broken load that compiles the module
+# again (torch.compile in place of the saved function): the same count must see it.
+CHILD = r'''
+import json, sys
+from pathlib import Path
+
+import torch
+
+from laya_aot import kinds, laya_internals as laya_api
+from laya_aot.kinds.inductor_cache import COMPILE_KEYS, INFO_FILE, compile_counters, no_mha_fastpath
+from laya_aot.padding import Ranges
+from laya_aot.tolerance import Rule
+from laya_aot.verification import cases, verify_runner
+
+art_dir, ckpt, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+agent = laya_api.eager_agent(ckpt, device="cpu")
+start = compile_counters()
+runner = kinds.get("compile").load(art_dir, None, kinds.LoadEnv(device="cpu", model=agent.model))
+if mode == "recompile":
+    again = torch.compile(runner._module, fullgraph=True)
+
+    def compiled(module, *batch):
+        with no_mha_fastpath():
+            return again(*batch)
+    runner._fn = compiled
+ranges = Ranges.from_dict(json.loads((art_dir / INFO_FILE).read_text())["ranges"])
+pad = int(agent.tok.pad_token_id or 0)
+vocab = min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
+model = agent.model.float().eval()
+res = verify_runner(runner, model, cases(3, ranges, vocab, pad), ranges, pad, torch.device("cpu"),
+                    Rule(1e-4, 1.0, "fp32"))
+end = compile_counters()
+print("RESULT " + json.dumps({"passed": res.passed, "reason": res.reason, "one_row": res.cases["one_row"]["rows"],
+                              "compiles": {k: end[k] - start[k] for k in COMPILE_KEYS}, "stats": runner.stats}))
+'''
+
+
+def _fresh_child(art_dir, ckpt, mode: str) -> dict:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", CHILD, str(art_dir), str(ckpt), mode], capture_output=True, text=True,
+                       timeout=600)
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    assert p.returncode == 0 and line, p.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def precompiled(even_head_ckpt, tmp_path_factory):
+    """The precompiled function of the even-head checkpoint, built as the build stage builds it (on the CPU here),
+    with Dynamo unable to trace the fused encoder-layer op, as torch 2.11's cannot."""
+    import laya
+
+    from laya_aot.kinds.inductor_cache import build_precompiled
+
+    agent = laya.load(str(even_head_ckpt), device="cpu")
+    ranges = Ranges(1, 8, 16, int(agent.cfg.get("max_len", 256)), 2, 64)
+    out = tmp_path_factory.mktemp("precompiled") / "compile"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch, "_transformer_encoder_layer_fwd", _untraceable)
+    try:
+        facts = build_precompiled(agent, out, ranges, "fp32", "fp32", device="cpu")
+    finally:
+        mp.undo()
+        torch._dynamo.reset()
+    return out, facts, ranges
+
+
+@pytest.mark.slow  # compiles with Inductor, then loads in fresh processes
+def test_a_precompiled_function_serves_a_fresh_process_with_no_trace_and_no_compile(precompiled, even_head_ckpt):
+    from laya_aot.kinds.inductor_cache import PRECOMPILED, PRECOMPILED_FILE
+
+    out, facts, _ = precompiled
+    info = json.loads((out / INFO_FILE).read_text())
+    assert info["format"] == facts["format"] == PRECOMPILED
+    assert (out / PRECOMPILED_FILE).stat().st_size == facts["bytes"]
+    assert not (out / CACHE_FILE).exists()
+    got = _fresh_child(out, even_head_ckpt, "load")
+    # (a) every case, one row and one option included, within the fp32 rule the build verifies with
+    assert got["passed"], got["reason"]
+    assert got["one_row"] == 1
+    # (b) nothing traced or compiled from the load to the last answer, and the runner says so itself
+    assert got["compiles"] == {k: 0 for k in got["compiles"]}, got["compiles"]
+    assert got["stats"]["format"] == PRECOMPILED and got["stats"]["compiles_since_load"] == 0
+
+
+@pytest.mark.slow  # compiles with Inductor in a fresh process
+def test_the_zero_compile_count_sees_a_load_that_compiles_again(precompiled, even_head_ckpt):
+    # the mutation check of the test above: the same child and count, with the load broken into a torch.compile
+    out, _, _ = precompiled
+    got = _fresh_child(out, even_head_ckpt, "recompile")
+    assert got["passed"], got["reason"]
+    assert got["compiles"]["dynamo_graphs"] >= 1 and got["stats"]["compiles_since_load"] >= 1, got
+
+
+@pytest.mark.slow  # compiles with Inductor, then checks in a fresh process
+def test_the_build_check_accepts_the_precompiled_function_and_a_fresh_process_runs_it(precompiled, even_head_ckpt):
+    from laya_aot.kinds.inductor_cache import check_in_fresh_process
+
+    out, _, _ = precompiled
+    fresh = check_in_fresh_process(out, even_head_ckpt, "cpu")
+    assert fresh["compiles_since_load"] == 0 and fresh["max_abs_prob"] <= 1e-3
+    assert all(fresh["fresh_" + k] == 0 for k in ("dynamo_graphs", "aot_autograd_traces", "inductor_lowerings"))
+
+
+@pytest.mark.slow  # compiles with Inductor (the fixture)
+def test_a_batch_outside_the_saved_guards_is_one_error_never_a_recompile(precompiled, even_head_ckpt):
+    import laya
+
+    from laya_aot.kinds.inductor_cache import PrecompiledRunner, compile_counters
+
+    out, _, ranges = precompiled
+    agent = laya.load(str(even_head_ckpt), device="cpu")
+    runner = PrecompiledRunner(out, agent.model, device="cpu")
+    case = cases(3, ranges, 100, 0)[0].batch
+    before = compile_counters()
+    with pytest.raises(ValueError, match="saved guards refuse"):  # int32 ids: a dtype the function was not made for
+        runner(case[0].int(), *case[1:])
+    too_long = tuple(torch.cat([t] * 40, 1) if t.dim() == 2 and i < 2 else t for i, t in enumerate(case))
+    with pytest.raises(ValueError, match="outside the precompiled function's ranges"):
+        runner(*too_long)
+    assert compile_counters() == before
+
+
+@pytest.mark.slow  # compiles with Inductor (the fixture)
+def test_the_artifact_needs_its_exact_build_and_elsewhere_is_refused_naming_the_fix(precompiled):
+    from dataclasses import replace
+
+    from laya_aot.kinds.base import native_needs
+    from laya_aot.kinds.inductor_cache import precompiled_needs
+    from laya_aot.manifest import Artifact
+    from laya_aot.usable import reject_reason
+    from laya_aot.variant import current_machine
+
+    _, facts, _ = precompiled
+    here = current_machine("cpu")
+    needs = precompiled_needs(native_needs(here, "cpu"), facts["system"])
+    assert (needs.torch_build, needs.python_build) == (torch.__version__, here.python_build)
+    assert needs.triton is None and needs.gpu_name is None  # torch checks those on a GPU only
+    art = Artifact(name="compile-cpu", kind="compile", status="verified", device="cpu", needs=needs, dtype="fp32")
+    assert reject_reason(art, here, "cpu", "fp32") is None
+    # (c) the same artifact from another torch build: refused from the manifest, one reason naming the fix
+    other = replace(art, needs=replace(needs, torch_build="2.11.0+cu130"))
+    why = reject_reason(other, here, "cpu", "fp32")
+    assert why and "torch 2.11.0+cu130, this process has %s" % torch.__version__ in why
+    assert "rebuild the compile route" in why and ";" not in why.split("(")[0]
+
+
+def test_a_gpu_artifact_needs_the_gpu_name_and_triton_it_was_compiled_with():
+    from dataclasses import replace
+
+    from laya_aot.manifest import Needs
+    from laya_aot.variant import Machine, mismatch
+
+    needs = Needs(device="cuda", torch="2.11.0", cxx11_abi=True, gpu_arch="sm_90", cuda="13.0", machine="x86_64",
+                  os="linux", torch_build="2.11.0+cu130", python_build="3.12.3", triton="3.5", gpu_name="NVIDIA H200")
+    h200 = Machine(torch="2.11.0", cxx11_abi=True, cpu_isa="AVX512", cuda="13.0", gpu_arch="sm_90", machine="x86_64",
+                   os="linux", python="3.12", torch_build="2.11.0+cu130", python_build="3.12.3", triton="3.5",
+                   gpu_name="NVIDIA H200")
+    assert mismatch(needs, h200) is None
+    h100 = replace(h200, gpu_name="NVIDIA H100 80GB HBM3")
+    assert mismatch(needs, h100) == (
+        "a precompiled function runs only on the exact build it was compiled on (GPU NVIDIA H200, this process has "
+        "NVIDIA H100 80GB HBM3): rebuild the compile route with this machine's torch (`laya-aot build` here)")
+    why = mismatch(needs, replace(h200, torch="2.13.0", torch_build="2.13.0+cu130", triton="3.9"))
+    assert "torch 2.11.0+cu130, this process has 2.13.0+cu130; triton 3.5, this process has 3.9" in why
+    assert "built for torch" not in why  # one reason: the exact build's, not the minor version's as well
+    # an artifact without those fields (every bundle built before) is compared as before
+    assert mismatch(replace(needs, torch_build=None, python_build=None, triton=None, gpu_name=None), h100) is None
+
+
+def test_the_exact_build_fields_are_read_and_checked_by_the_manifest_reader():
+    import copy
+    from pathlib import Path
+
+    from laya_aot import kinds
+    from laya_aot.manifest import Bundle
+
+    sample = json.loads((Path(__file__).parent.parent / "shared" / "demo_manifest.json").read_text())
+    old = copy.deepcopy(sample)
+    for art in old["artifacts"]:  # a bundle written before the fields existed
+        for key in ("torch_build", "python_build", "triton", "gpu_name"):
+            art["needs"].pop(key, None)
+    assert all(a.needs.torch_build is None and not a.invalid for a in Bundle.from_dict(old, kinds.NAMES).artifacts)
+    sample["artifacts"][1]["needs"].update(torch_build="2.11.0+cu130", gpu_name="NVIDIA H200", triton="3.5")
+    read = Bundle.from_dict(sample, kinds.NAMES).artifacts[1]
+    assert (read.needs.torch_build, read.needs.gpu_name, read.invalid) == ("2.11.0+cu130", "NVIDIA H200", None)
+    sample["artifacts"][1]["needs"]["torch_build"] = "not a version"
+    assert "needs.torch_build" in Bundle.from_dict(sample, kinds.NAMES).artifacts[1].invalid
