@@ -38,7 +38,9 @@ agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r}{prefer})
 agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
 import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t = time.time()
 print("FIRST", t, flush=True)
-print("STATS", __import__("json").dumps(agent.backend_object.load_stats, default=str), flush=True)
+_b = agent.backend_object  # a fallback (no artifact fits) has `stats` and the reasons in `rejected`
+print("STATS", __import__("json").dumps(dict(getattr(_b, "load_stats", None) or getattr(_b, "stats", {}),
+      backend=agent.backend), default=str), flush=True)
 """
 START_EAGER = """
 import time, laya

@@ -6,7 +6,9 @@ meets a machine, a child process loads it, runs one small batch and reports; the
 disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
 
 Run as a module it is the child: `python -m laya_aot.probe BUNDLE CHECKPOINT DEVICE`, with the artifact's
-manifest entry (exactly the one the parent checked) in $LAYA_AOT_PROBE_ENTRY. Build and runtime both use it.
+manifest entry (exactly the one the parent checked) in the file $LAYA_AOT_PROBE_ENTRY_FILE names, its sha256 in
+$LAYA_AOT_PROBE_ENTRY_SHA256: a file, because Linux caps one environment variable at 128 KiB and a TileLang
+artifact's entry (a record per kernel) is larger. Build and runtime both use it.
 
 Most of a child's time is importing torch. On a machine whose cache holds no verdict yet (a first start, as
 every start of a fresh container is), `start_ahead` starts a child as soon as `laya_aot.load` is looked up:
@@ -89,11 +91,20 @@ class Pending:
 
     def __init__(self, entry: Artifact, path: Path, machine: Machine, device: str,
                  proc: Optional[subprocess.Popen] = None, cached: Optional[Dict[str, Any]] = None,
-                 launch: Optional[Dict[str, Any]] = None):
+                 launch: Optional[Dict[str, Any]] = None, entry_file: Optional[str] = None):
         self.entry, self.path, self.machine, self.device = entry, path, machine, device
         self.proc, self.cached, self.launch = proc, cached, launch
+        self.entry_file = entry_file  # the child's copy of the entry: removed once no child can read it
         self.t0 = time.perf_counter()
         self.cancelled = False
+
+    def drop_entry_file(self) -> None:
+        if self.entry_file is not None:
+            try:
+                os.unlink(self.entry_file)
+            except OSError:
+                pass
+            self.entry_file = None
 
     def relaunch(self) -> None:
         """Start the child again (after it was killed from outside)."""
@@ -112,6 +123,7 @@ class Pending:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.drop_entry_file()
 
 
 ENV_AHEAD = "LAYA_AOT_PROBE_AHEAD"
@@ -206,7 +218,12 @@ def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
         return Pending.failed(entry, path, machine, device, "it could not be probed: %s" % e)
     cmd = [sys.executable, "-m", __name__, str(bundle), str(checkpoint), device]
     base = _child_env()
-    env = dict(base, LAYA_AOT_PROBE_ENTRY=json.dumps(entry.to_dict()))
+    try:
+        entry_file, digest = _write_entry(entry)
+    except OSError as e:
+        return Pending.failed(entry, path, machine, device, "it could not be probed: its manifest entry could not be "
+                              "written for the probe process (%s); the temporary directory must be writable" % e)
+    env = dict(base, LAYA_AOT_PROBE_ENTRY_FILE=entry_file, LAYA_AOT_PROBE_ENTRY_SHA256=digest)
     launch = dict(args=cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     ahead = _take_ahead(_spawn_key(base))
     if ahead is not None:  # past its imports already: it takes this artifact on stdin
@@ -216,16 +233,28 @@ def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine:
                                           "env": env}) + "\n")
             ahead.stdin.close()
             ahead.stdin = None  # closed: `communicate` must not flush or close it again
-            return Pending(entry, path, machine, device, proc=ahead, launch=launch)
+            return Pending(entry, path, machine, device, proc=ahead, launch=launch, entry_file=entry_file)
         except OSError:
             _end(ahead)
     try:
         proc = subprocess.Popen(**launch)
     except OSError as e:  # the interpreter cannot be run by this user, no process left, ...: this artifact's probe
+        os.unlink(entry_file)
         return Pending.failed(entry, path, machine, device, "a probe process could not start (%s: %s %s); the "
                               "service's user must be able to run %s" % (type(e).__name__, e.strerror or e,
                                                                           sys.executable, sys.executable))
-    return Pending(entry, path, machine, device, proc=proc, launch=launch)
+    return Pending(entry, path, machine, device, proc=proc, launch=launch, entry_file=entry_file)
+
+
+def _write_entry(entry: Artifact) -> Tuple[str, str]:
+    """The entry as a private temporary file for the child (module docstring), and its sha256."""
+    import tempfile
+
+    text = json.dumps(entry.to_dict())
+    fd, name = tempfile.mkstemp(prefix="laya-aot-probe-entry-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return name, hashlib.sha256(text.encode()).hexdigest()
 
 
 def _killed_from_outside(rc: Optional[int]) -> Optional[str]:
@@ -241,6 +270,15 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
         stats.update(probe="not started" if pending.cached.get("not_cached") else "cached", probe_seconds=0.0,
                      probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
+    assert pending.proc is not None
+    try:
+        return _collect(pending, stats)
+    finally:
+        pending.drop_entry_file()
+
+
+def _collect(pending: Pending, stats: Dict[str, Any]) -> Optional[str]:
+    """`finish` for a started child: wait for it (once more if it was killed from outside), read its verdict."""
     assert pending.proc is not None
     limit = timeout_s()  # checked by `start`
     for attempt in (1, 2):
@@ -373,9 +411,12 @@ def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, 
 
 def _entry_from_env() -> Artifact:
     from . import kinds
-    from .manifest import read_artifact
+    from .manifest import BundleError, read_artifact
 
-    return read_artifact(json.loads(os.environ["LAYA_AOT_PROBE_ENTRY"]), kinds.BY_NAME, "the probe's entry")
+    text = Path(os.environ["LAYA_AOT_PROBE_ENTRY_FILE"]).read_text(encoding="utf-8")
+    if hashlib.sha256(text.encode()).hexdigest() != os.environ.get("LAYA_AOT_PROBE_ENTRY_SHA256"):
+        raise BundleError("the probe's entry file changed after the loader wrote it")
+    return read_artifact(json.loads(text), kinds.BY_NAME, "the probe's entry")
 
 
 if __name__ == "__main__":

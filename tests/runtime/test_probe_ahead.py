@@ -105,3 +105,44 @@ def test_a_child_started_ahead_that_no_start_took_ends_with_the_load(ahead, demo
         warnings.simplefilter("ignore")
         agent = laya_aot.load(str(alt_ckpt), bundle=str(demo_bundle), device="cpu")   # another checkpoint's bundle
     assert agent.backend == "eager" and probe._ahead is None and proc.poll() is not None
+
+
+def test_an_entry_larger_than_an_environment_variable_is_probed(ahead, demo_ckpt, demo_bundle, monkeypatch):
+    """A TileLang artifact's entry (a record per kernel: 182 for a ModernBERT-large) is larger than the 128 KiB
+    Linux allows one environment variable; passed in one, the child could not start (E2BIG on the H200). The
+    child reads it from a file, which is gone once the verdict is in."""
+    import dataclasses
+    import glob
+    import tempfile
+
+    from laya_aot.variant import current_machine
+
+    monkeypatch.setenv("LAYA_AOT_PROBE_AHEAD", "0")   # a child started when needed: the path that failed
+    art = _aoti(demo_bundle)
+    big = dataclasses.replace(art, details=dict(art.details, notes=["k%06d" % i + "x" * 90 for i in range(3000)]))
+    assert len(json.dumps(big.to_dict())) > 256 * 1024
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "laya-aot-probe-entry-*")))
+    pending = probe.start(demo_bundle, big, demo_ckpt, "cpu", current_machine("cpu"))
+    assert pending.proc is not None and pending.entry_file and os.path.exists(pending.entry_file)
+    stats = {}
+    assert probe.finish(pending, stats) is None, stats
+    assert stats["probe"] == "ran"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "laya-aot-probe-entry-*"))) == before
+
+
+def test_an_entry_file_changed_after_the_loader_wrote_it_is_refused(ahead, demo_ckpt, demo_bundle, monkeypatch):
+    from laya_aot.variant import current_machine
+
+    monkeypatch.setenv("LAYA_AOT_PROBE_AHEAD", "0")
+    real = probe._write_entry
+
+    def tampered(entry):
+        name, digest = real(entry)
+        with open(name, "a", encoding="utf-8") as f:
+            f.write(" ")
+        return name, digest
+
+    monkeypatch.setattr(probe, "_write_entry", tampered)
+    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    why = probe.finish(pending, {})
+    assert why and "entry file changed" in why
