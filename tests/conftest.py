@@ -260,7 +260,9 @@ SECONDS = {
     "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]": 5,
     "tests/kinds/test_compile_artifact.py::test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check":
         60,
-    "tests/kinds/test_compile_artifact.py": 50,
+    "tests/kinds/test_compile_artifact.py": 200,
+    "tests/kinds/test_compile_artifact.py::test_a_precompiled_function_that_fails_the_fresh_process_check_ships_the_saved_cache":
+        100,
     "tests/reliability/test_build_kills.py::test_builds_killed_mid_compile_leave_nothing_running_and_nothing_half_written":
         45,
     "tests/distribution/test_safety.py": 45,

@@ -49,7 +49,7 @@ STAGE = "inductor_cache"
 CACHE_FILE = "inductor_cache.bin"
 PRECOMPILED_FILE = "precompiled.bin"
 INFO_FILE = "compile.json"
-# compile.json's `format`: what the artifact holds (absent in bundles built before precompiled functions)
+# compile.json's `format`: what the artifact holds (absent in bundles built before precompiled functions: a cache)
 PRECOMPILED, INDUCTOR_CACHE = "precompiled", "inductor_cache"
 COMPILE_OPTIONS: Dict[str, Any] = {"dynamic": None, "fullgraph": True}
 
@@ -158,10 +158,30 @@ def _batch(rows: int, tokens: int, markers: int, device: str):
                                         torch.zeros(rows, dtype=torch.long)))
 
 
+def _own_cache_artifacts() -> contextlib.AbstractContextManager:
+    """A record of cache artifacts of its own for one compile, so that `save_cache_artifacts()` saves exactly what it
+    used, cache hits included. The process-wide record saves an artifact only in the first save after it was seen,
+    and a saved blob keeps one save's entries of each type: a second compile of the same graph in one process (the
+    fallback after a build of the same model, or after the failed precompile) saved a cache without its AOTAutograd
+    entry, which the fresh-process check refused; a precompile's own entries rode along in the fallback's file."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:  # a torch without the record has no save_cache_artifacts either: the build says so
+        return contextlib.nullcontext()
+    fresh = getattr(CacheArtifactManager, "with_fresh_cache", None)
+    return fresh() if fresh is not None else contextlib.nullcontext()
+
+
 def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str = "fp32",
                 device: str = "cuda") -> Dict[str, Any]:
     """Compile for the warm shapes and write the cache artifacts; returns facts for the manifest."""
     torch._dynamo.reset()
+    with _own_cache_artifacts():
+        return _build_cache(agent, out_dir, ranges, dtype, action_head_dtype, device)
+
+
+def _build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str,
+                 device: str) -> Dict[str, Any]:
     _, fn = compiled_module(agent.model, dtype, action_head_dtype, device)
     timings = {}
     graphs_before = cache_counters()["dynamo_graphs"]
@@ -182,8 +202,8 @@ def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dt
     data, info = saved
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CACHE_FILE).write_bytes(data)
-    (out_dir / INFO_FILE).write_text(json.dumps({"options": COMPILE_OPTIONS, "dtype": dtype,
-                                                 "action_head_dtype": action_head_dtype,
+    (out_dir / INFO_FILE).write_text(json.dumps({"format": INDUCTOR_CACHE, "options": COMPILE_OPTIONS,
+                                                 "dtype": dtype, "action_head_dtype": action_head_dtype,
                                                  "shapes": list(timings), "compile_seconds": timings}, indent=1))
     return {"shapes": list(timings), "compile_seconds": timings, "bytes": len(data)}
 
@@ -444,7 +464,7 @@ def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
 
 
 def _build_cache_artifact(ctx: BuildContext, exported: Exported, out: Path) -> Dict[str, Any]:
-    facts = build_cache(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
+    facts = build_cache(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype, ctx.device)
     facts["format"] = INDUCTOR_CACHE
     try:
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
@@ -463,11 +483,17 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     if not torch.cuda.is_available():
         raise Skip("target %s needs its GPU on the build machine to compile the model"
                    % ctx.cfg.target.name)
+    return build_artifact(ctx, exported)
+
+
+def build_artifact(ctx: BuildContext, exported: Exported) -> Built:
+    """`build` past its CUDA gate, on `ctx.device` (the tests drive it on the CPU)."""
     name = ctx.artifact_name(KIND)
     out = ctx.staging / name
     t0 = time.perf_counter()
     try:
-        facts = build_precompiled(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype)
+        facts = build_precompiled(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype,
+                                  ctx.device)
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
     except Exception as e:  # noqa: BLE001 - recorded; the saved cache is built instead
         why = "%s: %s" % (type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
@@ -477,7 +503,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
         facts = _build_cache_artifact(ctx, exported, out)
         facts["precompile_failed"] = why
     seconds = time.perf_counter() - t0
-    art = ctx.add_artifact(KIND, name, name, "cuda", ctx.dtype, seconds, details=facts)
+    art = ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, seconds, details=facts)
     record = {"format": facts["format"]}
     if facts["format"] == PRECOMPILED:
         art.needs = precompiled_needs(art.needs, facts["system"])
