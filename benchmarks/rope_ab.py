@@ -68,12 +68,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES), help="rows x tokens, comma-separated")
     a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     from laya_aot import window_attention  # noqa: F401 - registers both ops
 
     rows_out = []
     compiled = {name: torch.compile(fn, dynamic=False) for name, fn in (("triton", unfused), ("triton_rope", fused))}
-    for rows, length in SHAPES:
+    for rows, length in shapes:
         g = torch.Generator().manual_seed(rows * length)
         qkv = torch.randn(rows, length, 3, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
         keep = torch.ones(rows, length, dtype=torch.bool)
@@ -94,7 +96,8 @@ def main() -> None:
             rows_out.append(row)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"command": "benchmarks/rope_ab.py --out %s --tag %s" % (a.out, a.tag), "gpu": torch.cuda.get_device_name(),
+    res = {"command": "benchmarks/rope_ab.py --out %s --tag %s --shapes %s" % (a.out, a.tag, a.shapes),
+           "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": rows_out}
     (out / ("rope_ab%s.json" % a.tag)).write_text(json.dumps(res, indent=1))
     lines = ["# Rotary embedding fused into the attention kernel: kernel-level A/B", "",
