@@ -469,9 +469,14 @@ def _build_cache_artifact(ctx: BuildContext, exported: Exported, out: Path) -> D
     try:
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # nothing of a cache that would not be used
+        _discard(ctx, out.name)  # nothing of a cache that would not be used
         raise
     return facts
+
+
+def _discard(ctx: BuildContext, name: str) -> None:
+    """Remove what this stage wrote under the build's own staging directory (never anything else)."""
+    shutil.rmtree(ctx.staging / name, ignore_errors=True)
 
 
 def build(ctx: BuildContext, exported: Exported) -> Built:
@@ -499,7 +504,7 @@ def build_artifact(ctx: BuildContext, exported: Exported) -> Built:
         why = "%s: %s" % (type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
         log.warning("laya-aot: no precompiled function for the compile route (%s); saving an Inductor cache "
                     "instead", why)
-        shutil.rmtree(out, ignore_errors=True)
+        _discard(ctx, name)
         facts = _build_cache_artifact(ctx, exported, out)
         facts["precompile_failed"] = why
     seconds = time.perf_counter() - t0
