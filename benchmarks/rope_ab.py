@@ -6,8 +6,8 @@ one kernel per layer that writes rotated queries and keys for the attention kern
 (`window_attention.window_attention_rope`). Both are compiled here as the export compiles them (torch.compile,
 Inductor: the rotary tables computed from the positions as transformers' ModernBertRotaryEmbedding computes them,
 inside the compiled function), at ModernBERT-large's attention shape (16 heads of 64) in bf16, local (window 64)
-and global, with padding; median of 50 after 5 warm-ups, synchronised; outputs compared. Not a build: only a built
-and verified artifact says how a whole forward changes.
+and global, with padding; median of 50 after 3 warm-ups, synchronised (`attention_ab.timed`); outputs
+compared. Not a build: only a built and verified artifact says how a whole forward changes.
 
     python3 benchmarks/rope_ab.py --out $OUT [--tag _run1]
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -52,18 +50,6 @@ def fused(qkv, keep, theta: float, window: int):
     return torch.ops.laya_aot.window_attention_rope(q, k, v, cos, sin, keep, window, DIM ** -0.5)
 
 
-def timed(fn, args, n: int = 50) -> float:
-    times = []
-    for i in range(n + 5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e3, 4)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -71,6 +57,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES), help="rows x tokens, comma-separated")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    from attention_ab import timed  # this script's directory: the A/B's one timing loop
+
     from laya_aot import window_attention  # noqa: F401 - registers both ops
 
     rows_out = []
@@ -86,7 +74,7 @@ def main() -> None:
             args = (qkv, keep, theta, window)
             with torch.no_grad():
                 outs = {name: fn(*args) for name, fn in compiled.items()}
-                ms = {name: timed(fn, args) for name, fn in compiled.items()}
+                ms = {name: timed(fn, args, n=50) for name, fn in compiled.items()}
             valid = keep[:, :, None, None]
             diff = float(((outs["triton"].float() - outs["triton_rope"].float()) * valid).abs().max())
             row = {"rows": rows, "tokens": length, "layer": kind, "triton_ms": ms["triton"],

@@ -360,7 +360,7 @@ class CompileRunner(Runner):
 
     def __init__(self, art_dir: Path, model: torch.nn.Module, device: str = "cuda"):
         t0 = time.perf_counter()
-        info = json.loads((Path(art_dir) / INFO_FILE).read_text(encoding="utf-8"))
+        info = _info(art_dir)
         if info.get("options") != COMPILE_OPTIONS:  # its saved graphs would miss: a compile from scratch
             raise ValueError("it was compiled with options %r, this laya-aot compiles with %r: rebuild the bundle"
                              % (info.get("options"), COMPILE_OPTIONS))
