@@ -39,7 +39,7 @@ agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
 import torch; torch.cuda.synchronize() if torch.cuda.is_available() else None; t = time.time()
 print("FIRST", t, flush=True)
 _b = agent.backend_object  # a fallback (no artifact fits) has `stats` and the reasons in `rejected`
-print("STATS", __import__("json").dumps(dict(getattr(_b, "load_stats", None) or getattr(_b, "stats", {}),
+print("STATS", __import__("json").dumps(dict(getattr(_b, "load_stats", None) or getattr(_b, "stats", dict()),
       backend=agent.backend), default=str), flush=True)
 """
 START_EAGER = """

@@ -48,7 +48,8 @@ class EagerModule:
             return self.model
 
     def start_background(self, why: str) -> None:
-        """Build the module in a thread (after the first answer is possible), so later needs do not wait."""
+        """Build the module in a thread, so that whoever needs it later waits less or not at all (after the first
+        answer, or while an artifact that runs the module is probed)."""
         if self.model is not None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._background, args=(why,), daemon=True,
@@ -63,5 +64,9 @@ class EagerModule:
 
     def install(self, why: str) -> None:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
-        before any backend is installed."""
-        laya_api.set_model(self.agent, self.ensure(why))
+        before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`)."""
+        t0 = time.perf_counter()
+        model = self.ensure(why)
+        if self._thread is not None:
+            self.stats["eager_module_wait_s"] = round(time.perf_counter() - t0, 3)
+        laya_api.set_model(self.agent, model)

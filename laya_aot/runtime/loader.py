@@ -425,8 +425,16 @@ class _Trial:
             why = check_artifact_hash(self.bundle, art)
             stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
         if why is None and self.opts.probe and kinds.get(art.kind).native:
+            self._module_beside_probe(art)
             why = self._probe(art, stats)
         return why
+
+    def _module_beside_probe(self, art: Artifact) -> None:
+        """An artifact that runs laya's own module (`Kind.needs_module`) waits for it to be built, seconds for a
+        large checkpoint; its probe child, seconds on a first start, runs in another process meanwhile. So the
+        module is built in a thread from here, and `_load` takes it once both are done."""
+        if self.eager is not None and laya_api.is_thin(self.agent) and kinds.get(art.kind).needs_module:
+            self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
 
     def _probe(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
         """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""

@@ -84,6 +84,31 @@ def test_a_checkpoint_of_another_shape_serves_thin_with_laya_eagers_answers(alt_
         assert_same_answers(got["answers"], ref["answers"])
 
 
+def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt, demo_bundle, reference, monkeypatch):
+    """A kind that runs laya's own module (TileLang's route) on a start that probes it: the module is building in a
+    thread before the probe's verdict is waited for (a first start's child takes seconds in another process), and
+    the artifact serves it once both are done, with laya eager's answers."""
+    from laya_aot import kinds
+    from laya_aot.kinds import registry
+    from laya_aot.runtime import loader
+
+    monkeypatch.setitem(registry._BY_NAME, "aoti", dataclasses.replace(kinds.get("aoti"), needs_module=True))
+    building_at_probe = []
+    real = loader._Trial._probe
+
+    def probe(self, art, stats):
+        building_at_probe.append(self.eager is not None and self.eager._thread is not None)
+        return real(self, art, stats)
+    monkeypatch.setattr(loader._Trial, "_probe", probe)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, probe=True)
+    stats = agent.backend_object.load_stats
+    assert agent.backend.startswith("aot:") and building_at_probe == [True]
+    assert "built while its probe runs, in the background" in stats["eager_module_why"]
+    assert stats["eager_module"] == "built" and stats["eager_module_wait_s"] >= 0
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+
+
 def _package_first(monkeypatch):
     """Rank the AOTInductor package that takes its weights at load (not the frozen one) first, for the loader
     and its early thread alike."""
