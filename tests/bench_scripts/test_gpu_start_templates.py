@@ -1,0 +1,28 @@
+"""benchmarks/gpu_start.py writes each timed start as a Python program from a str.format template: a template
+that does not format (a literal brace) or does not compile fails only on the H200, after minutes of building
+(session 17); here it fails in CI."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_start.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_start():
+    spec = importlib.util.spec_from_file_location("gpu_start_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["START", "START_EAGER"])
+@pytest.mark.parametrize("prefer", ["", ", prefer='tilelang'"])
+def test_every_start_template_formats_into_a_program(gpu_start, name, prefer):
+    code = getattr(gpu_start, name).format(ckpt="/tmp/ckpt", bundle="/tmp/bundle", q=gpu_start.ONE, device="cuda",
+                                           prefer=prefer)
+    compile(code, name, "exec")
+    assert "/tmp/ckpt" in code and (prefer in code or name == "START_EAGER")
