@@ -15,6 +15,8 @@ happens as the kernel loads them (`window_attention.window_attention_rope`): eac
 gets `fused_forward`, transformers' own forward with the rotation and the attention call replaced by one op, where
 the installed transformers' forward has the form it expects (`_fusable`); elsewhere the copy falls back to `triton`.
 Whether an artifact answers like laya's forward is what its verification measures, as for every export.
+Measured on the H200 (session 17), `triton_rope` verifies but is slower than `triton`: every block of queries
+rotates each key block it reads again, which costs more than Inductor's one rotary kernel per layer.
 """
 from __future__ import annotations
 

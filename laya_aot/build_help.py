@@ -36,7 +36,7 @@ Keys (KEY=VALUE overrides one value):
   export.action_head_dtype
                           the dtype of the action head (default fp32)
   export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
-                          rotary embedding fused into it) or stock
+                          rotary embedding fused into it; slower on the H200) or stock
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache

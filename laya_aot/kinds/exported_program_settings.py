@@ -24,5 +24,7 @@ class ExportConfig:
     # "triton": on a GPU in 16 bits, ModernBERT's attention with one Triton kernel reading the padding mask and
     # the local window directly, no L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention
     # with its masks, as laya runs it; "triton_rope": the same kernel also applying the rotary embedding as it loads
-    # queries and keys (no separate rotary kernel). The CPU and fp32 always export stock attention.
+    # queries and keys (no separate rotary kernel): verified, but slower on the H200 (each query block rotates every
+    # key block again: 65.0 -> 73.6 ms at 32x1024, benchmarks/results/gpu_h200_profile.md, session 17), so not the
+    # default. The CPU and fp32 always export stock attention.
     attention: str = "triton"
