@@ -3,10 +3,12 @@
 
 On the GPU host, after the .device-site unpack line, with the checkpoint and stock bundle `gpu_start.py` uses:
 
-    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1]
+    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1] [--kernel-only --kernel-shapes 1x128,8x256]
 
 First times the kernel alone against SDPA with the dense masks transformers builds, for a few tile configurations
-(`--configs`), at 32 x 16 heads x 1024 x 64 in bf16 with padding, local (w=64) and global.
+(`CONFIGS`), at `--kernel-shapes` rows x tokens (default 32 x 1024) x 16 heads x 64 in bf16 with padding, local
+(w=64) and global: the GPU's time per call from CUDA events (`gpu_ms`; before session 17 the wall time of a
+synchronised call, which at a short call's shape is mostly the launch).
 Then exports laya's model with `export.attention=triton` as the build does (bf16 under autocast, the same ranges),
 packages it with AOTInductor (weights from the checkpoint at load, CUDA graphs on), and loads the bundle's
 stock AOTInductor artifact the same way. Both are compared with laya's eager fp32 forward on seeded batches
@@ -68,9 +70,12 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--max-tokens", type=int, default=1024, help="the export's token range, as the build's")
     ap.add_argument("--kernel-only", action="store_true", help="only the kernel against SDPA, no export")
+    ap.add_argument("--kernel-shapes", default="32x1024", help="rows x tokens the kernel alone is timed at, "
+                    "comma-separated (16 heads of 64, ModernBERT-large's)")
     a = ap.parse_args()
     res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-    res["kernel"] = kernel_bench()
+    res["kernel"] = [kernel_bench(rows=int(r), length=int(L)) for r, L in
+                     (shape.split("x") for shape in a.kernel_shapes.split(","))]
     if a.kernel_only:
         write(a, res)
         return
@@ -125,13 +130,25 @@ CONFIGS = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
            dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-           dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)]
+           dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+           # smaller query tiles: more programs for a short call (1 x 16 heads x 128 tokens is 16-32 programs with
+           # the tiles above, on a GPU of 132 SMs)
+           dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+           dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=3)]
+
+
+def gpu_ms(fn) -> float:
+    """The GPU's time for one call (CUDA events, median), not the launch: a short call's kernel takes microseconds,
+    less than launching it from Python."""
+    import triton
+
+    return round(float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), 4)
 
 
 def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64) -> dict:
-    """The kernel alone per tile configuration, and SDPA with transformers-style dense boolean masks."""
+    """The kernel alone per tile configuration (`window_attention._launch` with each; `blocks` picks the shipped
+    one), and SDPA with transformers-style dense boolean masks; GPU time per call (`gpu_ms`)."""
     import torch.nn.functional as F
-    import triton
 
     from laya_aot import attention
     from laya_aot import window_attention as wa
@@ -141,36 +158,32 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
                for _ in range(3))
     keep = torch.ones(rows, length, dtype=torch.bool, device="cuda")
     for r in range(1, rows):
-        keep[r, length - 16 * (r * 7 % (length // 32)):] = False
-    flops = {}
-    out: dict = {}
+        keep[r, length - 16 * (r * 7 % max(1, length // 32)):] = False
+    out: dict = {"shape": "%dx%dx%dx%d" % (rows, heads, length, dim)}
     i = torch.arange(length, device="cuda")
     for window in (64, -1):
         allowed = keep[:, None, None, :].expand(rows, 1, length, length)
         if window >= 0:
             allowed = allowed & ((i[:, None] - i[None, :]).abs() <= window)
-        flops[window] = 4.0 * float(allowed.sum()) * heads * dim
-        ref = attention.reference(q[:4], k[:4], v[:4], keep[:4], None if window < 0 else window, dim ** -0.5).float()
-        row: dict = {"sdpa_dense_mask_ms": timed(lambda m=allowed: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=m), ())}
+        flops = 4.0 * float(allowed.sum()) * heads * dim
+        few = min(rows, 4)
+        ref = attention.reference(q[:few], k[:few], v[:few], keep[:few], None if window < 0 else window,
+                                  dim ** -0.5).float()
+        row: dict = {"shipped": wa.blocks(dim, window),
+                     "sdpa_dense_mask_ms": gpu_ms(lambda m=allowed: F.scaled_dot_product_attention(q, k, v,
+                                                                                                  attn_mask=m))}
         for c in CONFIGS:
             name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
-            o = torch.empty(rows, length, heads, dim, device="cuda", dtype=torch.bfloat16)
-
-            def run(c=c, o=o, window=window):
-                grid = (triton.cdiv(length, c["BLOCK_M"]), rows * heads)
-                wa._kernel[grid](q, k, v, keep, o, dim ** -0.5 * wa.LOG2E, length, heads,
-                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                 v.stride(0), v.stride(1), v.stride(2), keep.stride(0), o.stride(0), o.stride(1),
-                                 o.stride(2), WINDOW=window, HEAD_DIM=dim, BLOCK_D=dim, **c)
             try:
-                ms = timed(run, ())
-                err = float((o[:4].float() - ref).abs().max())
-                row[name] = {"ms": ms, "tflops_useful": round(flops[window] / ms / 1e9, 1), "max_err": round(err, 5)}
+                ms = gpu_ms(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
+                                                                   cfg=c))
+                o = wa._launch(q, k, v, keep, window, dim ** -0.5, None, None, cfg=c)
+                err = float((o[:few].float() - ref).abs().max())
+                row[name] = {"ms": ms, "tflops_useful": round(flops / ms / 1e9, 1), "max_err": round(err, 5)}
             except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot run
                 row[name] = {"error": "%s: %s" % (type(e).__name__, str(e)[:200])}
         out["window%d" % window] = row
-        print("kernel", window, row, flush=True)
+        print("kernel", rows, length, window, row, flush=True)
     return out
 
 

@@ -143,10 +143,12 @@ def window_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, window: int, scale: float,
-            cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
+            cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], cfg: Optional[dict] = None) -> torch.Tensor:
+    """Both ops' one launch; `cfg` (tile sizes and launch shape, `blocks`' when None) is for benchmarks/attention_ab.py,
+    which times the kernel with other tiles."""
     rows, heads, length, dim = q.shape
     out = torch.empty((rows, length, heads, dim), dtype=q.dtype, device=q.device)
-    cfg = blocks(dim, window)
+    cfg = cfg or blocks(dim, window)
     rope = cos is not None
     if rope:  # one row of tables serves every row (stride 0), as transformers computes them for arange positions
         cos, sin = cos.expand(rows, length, dim), sin.expand(rows, length, dim)

@@ -172,6 +172,9 @@ for rows, heads, length, dim, window, dtype in json.loads(sys.argv[1]):
     want = attention.reference(q, k, v, keep, None if window < 0 else window, dim ** -0.5).float()
     got = window_attention.window_attention(q, k, v, keep, window, dim ** -0.5)
     narrower = window_attention.window_attention(q, k, v, keep, window - 1, dim ** -0.5) if window > 0 else want
+    # the small query tiles benchmarks/attention_ab.py times for short calls
+    small = window_attention._launch(q, k, v, keep, window, dim ** -0.5, None, None,
+                                     cfg=dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=3))
     # the rotary kernel on unrotated q, k (views of one Wqkv-like output) against rotate() then reference
     qkv = torch.randn(rows, length, 3, heads, dim, generator=g).to(dtype)
     uq, uk, uv = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
@@ -184,7 +187,7 @@ for rows, heads, length, dim, window, dtype in json.loads(sys.argv[1]):
     off = window_attention.window_attention_rope(uq, uk, uv, cos.roll(1, 1), sin.roll(1, 1), keep, window, dim ** -0.5)
     out.append([list(got.shape), float((got.float() - want).abs().max()), float((narrower.float() - want).abs().max()),
                 list(got_rope.shape), float((got_rope.float() - want_rope).abs().max()),
-                float((off.float() - want_rope).abs().max())])
+                float((off.float() - want_rope).abs().max()), float((small.float() - want).abs().max())])
 print(json.dumps(out))
 """
 
@@ -197,11 +200,12 @@ def test_kernel_in_triton_interpreter_equals_reference():
     assert p.returncode == 0, p.stderr[-3000:]
     for case, got in zip(CASES, json.loads(p.stdout)):
         rows, heads, length, dim, window, dtype = case
-        shape, diff, narrower, rope_shape, rope_diff, rope_off = got
+        shape, diff, narrower, rope_shape, rope_diff, rope_off, small_diff = got
         assert shape == rope_shape == [rows, length, heads, dim]
         tol = 2e-3 if dtype == "float16" else 1e-5
         assert diff < tol, (case, diff)
         assert rope_diff < tol, (case, rope_diff)
+        assert small_diff < tol, (case, small_diff)
         assert rope_off > 10 * tol, (case, rope_off)
         if window > 0:  # it can fail: a window one narrower is caught
             assert narrower > 10 * tol, (length, dim, window, narrower)
