@@ -138,8 +138,9 @@ CONFIGS = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 
 
 def gpu_ms(fn) -> float:
-    """The GPU's time for one call (CUDA events, median), not the launch: a short call's kernel takes microseconds,
-    less than launching it from Python."""
+    """The time between CUDA events around one call (median). At a short call's shapes this is the Python launch,
+    not the kernel (session 17, `gpu_h200_attention.md`): a Triton launch from Python outlasts a kernel of a few
+    microseconds and the GPU idles between the events; only large shapes are timed truly this way."""
     import triton
 
     return round(float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), 4)
