@@ -203,15 +203,23 @@ def _end(proc: subprocess.Popen) -> None:
         pass
 
 
+def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[Dict[str, Any]]:
+    """The verdict an earlier start recorded for `entry` on this machine (None: none, so a probe child will run)."""
+    try:
+        cached = json.loads(verdict_path(entry, machine, device).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
+        return cached
+    return None
+
+
 def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine) -> Pending:
     """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
     path = verdict_path(entry, machine, device)
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
-            return Pending(entry, path, machine, device, cached=cached)
-    except (OSError, ValueError):
-        pass
+    cached = cached_verdict(entry, machine, device)
+    if cached is not None:
+        return Pending(entry, path, machine, device, cached=cached)
     try:
         timeout_s()
     except SettingError as e:

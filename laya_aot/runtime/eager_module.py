@@ -62,6 +62,17 @@ class EagerModule:
         except Exception:  # noqa: BLE001 - a later need builds it again and raises there
             log.warning("laya-aot: building laya's eager module in the background failed", exc_info=True)
 
+    def discard(self, why: str) -> None:
+        """Drop the module (waiting for a background build to end): built for an artifact that does not serve,
+        it would hold the weights again; whatever needs it later builds it again."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self.model, self._thread = None, None
+            self.stats.update(eager_module="discarded", eager_module_discarded_why=why)
+        log.info("laya-aot: laya's eager module for %s discarded (%s)", self.checkpoint, why)
+
     def install(self, why: str) -> None:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
         before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`)."""

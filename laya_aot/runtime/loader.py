@@ -363,11 +363,17 @@ def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
     for art in candidates:
         backend = trial.run(art)
         if backend is not None:
+            trial.drop_unused_module(backend)
             backend.load_stats["start_costs_here_s"] = starts
             _log_choice(ckpt, backend, agent.device.type, opts.near_ties,
                         start_tie_reason(art, manifest.artifacts, agent.device.type, starts))
             return backend
     return None
+
+
+def _runs_module(art: Artifact) -> bool:
+    """Whether the artifact runs laya's own module (its kind's `needs_module`): the agent then gets laya's module."""
+    return kinds.get(art.kind).needs_module
 
 
 def _bundle_refused(agent, manifest: Bundle, ckpt: Path, load_stats: Dict[str, Any]) -> Optional[str]:
@@ -395,6 +401,7 @@ class _Trial:
         self.machine = current_machine(str(agent.device))
         self.pad_id = laya_api.pad_id(agent)
         self.tensors: Any = None
+        self.module_for: Optional[str] = None  # the artifact laya's module was started for beside its probe
 
     def run(self, art: Artifact) -> Optional[AOTBackend]:
         """The artifact installed into the agent, or None with its reason added to `rejected`."""
@@ -430,11 +437,27 @@ class _Trial:
         return why
 
     def _module_beside_probe(self, art: Artifact) -> None:
-        """An artifact that runs laya's own module (`Kind.needs_module`) waits for it to be built, seconds for a
-        large checkpoint; its probe child, seconds on a first start, runs in another process meanwhile. So the
-        module is built in a thread from here, and `_load` takes it once both are done."""
-        if self.eager is not None and laya_api.is_thin(self.agent) and kinds.get(art.kind).needs_module:
-            self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
+        """An artifact that runs laya's own module (`_runs_module`) waits for it to be built, seconds for a large
+        checkpoint; its probe child, seconds on a first start, runs in another process meanwhile. So where a child
+        will run (no verdict cached here), the module is built in a thread from here, and `_load` takes it once
+        both are done; `drop_unused_module` discards it if another artifact serves."""
+        from ..probe import cached_verdict
+
+        if self.eager is None or not laya_api.is_thin(self.agent) or not _runs_module(art) \
+                or cached_verdict(art, self.machine, str(self.agent.device)) is not None:
+            return
+        self.module_for = art.name
+        self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
+
+    def drop_unused_module(self, served: Optional[AOTBackend]) -> None:
+        """A module built beside the probe of an artifact that was then rejected, where an artifact that does not
+        run it serves (the agent still thin): discarded, as it would hold the weights again in fp32; built again
+        on need. Kept where nothing serves (laya's eager forward takes it) or the served artifact runs it."""
+        if self.module_for is None or self.eager is None or served is None or not laya_api.is_thin(self.agent):
+            return
+        self.eager.discard("artifact %s, which it was built for, was rejected; %s serves without it"
+                           % (self.module_for, served.artifact.name))
+        served.load_stats.update(self.eager.stats)
 
     def _probe(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
         """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""
@@ -454,7 +477,7 @@ class _Trial:
         """Load it in this process, verify it here if the build could not, smoke-check it; why it fails."""
         agent, eager, kind = self.agent, self.eager, kinds.get(art.kind)
         thin = laya_api.is_thin(agent)
-        if thin and kind.needs_module and eager is not None:
+        if thin and _runs_module(art) and eager is not None:
             eager.install("artifact %s runs laya's own module" % art.name)
             thin = False
         if self.tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file

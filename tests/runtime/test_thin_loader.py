@@ -84,27 +84,67 @@ def test_a_checkpoint_of_another_shape_serves_thin_with_laya_eagers_answers(alt_
         assert_same_answers(got["answers"], ref["answers"])
 
 
-def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt, demo_bundle, reference, monkeypatch):
-    """A kind that runs laya's own module (TileLang's route) on a start that probes it: the module is building in a
-    thread before the probe's verdict is waited for (a first start's child takes seconds in another process), and
-    the artifact serves it once both are done, with laya eager's answers."""
-    from laya_aot import kinds
-    from laya_aot.kinds import registry
+def _module_route(monkeypatch, tmp_path, runs_module):
+    """The loader told that the artifacts `runs_module(art)` picks run laya's own module (as TileLang's route does),
+    an empty verdict cache (a first start on this machine: the probe child runs), and a record, per probed
+    artifact, of whether laya's module was building when its verdict was awaited."""
     from laya_aot.runtime import loader
 
-    monkeypatch.setitem(registry._BY_NAME, "aoti", dataclasses.replace(kinds.get("aoti"), needs_module=True))
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_runs_module", runs_module)
     building_at_probe = []
     real = loader._Trial._probe
 
     def probe(self, art, stats):
-        building_at_probe.append(self.eager is not None and self.eager._thread is not None)
+        building_at_probe.append((art.name, self.eager is not None and self.eager._thread is not None))
         return real(self, art, stats)
     monkeypatch.setattr(loader._Trial, "_probe", probe)
+    return building_at_probe
+
+
+def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt, demo_bundle, reference, monkeypatch,
+                                                                        tmp_path):
+    """A first start: the module is building in a thread before the probe's verdict is waited for (the child takes
+    seconds in another process), and the artifact serves it once both are done, with laya eager's answers. A later
+    start (the verdict cached) builds it when the artifact loads: nothing would overlap."""
+    seen = _module_route(monkeypatch, tmp_path, lambda art: True)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, probe=True)
     stats = agent.backend_object.load_stats
-    assert agent.backend.startswith("aot:") and building_at_probe == [True]
+    assert agent.backend.startswith("aot:") and [b for _, b in seen] == [True]
     assert "built while its probe runs, in the background" in stats["eager_module_why"]
     assert stats["eager_module"] == "built" and stats["eager_module_wait_s"] >= 0
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    seen.clear()
+    later = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, probe=True)
+    assert [b for _, b in seen] == [False] and later.backend_object.load_stats["probe"] == "cached"
+    assert "probe" not in later.backend_object.load_stats["eager_module_why"]
+
+
+def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves(demo_ckpt, demo_bundle, reference,
+                                                                                 monkeypatch, tmp_path):
+    """The first candidate runs laya's module and its probe fails; the next one, which does not run it, serves the
+    thin agent: the module built beside the failed probe is not left holding the weights again."""
+    from laya_aot.runtime import loader
+
+    first = []
+
+    def runs_module(art):
+        first.append(art.name) if not first else None
+        return art.name == first[0]
+    seen = _module_route(monkeypatch, tmp_path, runs_module)
+    probing = loader._Trial._probe
+
+    def probe(self, art, stats):
+        why = probing(self, art, stats)
+        return "refused by the test" if art.name == first[0] else why
+    monkeypatch.setattr(loader._Trial, "_probe", probe)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", probe=True)
+    bo = agent.backend_object
+    assert seen[0] == (first[0], True) and bo.artifact.name != first[0]
+    assert laya_api.is_thin(agent) and bo.eager_module.model is None
+    assert bo.load_stats["eager_module"] == "discarded"
+    assert first[0] in bo.load_stats["eager_module_discarded_why"]
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"])
 
