@@ -7,7 +7,10 @@ and calls it: no Dynamo trace, no AOTAutograd, no Inductor (a saved Inductor cac
 and AOTAutograd to every start: 10 s of a ModernBERT-large start on an H200). Its guards are saved with it,
 so a batch outside them is one error, never a recompile. Such a function is bound to the exact torch, Python,
 triton and GPU it was compiled on: its `Needs` say so (`precompiled_needs`), and the loader refuses it
-elsewhere before loading anything.
+elsewhere before loading anything. The function takes laya's module as its argument (its weights are read from
+it at each call), and loading it needs a transformers model instance in the process anyway: its saved guards
+check the key order of transformers' `_CAN_RECORD_REGISTRY`, which a model's construction fills (in a process
+without one, building the guards fails with an IndexError). So this route cannot start without laya's module.
 
 Where this torch cannot precompile (no API, or it fails), the build falls back to the previous format,
 `inductor_cache`: `torch.compiler.save_cache_artifacts()`, which `CompileRunner` loads before its first
