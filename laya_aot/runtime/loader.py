@@ -449,11 +449,11 @@ class _Trial:
         self.module_for = art.name
         self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
 
-    def drop_unused_module(self, served: Optional[AOTBackend]) -> None:
+    def drop_unused_module(self, served: AOTBackend) -> None:
         """A module built beside the probe of an artifact that was then rejected, where an artifact that does not
         run it serves (the agent still thin): discarded, as it would hold the weights again in fp32; built again
         on need. Kept where nothing serves (laya's eager forward takes it) or the served artifact runs it."""
-        if self.module_for is None or self.eager is None or served is None or not laya_api.is_thin(self.agent):
+        if self.module_for is None or self.eager is None or not laya_api.is_thin(self.agent):
             return
         self.eager.discard("artifact %s, which it was built for, was rejected; %s serves without it"
                            % (self.module_for, served.artifact.name))
