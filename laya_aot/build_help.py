@@ -37,6 +37,8 @@ Keys (KEY=VALUE overrides one value):
                           the dtype of the action head (default fp32)
   export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
                           rotary embedding fused into it; slower on the H200) or stock
+  export.rotary           table (default: the rotary cos/sin read from a table made at export) or computed
+                          (recomputed in every layer, as transformers does)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from . import attention as attention_mod
+from . import rotary as rotary_mod
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
-                 device_type: str = "cpu", attention: str = "stock"):
+                 device_type: str = "cpu", attention: str = "stock", rope_table: int = 0):
         super().__init__()
         if attention not in attention_mod.ATTENTIONS:
             raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
@@ -62,6 +63,9 @@ class ExplicitDtypeModel(torch.nn.Module):
         # what the copy computes attention with: "triton" or "triton_rope" only on a GPU in 16 bits, for an encoder
         # laya_aot.attention knows
         self.attention = attention_mod.switch(self.model, device_type, dtype, attention)
+        # "table": the rotary cos/sin read from tables of `rope_table` positions (laya_aot.rotary); "computed": as
+        # transformers computes them on every forward
+        self.rotary = "table" if rope_table > 0 and rotary_mod.tabulate(self.model, rope_table) else "computed"
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype

@@ -130,7 +130,7 @@ class AOTIRunner(Runner):
         if cuda_graphs and self.device.type == "cuda":
             from .graphs import GraphedCalls
 
-            self.graphs = GraphedCalls(self._run)
+            self.graphs = GraphedCalls(self._run, device=self.device)
         if spec.get("frozen"):  # weights folded into the package at build time
             return
         t0 = time.perf_counter()
@@ -165,13 +165,22 @@ class AOTIRunner(Runner):
             return lambda *xs: tuple(self._compiled(*xs))
         return lambda *xs: tuple(loader.run(list(xs)))
 
+    takes_host_inputs = True
+
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
+        """Inputs on any device, outputs on the inputs' device. A CUDA graph's replay takes host inputs straight
+        into its static buffers and gives its outputs straight back: no device copy of either in between (on
+        the H200 those copies were about a quarter of a 1x1 call's host time, gpu_h200_profile.md `_host1`)."""
+        back = ids.device
         # the package launches on the current stream of the current device: make that the artifact's GPU,
         # whatever device the calling thread had current (an agent on cuda:1 beside one on cuda:0)
         where = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with self._lock, where:
-            fn = self.graphs if self.graphs is not None else self._run
-            logits, act = fn(ids, att, mpos, mmask, qtype)
+            if self.graphs is not None:
+                logits, act = self.graphs(ids, att, mpos, mmask, qtype, out_device=back)
+            else:
+                logits, act = self._run(*(x.to(self.device) for x in (ids, att, mpos, mmask, qtype)))
+                logits, act = logits.to(back), act.to(back)
         return logits, act
 
 
@@ -298,13 +307,13 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
     facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx),
-                 attention=exported.attention)
+                 attention=exported.attention, rotary=exported.rotary)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
     if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
         t0 = time.perf_counter()
         frozen = dict(package(exported.program, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx,
-                              frozen=True), attention=exported.attention)
+                              frozen=True), attention=exported.attention, rotary=exported.rotary)
         ctx.add_artifact(KIND, name + "-frozen", name + "-frozen", ctx.device, ctx.dtype, time.perf_counter() - t0,
                          details=frozen)
         done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)

@@ -27,9 +27,12 @@ Outputs = Tuple[torch.Tensor, torch.Tensor]
 
 
 class Runner:
-    """Runs one artifact: padded tensors in, `(logits, act_logits)` out; `device` is where inputs must live."""
+    """Runs one artifact: padded tensors in, `(logits, act_logits)` out; `device` is where inputs must live, unless
+    `takes_host_inputs`: then inputs may be on any device and the outputs come back on the inputs' device (the
+    runner moves them itself, where it can do so with fewer copies)."""
 
     device = torch.device("cpu")
+    takes_host_inputs = False
     stats: Dict[str, Any]
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:  # pragma: no cover - interface
@@ -65,6 +68,8 @@ class Exported:
     ranges: Ranges
     # how the program computes attention (`ExplicitDtypeModel.attention`): "triton", "triton_rope" or "stock"
     attention: str = "stock"
+    # where the rotary cos/sin come from (`ExplicitDtypeModel.rotary`): "table" or "computed"
+    rotary: str = "computed"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs
 from ..model import ExplicitDtypeModel
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
+from ..rotary import ROTARY
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner
 
@@ -116,12 +117,14 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d); lower it"
                          % (max_tokens, ctx.info["max_len"]))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
+    if e.rotary not in ROTARY:
+        raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
     module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
-                                attention=e.attention)
+                                attention=e.attention, rope_table=max_tokens if e.rotary == "table" else 0)
     t0 = time.perf_counter()
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program), module.attention)
+    made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,11 +133,12 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s attention; %s not shipped: %s" % (made.ranges.as_dict(), made.attention, name,
-                                                                       why), exported=made)
+        return Built("ranges %s; %s attention; rotary %s; %s not shipped: %s"
+                     % (made.ranges.as_dict(), made.attention, made.rotary, name, why), exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details={"attention": made.attention})
-    return Built("ranges %s; %s attention" % (made.ranges.as_dict(), made.attention), exported=made)
+                     details={"attention": made.attention, "rotary": made.rotary})
+    return Built("ranges %s; %s attention; rotary %s" % (made.ranges.as_dict(), made.attention, made.rotary),
+                 exported=made)
 
 
 def _does_not_save(program: ExportedProgram, path: Path) -> str:

@@ -28,3 +28,7 @@ class ExportConfig:
     # key block again: 65.0 -> 73.6 ms at 32x1024, benchmarks/results/gpu_h200_profile.md, session 17), so not the
     # default. The CPU and fp32 always export stock attention.
     attention: str = "triton"
+    # "table": the rotary embedding's cos and sin read from a table of the export's positions, made once at export
+    # by transformers' own rotary forward (laya_aot/rotary.py), instead of recomputed inside every layer's kernel;
+    # "computed": as transformers computes them on every forward
+    rotary: str = "table"
