@@ -58,12 +58,16 @@ class _Graph:
                                   capture_error_mode="thread_local"):
                 self.outputs = list(fn(*self.inputs))
 
-    def replay(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def replay(self, inputs: Sequence[torch.Tensor], out_device: Optional[torch.device] = None) -> List[torch.Tensor]:
+        """Copies `inputs` (from any device: host tensors go straight into the static buffers) and replays; the
+        outputs are copies on `out_device` (None: this GPU), since the next replay overwrites the static ones."""
         with torch.cuda.device(self.device):
             for dst, src in zip(self.inputs, inputs):
                 dst.copy_(src)
             self.graph.replay()
-            return [o.clone() for o in self.outputs]  # the next replay overwrites the static outputs
+            if out_device is None or torch.device(out_device) == self.device:
+                return [o.clone() for o in self.outputs]
+            return [o.to(out_device) for o in self.outputs]
 
     def pool(self) -> Any:
         return self.graph.pool()
@@ -89,8 +93,10 @@ class GraphedCalls:
     """
 
     def __init__(self, fn: Fn, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS,
-                 graph_factory: Callable[[Fn, Sequence[torch.Tensor], Any], Any] = _Graph):
+                 graph_factory: Callable[[Fn, Sequence[torch.Tensor], Any], Any] = _Graph,
+                 device: Optional[torch.device] = None):
         self._fn = fn
+        self.device = device  # where `fn` takes its inputs (None: they come there already)
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
         self._factory = graph_factory
@@ -104,19 +110,23 @@ class GraphedCalls:
         ids = inputs[0]
         return ids.dim() == 2 and ids.shape[0] * ids.shape[1] <= self.max_tokens
 
-    def __call__(self, *inputs: torch.Tensor) -> List[torch.Tensor]:
+    def __call__(self, *inputs: torch.Tensor, out_device: Optional[torch.device] = None) -> List[torch.Tensor]:
+        """`fn`'s outputs for `inputs`, on `out_device` (None: where `fn` leaves them). A replay copies inputs from
+        wherever they are straight into its static buffers, and its outputs straight to `out_device`."""
         key = _key(inputs)
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             self._counts["replays"] += 1
-            return graph.replay(inputs)
+            return graph.replay(inputs, out_device)
+        if self.device is not None:
+            inputs = tuple(x.to(self.device) for x in inputs)
         out = list(self._fn(*inputs))
         if key not in self._refused and self.eligible(inputs):
             self._seen[key] += 1
             if self._seen[key] >= 2:
                 self._capture(key, inputs, out)
-        return out
+        return out if out_device is None else [o.to(out_device) for o in out]
 
     def _capture(self, key: Key, inputs: Sequence[torch.Tensor], plain: Sequence[torch.Tensor]) -> None:
         try:

@@ -165,7 +165,10 @@ class AOTBackend(Backend):
         dev = self.runner.device
         pieces = list(chunks(n, self.ranges, batch[0].shape[1], self.chunk_tokens))
         if len(pieces) == 1:  # the whole batch in one call (the common case): no row slices, one count
-            lo, ac = self.runner(*(x.to(dev) for x in batch))
+            # a runner that takes host inputs moves them itself (a CUDA graph copies them straight into its
+            # buffers); pieces below go to the device first, so that their outputs stay there until the last
+            one = input_ids.device if getattr(self.runner, "takes_host_inputs", False) else dev
+            lo, ac = self.runner(*(x.to(one) for x in batch))
             with self._lock:
                 self._counts["artifact_calls"] += 1
                 self._counts["chunks"] += 1

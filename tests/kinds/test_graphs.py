@@ -19,9 +19,9 @@ class FakeGraph:
         FakeGraph.made += 1
         self.fn, self.offset, self.replays = fn, offset, 0
 
-    def replay(self, inputs):
+    def replay(self, inputs, out_device=None):
         self.replays += 1
-        return [o + self.offset for o in self.fn(*inputs)]
+        return [(o + self.offset).to(out_device or o.device) for o in self.fn(*inputs)]
 
     def pool(self):
         return "pool"
@@ -86,3 +86,29 @@ def test_least_recently_used_graphs_are_dropped_beyond_the_cap():
     assert g.stats["graphs"] == 2 and g.stats["evicted"] == 1
     g(*_inputs(1, 32))       # still captured: a replay
     assert g.stats["replays"] == 1
+
+
+def test_inputs_move_to_the_functions_device_and_outputs_come_back_where_asked():
+    """A runner that takes host inputs: plain calls move them to `device` first; every call's outputs, replayed or
+    not, come back on `out_device`. "meta" stands for the other device, so a missed move cannot pass silently."""
+    seen = []
+
+    def fn(ids, att):
+        seen.append(ids.device.type)
+        return (torch.zeros(ids.shape[0], 1), torch.zeros(att.shape[0]))
+
+    class Recorded(FakeGraph):
+        def replay(self, inputs, out_device=None):
+            assert all(x.device.type == "cpu" for x in inputs)  # host inputs go straight in
+            self.replays += 1
+            return [o.to(out_device) for o in self.fn(*inputs)]
+
+    meta = torch.device("meta")
+    g = GraphedCalls(fn, graph_factory=Recorded, device=meta)
+    g._capture = lambda key, inputs, out: None  # what a capture does is tested above
+    out = g(*_inputs(1, 16), out_device=meta)
+    assert seen == ["meta"] and all(o.device == meta for o in out)
+    assert all(o.device.type == "cpu" for o in g(*_inputs(1, 16)))  # no out_device: where fn leaves them
+    g._graphs[next(iter(g._seen))] = Recorded(fn, None, None)
+    out = g(*_inputs(1, 16), out_device=meta)
+    assert g.stats["replays"] == 1 and all(o.device == meta for o in out) and seen[-1] == "cpu"
