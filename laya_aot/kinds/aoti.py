@@ -6,7 +6,7 @@ package says where each constant comes from at load time: a tensor of the checkp
 model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
 hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
 makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN.
-Its build settings (`aoti.cxx`, `aoti.cpu_frozen`) are `aoti_settings.AotiConfig`.
+Its build settings (`aoti.cxx`, `aoti.cpu_frozen`, `aoti.max_autotune`) are `aoti_settings.AotiConfig`.
 """
 from __future__ import annotations
 
@@ -77,12 +77,13 @@ def inductor_config_kept() -> Iterator[None]:
 
 
 def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
-            cxx: Optional[str] = None, frozen: bool = False) -> Dict[str, Any]:
+            cxx: Optional[str] = None, frozen: bool = False, max_autotune: bool = False) -> Dict[str, Any]:
     """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
 
     `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
     Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
     larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
+    `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in (`AotiConfig`).
     """
     from safetensors.torch import save_file
 
@@ -91,6 +92,8 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     compiler = choose_compiler(cxx)
     configs = ({"freezing": True, "aot_inductor.package_constants_in_so": True} if frozen
                else {"aot_inductor.package_constants_in_so": False})
+    if max_autotune:
+        configs["max_autotune"] = True
     # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
     # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
     patch = {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
@@ -104,7 +107,7 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
         save_file(spec["extra"], str(out_dir / EXTRA))
     n_model = sum(1 for s in constants.values() if s["source"] == "model")
     return {"package_bytes": (out_dir / PACKAGE).stat().st_size, "cxx": compiler["cxx"],
-            "weights_inside": frozen,
+            "weights_inside": frozen, "max_autotune": max_autotune,
             "cxx_passed_over": compiler["passed_over"],
             "constants_from_checkpoint": n_model, "constants_in_bundle": 0 if frozen else len(spec["extra"])}
 
@@ -306,7 +309,8 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
         keys = list(f.keys())
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx),
+    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx,
+                         max_autotune=ctx.cfg.aoti.max_autotune),
                  attention=exported.attention, rotary=exported.rotary)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)

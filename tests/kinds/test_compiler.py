@@ -73,3 +73,22 @@ def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
     assert facts["package_bytes"] > 0
     assert torch._inductor.config.aot_inductor.metadata == before
 
+
+
+@pytest.mark.slow  # exports a program
+@pytest.mark.parametrize("tune", [False, True])
+def test_max_autotune_reaches_inductor_and_the_manifest(tmp_path, monkeypatch, tune):
+    import torch
+
+    seen = {}
+
+    def fake_compile(ep, package_path, inductor_configs):
+        seen.update(inductor_configs)
+        open(package_path, "wb").write(b"pt2")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
+    facts = aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], max_autotune=tune)
+    assert seen.get("max_autotune", False) is tune
+    assert facts["max_autotune"] is tune
+    assert torch._inductor.config.max_autotune is False   # the build's own setting does not leak into the process
