@@ -1,0 +1,172 @@
+"""AOTInductor packages of one checkpoint built with different export/compile settings, timed side by side.
+
+A kernel-level A/B on one machine, for settings whose correctness a full `laya-aot build` has already verified
+(or checks here only coarsely): each variant is exported and packaged exactly as the build's `exported_program`
+and `aoti` stages do it (`ExplicitDtypeModel`, `export_model`, `aoti.package`), in its own process, all variants
+at once; then one process loads every package with the checkpoint's weights and times the forward alone at
+issue 24's shapes, the variants alternating shape by shape (median of 20 after 3 warm-ups, synchronised). Each
+variant's outputs are compared with the first variant's on the same inputs (max |d softmax|), which catches a
+broken package, not a subtle precision change: that is what the build's verification is for.
+
+    python3 benchmarks/aoti_variants.py --ckpt /tmp/laya-large-1024-fp16 --out $OUT --tag _s19 \
+        --variants table,computed,table+autotune
+
+A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally with `+autotune`
+(`aoti.max_autotune=true`). Writes aoti_variants<tag>.json and .md to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
+
+
+def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: str) -> None:
+    """Export and package one variant as the build does; prints one RESULT line."""
+    import laya
+    from safetensors import safe_open
+
+    from laya_aot import laya_internals as laya_api
+    from laya_aot.checkpoint import describe
+    from laya_aot.config import CheckpointConfig
+    from laya_aot.dtypes import torch_dtype
+    from laya_aot.kinds import aoti
+    from laya_aot.kinds.exported_program import export_model
+    from laya_aot.kinds.exported_program_settings import ExportConfig
+    from laya_aot.model import ExplicitDtypeModel
+
+    rotary, _, extra = variant.partition("+")
+    e = ExportConfig()
+    t0 = time.perf_counter()
+    agent = laya.load(ckpt, device="cpu")
+    max_tokens = int(describe(Path(ckpt), CheckpointConfig(path=ckpt))["max_len"])
+    module = ExplicitDtypeModel(agent.model, torch_dtype(dtype), torch_dtype(e.action_head_dtype), device,
+                                attention=e.attention, rope_table=max_tokens if rotary == "table" else 0)
+    program = export_model(module, e.max_rows, max_tokens, e.max_markers, laya_api.pad_id(agent), device)
+    t1 = time.perf_counter()
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    facts = aoti.package(program, workdir / variant, keys, max_autotune=extra == "autotune")
+    res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "export_s": round(t1 - t0, 1),
+           "package_s": round(time.perf_counter() - t1, 1), **facts, "max_tokens": max_tokens}
+    print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+def forward_args(rows: int, length: int, seed: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, min(4000, vocab), (rows, length), generator=g)
+    return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows), torch.ones((rows, 4), dtype=torch.bool),
+            torch.zeros((rows,), dtype=torch.long))
+
+
+def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shapes=SHAPES) -> dict:
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+    from safetensors.torch import load_file
+
+    from laya_aot.kinds.aoti import AOTIRunner
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
+    runners = {v: AOTIRunner(workdir / v, tensors, device, cuda_graphs=graphs) for v in variants}
+    out: dict = {v: {} for v in variants}
+    diffs: dict = {v: {} for v in variants}
+    for rows, length in shapes:
+        shape = "%dx%dx4" % (rows, length)
+        args = [x.to(device) for x in forward_args(rows, length, rows * 10000 + length, vocab)]
+        ref = None
+        times = {v: [] for v in variants}
+        for i in range(23):
+            for v in variants:  # alternating: a drift in the machine's state falls on every variant alike
+                sync()
+                t = time.perf_counter()
+                logits, _ = runners[v](*args)
+                sync()
+                if i >= 3:
+                    times[v].append(time.perf_counter() - t)
+                if i == 0:
+                    p = torch.softmax(logits.float(), -1)
+                    ref = p if ref is None else ref
+                    diffs[v][shape] = float((p - ref).abs().max())
+        for v in variants:
+            out[v][shape] = round(statistics.median(times[v]) * 1e3, 3)
+    return {"forward_ms": out, "max_dp_vs_first": diffs}
+
+
+def markdown(res: dict) -> str:
+    shapes = sorted({k for fo in res.get("timed", {}).get("forward_ms", {}).values() for k in fo},
+                    key=lambda k: [int(n) for n in k.split("x")])
+    lines = ["# AOTInductor variants, one machine (`benchmarks/aoti_variants.py`)", "",
+             "Command: `%s`" % res["command"], "",
+             "| variant | export s | package s | " + " | ".join(shapes) + " | max dp vs first |",
+             "|---|---|---|" + "---|" * len(shapes) + "---|"]
+    for v, c in res["compiled"].items():
+        fo = res.get("timed", {}).get("forward_ms", {}).get(v, {})
+        dp = res.get("timed", {}).get("max_dp_vs_first", {}).get(v, {})
+        lines.append("| %s | %s | %s | %s | %s |" % (
+            v, c.get("export_s", "-"), c.get("package_s", "failed: %s" % c.get("rc")),
+            " | ".join(str(fo.get(s, "-")) for s in shapes), max(dp.values()) if dp else "-"))
+    lines += ["", "Forward only, ms: median of 20 after 3 warm-ups, synchronised, the variants alternating; CUDA "
+              "graphs %s." % ("on (as served)" if res.get("graphs") else "off")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile-child")
+    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
+    ap.add_argument("--workdir", default="/tmp/aoti-variants")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--variants", default="table,computed")
+    ap.add_argument("--no-graphs", action="store_true", help="time the packages without CUDA graphs")
+    ap.add_argument("--compile-timeout", type=float, default=420)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run on a CPU machine (stock attention)")
+    ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES))
+    a = ap.parse_args()
+    workdir = Path(a.workdir)
+    if a.compile_child:
+        compile_child(a.compile_child, a.ckpt, workdir, a.dtype, a.device)
+        return
+    variants = a.variants.split(",")
+    res: dict = {"command": " ".join(sys.argv), "graphs": not a.no_graphs, "compiled": {}}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    child = [sys.executable, __file__, "--ckpt", a.ckpt, "--workdir", str(workdir), "--dtype", a.dtype,
+             "--device", a.device, "--compile-child"]
+    procs = {v: subprocess.Popen(child + [v], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for v in variants}
+    for v, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=a.compile_timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        found = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+        res["compiled"][v] = found[0] if found else {"rc": p.returncode, "stderr": stderr[-3000:]}
+        (out / ("aoti_variants%s_%s.log" % (a.tag, v.replace("+", "_")))).write_text(stdout[-20000:] + stderr[-20000:])
+        print(v, json.dumps(res["compiled"][v], default=str)[:400], flush=True)
+    ok = [v for v in variants if "package_bytes" in res["compiled"][v]]
+    if ok:
+        shapes = tuple(tuple(int(n) for n in s.split("x")) for s in a.shapes.split(","))
+        res["timed"] = time_all(ok, a.ckpt, workdir, not a.no_graphs, a.device, shapes)
+    (out / ("aoti_variants%s.json" % a.tag)).write_text(json.dumps(res, indent=1, default=str))
+    (out / ("aoti_variants%s.md" % a.tag)).write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
