@@ -41,7 +41,6 @@ Keys (KEY=VALUE overrides one value):
                           (recomputed in every layer, as transformers does)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
-  aoti.max_autotune       time Inductor's kernel choices at build and compile the winners in (true/false; slower builds)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
                           turn an artifact kind off (=false); export and verify always run
   verify.seed             the seed of the verification cases

@@ -6,7 +6,7 @@ package says where each constant comes from at load time: a tensor of the checkp
 model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
 hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
 makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN.
-Its build settings (`aoti.cxx`, `aoti.cpu_frozen`, `aoti.max_autotune`) are `aoti_settings.AotiConfig`.
+Its build settings (`aoti.cxx`, `aoti.cpu_frozen`) are `aoti_settings.AotiConfig`.
 """
 from __future__ import annotations
 
@@ -83,7 +83,10 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
     Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
     larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
-    `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in (`AotiConfig`).
+    `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in. Not a build setting:
+    measured 1.3-1.9x slower on the H200 (Inductor tunes at the export's example shape, 144 tokens, and the Triton
+    tiles that win there lose to cuBLAS at real sizes; gpu_h200_profile.md, session 19); `benchmarks/aoti_variants.py`
+    keeps it measurable.
     """
     from safetensors.torch import save_file
 
@@ -107,7 +110,7 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
         save_file(spec["extra"], str(out_dir / EXTRA))
     n_model = sum(1 for s in constants.values() if s["source"] == "model")
     return {"package_bytes": (out_dir / PACKAGE).stat().st_size, "cxx": compiler["cxx"],
-            "weights_inside": frozen, "max_autotune": max_autotune,
+            "weights_inside": frozen,
             "cxx_passed_over": compiler["passed_over"],
             "constants_from_checkpoint": n_model, "constants_in_bundle": 0 if frozen else len(spec["extra"])}
 
@@ -309,8 +312,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
         keys = list(f.keys())
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx,
-                         max_autotune=ctx.cfg.aoti.max_autotune),
+    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx),
                  attention=exported.attention, rotary=exported.rotary)
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)

@@ -19,8 +19,3 @@ class AotiConfig:
     # CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN):
     # faster than eager per call on real model sizes, at the cost of a package the size of the weights
     cpu_frozen: bool = True
-    # Inductor's max-autotune at compile: each matmul's kernel (cuBLAS or a Triton template with the ops
-    # around it fused) and the pointwise kernels' launch settings are picked by timing them on the build
-    # machine, at the export's example shapes. Builds take minutes longer; the choices are compiled into the
-    # package, so the serving process never tunes (benchmarks/results/gpu_h200_profile.md, session 19)
-    max_autotune: bool = False

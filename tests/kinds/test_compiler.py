@@ -77,7 +77,8 @@ def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
 
 @pytest.mark.slow  # exports a program
 @pytest.mark.parametrize("tune", [False, True])
-def test_max_autotune_reaches_inductor_and_the_manifest(tmp_path, monkeypatch, tune):
+def test_max_autotune_reaches_inductor_and_stays_there(tmp_path, monkeypatch, tune):
+    # benchmarks/aoti_variants.py measures packages compiled with it
     import torch
 
     seen = {}
@@ -88,7 +89,6 @@ def test_max_autotune_reaches_inductor_and_the_manifest(tmp_path, monkeypatch, t
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
     ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
-    facts = aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], max_autotune=tune)
+    aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], max_autotune=tune)
     assert seen.get("max_autotune", False) is tune
-    assert facts["max_autotune"] is tune
     assert torch._inductor.config.max_autotune is False   # the build's own setting does not leak into the process
