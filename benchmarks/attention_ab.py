@@ -3,7 +3,7 @@
 
 On the GPU host, after the .device-site unpack line, with the checkpoint and stock bundle `gpu_start.py` uses:
 
-    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1] [--kernel-only --kernel-shapes 1x128,8x256]
+    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1] [--kernel-only --kernel-shapes 1x128,8x256 [--graph]]
 
 First times the kernel alone against SDPA with the dense masks transformers builds, for a few tile configurations
 (`CONFIGS`), at `--kernel-shapes` rows x tokens (default 32 x 1024) x 16 heads x 64 in bf16 with padding, local
@@ -72,9 +72,11 @@ def main() -> None:
     ap.add_argument("--kernel-only", action="store_true", help="only the kernel against SDPA, no export")
     ap.add_argument("--kernel-shapes", default="32x1024", help="rows x tokens the kernel alone is timed at, "
                     "comma-separated (16 heads of 64, ModernBERT-large's)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time the kernel alone replayed from a CUDA graph (what times a short shape)")
     a = ap.parse_args()
     res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-    res["kernel"] = [kernel_bench(rows=int(r), length=int(L)) for r, L in
+    res["kernel"] = [kernel_bench(rows=int(r), length=int(L), graphed=a.graph) for r, L in
                      (shape.split("x") for shape in a.kernel_shapes.split(","))]
     if a.kernel_only:
         write(a, res)
@@ -146,9 +148,27 @@ def gpu_ms(fn) -> float:
     return round(float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), 4)
 
 
-def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64) -> dict:
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU time per call of `fn` replayed from one CUDA graph of `calls` launches (median): no Python launch between
+    the events, as in a served call replayed from the artifact's CUDA graph; what times a short shape's kernel."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return round(gpu_ms(graph.replay) / calls, 4)
+
+
+def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64, graphed: bool = False) -> dict:
     """The kernel alone per tile configuration (`window_attention._launch` with each; `blocks` picks the shipped
-    one), and SDPA with transformers-style dense boolean masks; GPU time per call (`gpu_ms`)."""
+    one), and SDPA with transformers-style dense boolean masks; GPU time per call (`gpu_ms`, or `graph_ms` when
+    `graphed`)."""
     import torch.nn.functional as F
 
     from laya_aot import attention
@@ -160,7 +180,8 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
     keep = torch.ones(rows, length, dtype=torch.bool, device="cuda")
     for r in range(1, rows):
         keep[r, length - 16 * (r * 7 % max(1, length // 32)):] = False
-    out: dict = {"shape": "%dx%dx%dx%d" % (rows, heads, length, dim)}
+    out: dict = {"shape": "%dx%dx%dx%d" % (rows, heads, length, dim), "timed": "graph" if graphed else "events"}
+    bench = graph_ms if graphed else gpu_ms
     i = torch.arange(length, device="cuda")
     for window in (64, -1):
         allowed = keep[:, None, None, :].expand(rows, 1, length, length)
@@ -171,12 +192,12 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
         ref = attention.reference(q[:few], k[:few], v[:few], keep[:few], None if window < 0 else window,
                                   dim ** -0.5).float()
         row: dict = {"shipped": wa.blocks(dim, window),
-                     "sdpa_dense_mask_ms": gpu_ms(lambda m=allowed: F.scaled_dot_product_attention(q, k, v,
+                     "sdpa_dense_mask_ms": bench(lambda m=allowed: F.scaled_dot_product_attention(q, k, v,
                                                                                                   attn_mask=m))}
         for c in CONFIGS:
             name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
             try:
-                ms = gpu_ms(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
+                ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
                                                                    cfg=c))
                 o = wa._launch(q, k, v, keep, window, dim ** -0.5, None, None, cfg=c)
                 err = float((o[:few].float() - ref).abs().max())
