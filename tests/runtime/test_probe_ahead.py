@@ -112,7 +112,6 @@ def test_an_entry_larger_than_an_environment_variable_is_probed(ahead, demo_ckpt
     Linux allows one environment variable; passed in one, the child could not start (E2BIG on the H200). The
     child reads it from a file, which is gone once the verdict is in."""
     import dataclasses
-    import glob
     import tempfile
 
     from laya_aot.variant import current_machine
@@ -121,13 +120,16 @@ def test_an_entry_larger_than_an_environment_variable_is_probed(ahead, demo_ckpt
     art = _aoti(demo_bundle)
     big = dataclasses.replace(art, details=dict(art.details, notes=["k%06d" % i + "x" * 90 for i in range(3000)]))
     assert len(json.dumps(big.to_dict())) > 256 * 1024
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "laya-aot-probe-entry-*")))
     pending = probe.start(demo_bundle, big, demo_ckpt, "cpu", current_machine("cpu"))
-    assert pending.proc is not None and pending.entry_file and os.path.exists(pending.entry_file)
+    entry_file = pending.entry_file
+    assert pending.proc is not None and entry_file and os.path.exists(entry_file)
+    assert os.path.dirname(entry_file) == tempfile.gettempdir()
     stats = {}
     assert probe.finish(pending, stats) is None, stats
     assert stats["probe"] == "ran"
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "laya-aot-probe-entry-*"))) == before
+    # this probe's own file: another test worker's probe may hold one of the same prefix at this moment (a glob of
+    # the whole directory failed so under pytest-xdist in CI, session 19)
+    assert not os.path.exists(entry_file)
 
 
 def test_an_entry_file_changed_after_the_loader_wrote_it_is_refused(ahead, demo_ckpt, demo_bundle, monkeypatch):
