@@ -74,7 +74,6 @@ def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
     assert torch._inductor.config.aot_inductor.metadata == before
 
 
-
 @pytest.mark.slow  # exports a program
 @pytest.mark.parametrize("tune", [False, True])
 def test_max_autotune_reaches_inductor_and_stays_there(tmp_path, monkeypatch, tune):
