@@ -89,6 +89,15 @@ def test_frozen_cpu_package_carries_the_weights(demo_bundle, demo_ckpt):
     assert frozen["details"]["package_bytes"] - plain["details"]["package_bytes"] > 0.5 * weights
 
 
+def test_frozen_cpu_package_ships_its_library_unpacked(demo_bundle):
+    """torch's package loader re-extracts the zip on every load; the frozen library is shipped out of it."""
+    frozen = _by_name(read_manifest(demo_bundle), "aoti-cpu-frozen")
+    shipped = sorted(p.name for p in (demo_bundle / frozen["path"]).iterdir())
+    assert shipped == ["constants.json", "model.so"], shipped
+    assert frozen["details"]["unpacked"]
+    assert frozen["details"]["package_bytes"] == (demo_bundle / frozen["path"] / "model.so").stat().st_size
+
+
 def test_onnx_model_is_checked_and_has_laya_input_names(demo_bundle):
     import onnx
 

@@ -167,6 +167,7 @@ def no_native_load(monkeypatch):
         raise AssertionError("native code was loaded from a bundle that should have been refused")
     monkeypatch.setattr(pkg, "load_package", forbidden)
     monkeypatch.setattr(runners, "load_aoti_package", forbidden)
+    monkeypatch.setattr(runners, "load_aoti", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     yield
@@ -182,8 +183,15 @@ def _load_expect_eager(ckpt, bundle, match, **kw):
     return agent
 
 
+def _native_files(bundle: Path):
+    """Every AOTInductor package or unpacked library of the bundle (both kinds of file a CPU build ships)."""
+    found = sorted(bundle.glob("aoti-cpu*/model.pt2")) + sorted(bundle.glob("aoti-cpu*/model.so"))
+    assert len(found) == 2, found
+    return found
+
+
 def test_flipped_byte_is_refused(bundle_copy, demo_ckpt, no_native_load):
-    for so in bundle_copy.glob("aoti-cpu*/model.pt2"):
+    for so in _native_files(bundle_copy):
         data = bytearray(so.read_bytes())
         data[len(data) // 2] ^= 0xFF
         so.write_bytes(bytes(data))
@@ -195,7 +203,7 @@ def test_a_byte_flipped_after_a_good_load_is_refused_despite_the_digest_cache(bu
     import os
 
     laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", prefer="aoti")  # digests now cached
-    for so in bundle_copy.glob("aoti-cpu*/model.pt2"):
+    for so in _native_files(bundle_copy):
         st = so.stat()
         data = bytearray(so.read_bytes())
         data[len(data) // 3] ^= 0xFF
@@ -219,7 +227,7 @@ def test_newer_manifest_schema_is_refused(bundle_copy, demo_ckpt, no_native_load
 
 def test_missing_file_is_refused(bundle_copy, demo_ckpt, no_native_load):
     (bundle_copy / "aoti-cpu" / "constants.json").unlink()
-    (bundle_copy / "aoti-cpu-frozen" / "model.pt2").unlink()
+    (bundle_copy / "aoti-cpu-frozen" / "model.so").unlink()
     (bundle_copy / "onnx" / "model.onnx").unlink()
     _load_expect_eager(demo_ckpt, bundle_copy, "missing|sha256")
 
