@@ -6,7 +6,8 @@ package says where each constant comes from at load time: a tensor of the checkp
 model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
 hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
 makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN;
-that one ships unpacked (`model.so`, see `unpack_library`). Its build settings (`aoti.cxx`, `aoti.cpu_frozen`) are `aoti_settings.AotiConfig`.
+that one ships unpacked (`model.so`, see `unpack_library`). Its build settings (`aoti.cxx`, `aoti.cpu_frozen`)
+are `aoti_settings.AotiConfig`.
 """
 from __future__ import annotations
 
