@@ -18,6 +18,7 @@ import logging
 import torch
 
 from . import attention as attention_mod
+from . import head as head_mod
 from . import rotary as rotary_mod
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, action_head_dtype: torch.dtype,
-                 device_type: str = "cpu", attention: str = "stock", rope_table: int = 0):
+                 device_type: str = "cpu", attention: str = "stock", rope_table: int = 0, head: str = "full"):
         super().__init__()
         if attention not in attention_mod.ATTENTIONS:
             raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
+        if head not in head_mod.HEADS:
+            raise ValueError("export.head=%r: one of %s" % (head, ", ".join(head_mod.HEADS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
         # what the copy computes attention with: "triton" or "triton_rope" only on a GPU in 16 bits, for an encoder
@@ -66,6 +69,10 @@ class ExplicitDtypeModel(torch.nn.Module):
         # "table": the rotary cos/sin read from tables of `rope_table` positions (laya_aot.rotary); "computed": as
         # transformers computes them on every forward
         self.rotary = "table" if rope_table > 0 and rotary_mod.tabulate(self.model, rope_table) else "computed"
+        # "answer_rows": the head's last layer computed only at position 0 and the markers (laya_aot.head); "full":
+        # over every token, as laya does. Kept out of the module tree: the layer stays where laya's model has it
+        self._answer_rows_layer = [head_mod.install(self.model)] if head == "answer_rows" else [None]
+        self.head = "answer_rows" if self._answer_rows_layer[0] is not None else "full"
         if dtype != torch.float32:
             head = self.model.act_head
             self.model.act_head = torch.nn.Identity()  # the head's linears follow action_head_dtype, not dtype
@@ -79,6 +86,16 @@ class ExplicitDtypeModel(torch.nn.Module):
             self.model.act_head.to(action_head_dtype)  # laya casts the head's input to its weight dtype
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype):
+        last = self._answer_rows_layer[0]
+        if last is None:
+            return self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype)
+        last.answer_rows = head_mod.answer_rows(marker_pos)
+        try:
+            return self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype)
+        finally:
+            last.answer_rows = None
+
+    def _forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype):
         if self.dtype == torch.float32:  # no autocast region at all: fp32 graphs stay as plain as eager's
             logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
         else:

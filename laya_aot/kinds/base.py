@@ -70,6 +70,8 @@ class Exported:
     attention: str = "stock"
     # where the rotary cos/sin come from (`ExplicitDtypeModel.rotary`): "table" or "computed"
     rotary: str = "computed"
+    # where the head's last layer runs (`ExplicitDtypeModel.head`): "answer_rows" or "full"
+    head: str = "full"
 
 
 @dataclass

@@ -120,11 +120,12 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if e.rotary not in ROTARY:
         raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
     module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
-                                attention=e.attention, rope_table=max_tokens if e.rotary == "table" else 0)
+                                attention=e.attention, rope_table=max_tokens if e.rotary == "table" else 0,
+                                head=e.head)
     t0 = time.perf_counter()
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary)
+    made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary, module.head)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,11 +134,12 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s attention; rotary %s; %s not shipped: %s"
-                     % (made.ranges.as_dict(), made.attention, made.rotary, name, why), exported=made)
+        return Built("ranges %s; %s attention; rotary %s; head %s; %s not shipped: %s"
+                     % (made.ranges.as_dict(), made.attention, made.rotary, made.head, name, why), exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details={"attention": made.attention, "rotary": made.rotary})
-    return Built("ranges %s; %s attention; rotary %s" % (made.ranges.as_dict(), made.attention, made.rotary),
+                     details={"attention": made.attention, "rotary": made.rotary, "head": made.head})
+    return Built("ranges %s; %s attention; rotary %s; head %s"
+                 % (made.ranges.as_dict(), made.attention, made.rotary, made.head),
                  exported=made)
 
 

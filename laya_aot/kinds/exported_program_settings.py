@@ -32,3 +32,7 @@ class ExportConfig:
     # by transformers' own rotary forward (laya_aot/rotary.py), instead of recomputed inside every layer's kernel;
     # "computed": as transformers computes them on every forward
     rotary: str = "table"
+    # "answer_rows": the decision head's last layer computed only where laya's head reads its output (position 0
+    # and the markers; laya_aot/head.py), -11% of a base-512 forward on the CPU at 8x256; "full": over every token,
+    # as laya's forward does
+    head: str = "answer_rows"
