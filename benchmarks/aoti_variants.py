@@ -12,7 +12,9 @@ broken package, not a subtle precision change: that is what the build's verifica
         --variants table,computed,table+autotune
 
 A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally with `+autotune`
-(`aoti.max_autotune=true`). Writes aoti_variants<tag>.json and .md to --out.
+(`aoti.max_autotune=true`) and `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`).
+Session 19's `table` and `computed` ran before `export.head` existed: they are `table+fullhead` and
+`computed+fullhead` now. Writes aoti_variants<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
@@ -42,20 +44,23 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     from laya_aot.kinds.exported_program_settings import ExportConfig
     from laya_aot.model import ExplicitDtypeModel
 
-    rotary, _, extra = variant.partition("+")
+    rotary, *extras = variant.split("+")
     e = ExportConfig()
+    head = "full" if "fullhead" in extras else e.head
     t0 = time.perf_counter()
     agent = laya.load(ckpt, device="cpu")
     max_tokens = int(describe(Path(ckpt), CheckpointConfig(path=ckpt))["max_len"])
     module = ExplicitDtypeModel(agent.model, torch_dtype(dtype), torch_dtype(e.action_head_dtype), device,
-                                attention=e.attention, rope_table=max_tokens if rotary == "table" else 0)
+                                attention=e.attention, rope_table=max_tokens if rotary == "table" else 0,
+                                head=head)
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, laya_api.pad_id(agent), device)
     t1 = time.perf_counter()
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    facts = aoti.package(program, workdir / variant, keys, max_autotune=extra == "autotune")
-    res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "export_s": round(t1 - t0, 1),
-           "package_s": round(time.perf_counter() - t1, 1), **facts, "max_tokens": max_tokens}
+    facts = aoti.package(program, workdir / variant, keys, max_autotune="autotune" in extras)
+    res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "head": module.head,
+           "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
+           "max_tokens": max_tokens}
     print("RESULT " + json.dumps(res, default=str), flush=True)
 
 
