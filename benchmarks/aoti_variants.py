@@ -12,7 +12,8 @@ broken package, not a subtle precision change: that is what the build's verifica
         --variants table,computed,table+autotune
 
 A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally with `+autotune`
-(`aoti.max_autotune=true`) and `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`).
+(`aoti.max_autotune=true`), `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`) and
+`+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`).
 Session 19's `table` and `computed` ran before `export.head` existed: they are `table+fullhead` and
 `computed+fullhead` now. Writes aoti_variants<tag>.json and .md to --out.
 """
@@ -57,7 +58,8 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     t1 = time.perf_counter()
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    facts = aoti.package(program, workdir / variant, keys, max_autotune="autotune" in extras)
+    facts = aoti.package(program, workdir / variant, keys, max_autotune="autotune" in extras,
+                         frozen="frozen" in extras)
     res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "head": module.head,
            "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
            "max_tokens": max_tokens}
