@@ -65,18 +65,15 @@ Batch = Tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor", "t
 
 def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     """Pad tokens to the artifact's multiple (pad id, attention 0) and markers to its minimum (masked)."""
-    import torch
+    from torch.nn.functional import pad  # one op per tensor: half a cat's host time on a 1-row call
 
     ids, att, mpos, mmask, qtype = batch
-    n, t = ids.shape
-    k = mpos.shape[1]
+    t, k = ids.shape[1], mpos.shape[1]
     tp, kp = ranges.padded_tokens(t), ranges.padded_markers(k)
     if tp != t:
-        ids = torch.cat([ids, ids.new_full((n, tp - t), pad_id)], 1)
-        att = torch.cat([att, att.new_zeros((n, tp - t))], 1)
+        ids, att = pad(ids, (0, tp - t), value=pad_id), pad(att, (0, tp - t))
     if kp != k:
-        mpos = torch.cat([mpos, mpos.new_zeros((n, kp - k))], 1)
-        mmask = torch.cat([mmask, mmask.new_zeros((n, kp - k))], 1)
+        mpos, mmask = pad(mpos, (0, kp - k)), pad(mmask, (0, kp - k))
     return ids, att, mpos, mmask, qtype
 
 
