@@ -128,6 +128,7 @@ def unpack_library(out_dir: Path) -> None:
     interpreter lock all along, while the library alone loads in 0.34 s (`load_aoti`). The zip's other members
     are the generated C++ sources (already compiled into the library) and metadata that `variant` checks
     from the manifest instead."""
+    import shutil
     import zipfile
 
     pkg = out_dir / PACKAGE
@@ -139,11 +140,7 @@ def unpack_library(out_dir: Path) -> None:
                                % (len(libs), ", ".join(libs) or "none"))
         part = out_dir / (LIBRARY + ".part")
         with z.open(libs[0]) as src, open(part, "wb") as dst:
-            while True:
-                block = src.read(1 << 24)
-                if not block:
-                    break
-                dst.write(block)
+            shutil.copyfileobj(src, dst, 1 << 24)
     part.replace(out_dir / LIBRARY)
     pkg.unlink()
 
