@@ -10,17 +10,65 @@ own. The other positions of that layer's output are zeros, which nothing reads.
 
 The layer learns the positions from the exported module (`ExplicitDtypeModel.forward` sets `answer_rows` for
 the one call); without them it runs as the stock layer.
+
+Every head layer of that copy also computes its self-attention batch-first (`attention`). laya's layers are
+`batch_first`, and its attention module (`_DynamicMultiheadAttention`, like PyTorch's) transposes the input to
+tokens x rows before three separate projections. Exported and compiled by Inductor, each projection ran as a GEMM
+batched over tokens with the rows as its height: on the H200 the six of a two-layer head took 18.5 us each at
+1 x 128 tokens, 111 us of a 1.26 ms forward (`benchmarks/results/gpu_h200_profile/kernels_large-1024_kern2.txt`).
+Here the projections run on the rows as laid out, one plain GEMM per input (queries, keys and values packed
+where they are one tensor), then `scaled_dot_product_attention` with laya's padding mask, as laya computes it.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 HEADS = ("answer_rows", "full")
 
 
-class AnswerRowsLayer(torch.nn.TransformerEncoderLayer):
+def batch_first_ready(attn: torch.nn.Module) -> bool:
+    """Whether `attention` computes what this attention module does in eval (laya's configuration of it)."""
+    from .laya_internals import head_attention_classes
+
+    return (type(attn) in head_attention_classes() and attn.batch_first and attn._qkv_same_embed_dim
+            and attn.in_proj_weight is not None and attn.bias_k is None and attn.bias_v is None
+            and not attn.add_zero_attn and not attn.training)
+
+
+def attention(attn: torch.nn.MultiheadAttention, q_in: torch.Tensor, kv_in: torch.Tensor,
+              key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """`attn(q_in, kv_in, kv_in, key_padding_mask=..., need_weights=False)[0]` for batch-first inputs, with the
+    projections on the rows as laid out. key_padding_mask: rows x keys, True (bool) or -inf (float) = not a key."""
+    e, heads = attn.embed_dim, attn.num_heads
+    w, b = attn.in_proj_weight, attn.in_proj_bias
+    if q_in is kv_in:
+        q, k, v = F.linear(q_in, w, b).chunk(3, -1)
+    else:
+        q = F.linear(q_in, w[:e], None if b is None else b[:e])
+        k, v = F.linear(kv_in, w[e:], None if b is None else b[e:]).chunk(2, -1)
+    n, lq = q.shape[0], q.shape[1]
+    q, k, v = (t.reshape(n, t.shape[1], heads, e // heads).transpose(1, 2) for t in (q, k, v))
+    # laya's own test: 0 (bool False, or the float mask TransformerEncoderLayer makes) = a key to attend
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :] == 0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.out_proj(out.transpose(1, 2).reshape(n, lq, e))
+
+
+class BatchFirstLayer(torch.nn.TransformerEncoderLayer):
+    """laya's head layer with its self-attention computed by `attention` (the stock block where that does not
+    apply); `install` gives the existing layer this class, so its parameters keep their names."""
+
+    def _sa_block(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                  key_padding_mask: Optional[torch.Tensor], is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal or not batch_first_ready(self.self_attn):
+            return super()._sa_block(x, attn_mask, key_padding_mask, is_causal)
+        return self.dropout1(attention(self.self_attn, x, x, key_padding_mask))
+
+
+class AnswerRowsLayer(BatchFirstLayer):
     """laya's last head layer, computing only the rows `answer_rows` (N, S) names; the others are zeros.
 
     `install` gives the existing layer this class: its parameters keep their names, so an artifact still finds
@@ -36,6 +84,8 @@ class AnswerRowsLayer(torch.nn.TransformerEncoderLayer):
         take = rows[:, :, None].expand(-1, -1, src.size(-1))
 
         def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            if batch_first_ready(self.self_attn):
+                return self.dropout1(attention(self.self_attn, q, kv, src_key_padding_mask))
             out = self.self_attn(q, kv, kv, key_padding_mask=src_key_padding_mask, need_weights=False)[0]
             return self.dropout1(out)
 
@@ -56,11 +106,15 @@ def answer_rows(marker_pos: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: torch.nn.Module) -> Optional[AnswerRowsLayer]:
-    """Make the last head layer of laya's DecisionModel `model` an AnswerRowsLayer, in place; None where that
-    layer is not the plain `nn.TransformerEncoderLayer` laya builds (then nothing changes)."""
+    """Make the last head layer of laya's DecisionModel `model` an AnswerRowsLayer and the others BatchFirstLayers,
+    in place; None where the last layer is not the plain `nn.TransformerEncoderLayer` laya builds (then nothing
+    changes)."""
     layers = getattr(getattr(model, "head", None), "layers", None)
     if not layers or type(layers[-1]) is not torch.nn.TransformerEncoderLayer:
         return None
+    for layer in layers[:-1]:
+        if type(layer) is torch.nn.TransformerEncoderLayer:
+            layer.__class__ = BatchFirstLayer
     last = layers[-1]
     last.__class__ = AnswerRowsLayer
     return last

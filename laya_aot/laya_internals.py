@@ -248,6 +248,18 @@ def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
     return encode_text(tok, texts, add_special_tokens=False)["input_ids"]
 
 
+def head_attention_classes() -> Tuple[type, ...]:
+    """The self-attention classes of laya's decision head whose eval maths is `nn.MultiheadAttention`'s without
+    weights: laya 0.4's `_DynamicMultiheadAttention` (the same parameters and `scaled_dot_product_attention`, its
+    projections on tokens x rows) and the stock class."""
+    classes: Tuple[type, ...] = (torch.nn.MultiheadAttention,)
+    try:
+        from laya.common import _DynamicMultiheadAttention
+    except ImportError:  # another laya: its class is not known to compute the same thing
+        return classes
+    return classes + (_DynamicMultiheadAttention,)
+
+
 def pad_id(agent: Any) -> int:
     return int(agent.tok.pad_token_id or 0)
 

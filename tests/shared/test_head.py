@@ -87,3 +87,68 @@ def test_a_head_laya_does_not_build_is_left_alone():
     assert head.install(holder) is None and type(layers[0]) is torch.nn.Linear
     with pytest.raises(ValueError, match="export.head"):
         ExplicitDtypeModel(holder, torch.float32, torch.float32, head="half")
+
+
+def _mha(embed: int, heads: int, seed: int, cls: type = torch.nn.MultiheadAttention) -> torch.nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    attn = cls(embed, heads, dropout=0.1, batch_first=True).eval()
+    with torch.no_grad():
+        attn.in_proj_bias.normal_()  # PyTorch starts the biases at zero: a swapped bias would pass unseen
+        attn.out_proj.bias.normal_()
+    return attn
+
+
+@pytest.mark.parametrize("laya_class", [False, True])
+@pytest.mark.parametrize("embed,heads", [(16, 1), (48, 3), (64, 8)])
+def test_batch_first_attention_is_multihead_attentions(embed, heads, laya_class):
+    """`head.attention` against the module itself (PyTorch's, and laya's `_DynamicMultiheadAttention`, which its
+    head layers hold): self-attention (one packed projection) and queries at other rows (answer rows), with laya's
+    bool padding mask and the float one TransformerEncoderLayer makes."""
+    from laya.common import _DynamicMultiheadAttention
+
+    attn = _mha(embed, heads, seed=embed, cls=_DynamicMultiheadAttention if laya_class else torch.nn.MultiheadAttention)
+    assert head.batch_first_ready(attn)
+    gen = torch.Generator().manual_seed(heads)
+    x = torch.randn(3, 20, embed, generator=gen)
+    pad = torch.zeros(3, 20, dtype=torch.bool)
+    pad[1, 13:], pad[2, 5:] = True, True
+    fpad = torch.zeros(3, 20).masked_fill(pad, float("-inf"))
+    q = torch.randn(3, 4, embed, generator=gen)
+    with torch.no_grad():
+        for mask in (pad, fpad, None):
+            want = attn(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+            torch.testing.assert_close(head.attention(attn, x, x, mask), want, rtol=1e-5, atol=1e-5)
+            want = attn(q, x, x, key_padding_mask=mask, need_weights=False)[0]
+            torch.testing.assert_close(head.attention(attn, q, x, mask), want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_first_attention_under_bf16_autocast():
+    attn = _mha(64, 4, seed=1)
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(0))
+    pad = torch.zeros(2, 24, dtype=torch.bool)
+    pad[1, 9:] = True
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+        got = head.attention(attn, x, x, pad)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+
+
+def test_every_head_layer_computes_its_attention_batch_first(demo_ckpt):
+    """The demo checkpoint has two head layers: the first becomes a BatchFirstLayer, the last an AnswerRowsLayer
+    (the fp32 comparison with laya's forward above covers both); laya's own model keeps its classes."""
+    model = _model(demo_ckpt)
+    assert len(model.head.layers) >= 2
+    mine = ExplicitDtypeModel(model, torch.float32, torch.float32, head="answer_rows")
+    kinds = [type(layer) for layer in mine.model.head.layers]
+    assert kinds[:-1] == [head.BatchFirstLayer] * (len(kinds) - 1) and kinds[-1] is head.AnswerRowsLayer
+    assert {type(layer) for layer in model.head.layers} == {torch.nn.TransformerEncoderLayer}
+    stock = ExplicitDtypeModel(model, torch.float32, torch.float32, head="full")
+    assert {type(layer) for layer in stock.model.head.layers} == {torch.nn.TransformerEncoderLayer}
+
+
+def test_unusual_attention_keeps_the_stock_block():
+    attn = torch.nn.MultiheadAttention(16, 2, batch_first=True, add_bias_kv=True).eval()
+    assert not head.batch_first_ready(attn)
+    assert not head.batch_first_ready(torch.nn.MultiheadAttention(16, 2, batch_first=False).eval())
+    assert not head.batch_first_ready(torch.nn.MultiheadAttention(16, 2, batch_first=True, kdim=8, vdim=8).eval())
