@@ -40,7 +40,8 @@ Keys (KEY=VALUE overrides one value):
   export.rotary           table (default: the rotary cos/sin read from a table made at export) or computed
                           (recomputed in every layer, as transformers does)
   export.head             answer_rows (default: the decision head's last layer computed only at position 0 and
-                          the markers, the rows laya reads) or full (every token, as laya does)
+                          the markers, the rows laya reads; every head layer's attention projected batch-first)
+                          or full (laya's head as it is, every token)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
