@@ -623,7 +623,7 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 
 __all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
            "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
-           "embedding_rows_short",
+           "embedding_rows_short", "head_attention_classes",
            "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]
