@@ -4,7 +4,8 @@ A kernel-level A/B on one machine, for settings whose correctness a full `laya-a
 (or checks here only coarsely): each variant is exported and packaged exactly as the build's `exported_program`
 and `aoti` stages do it (`ExplicitDtypeModel`, `export_model`, `aoti.package`), in its own process, all variants
 at once; then one process loads every package with the checkpoint's weights and times the forward alone at
-issue 24's shapes, the variants alternating shape by shape (median of 20 after 3 warm-ups, synchronised). Each
+issue 24's shapes, the variants alternating shape by shape (median of 20 after 3 warm-ups, synchronised; with each
+variant's p10 and p90, and its paired ratio to the first variant round by round, since session 21). Each
 variant's outputs are compared with the first variant's on the same inputs (max |d softmax|), which catches a
 broken package, not a subtle precision change: that is what the build's verification is for.
 
@@ -89,6 +90,8 @@ def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shap
     vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
     runners = {v: AOTIRunner(workdir / v, tensors, device, cuda_graphs=graphs) for v in variants}
     out: dict = {v: {} for v in variants}
+    spread: dict = {v: {} for v in variants}
+    paired: dict = {v: {} for v in variants[1:]}
     diffs: dict = {v: {} for v in variants}
     for rows, length in shapes:
         shape = "%dx%dx4" % (rows, length)
@@ -109,7 +112,17 @@ def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shap
                     diffs[v][shape] = float((p - ref).abs().max())
         for v in variants:
             out[v][shape] = round(statistics.median(times[v]) * 1e3, 3)
-    return {"forward_ms": out, "max_dp_vs_first": diffs}
+            spread[v][shape] = _p10_p90([t * 1e3 for t in times[v]])
+        for v in variants[1:]:  # each round's time over the first variant's in the same round: a paired figure
+            paired[v][shape] = _p10_p90([a / b for a, b in zip(times[v], times[variants[0]])], median=True)
+    return {"forward_ms": out, "forward_ms_p10_p90": spread, "ratio_vs_first": paired, "max_dp_vs_first": diffs}
+
+
+def _p10_p90(xs: list, median: bool = False) -> list:
+    """[p10, p90] (with the median between them when asked) of the timed rounds, rounded."""
+    q = statistics.quantiles(xs, n=10)
+    picked = [q[0], statistics.median(xs), q[-1]] if median else [q[0], q[-1]]
+    return [round(x, 3) for x in picked]
 
 
 def markdown(res: dict) -> str:
@@ -127,6 +140,14 @@ def markdown(res: dict) -> str:
             " | ".join(str(fo.get(s, "-")) for s in shapes), max(dp.values()) if dp else "-"))
     lines += ["", "Forward only, ms: median of 20 after 3 warm-ups, synchronised, the variants alternating; CUDA "
               "graphs %s." % ("on (as served)" if res.get("graphs") else "off")]
+    paired = res.get("timed", {}).get("ratio_vs_first", {})
+    if paired:
+        first = next(iter(res["compiled"]))
+        lines += ["", "Each round's time over `%s`'s in the same round: p10 / median / p90 of 20 rounds." % first, "",
+                  "| variant | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+        for v, by_shape in paired.items():
+            lines.append("| %s | %s |" % (v, " | ".join(
+                " / ".join(str(x) for x in by_shape[sh]) if sh in by_shape else "-" for sh in shapes)))
     return "\n".join(lines) + "\n"
 
 
