@@ -140,7 +140,7 @@ def main() -> None:
                 ref = F.linear(x, ws[0]).float()
                 row = dict(model=model, linear=name, tokens=m, k=k, n=n, weight_mb=round(wbytes / 1e6, 2))
 
-                def run_torch():
+                def run_torch(x=x, ws=ws, ys=ys):
                     for w, y in zip(ws, ys):
                         torch.mm(x, w.t(), out=y)
                 for lib in ("cublaslt", "cublas"):
@@ -153,7 +153,7 @@ def main() -> None:
                 for cfg in configs(m):
                     part = torch.empty(cfg["SPLIT_K"], m, n, device=dev, dtype=torch.float32)
 
-                    def run_triton(cfg=cfg, part=part):
+                    def run_triton(cfg=cfg, part=part, x=x, ws=ws, ys=ys):
                         for w, y in zip(ws, ys):
                             triton_linear(x, w, y, part, cfg)
                     try:
@@ -176,15 +176,14 @@ def main() -> None:
                     row[key.replace("_us", "_tbps")] = round(wbytes / (row[key] * 1e-6) / 1e12, 2)
                 results.append(row)
                 print(json.dumps(row), flush=True)
-                del x, ys
-            del ws
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"skinny_gemm{args.tag}.json").write_text(json.dumps(results, indent=1))
-    lines = ["| model | linear | tokens | cuBLASLt us | cuBLAS us | Triton best us | Triton tiles (BM,BN,BK,split,stages) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | linear | tokens | cuBLASLt us | cuBLAS us | Triton best us | Triton tiles "
+             "(BM,BN,BK,split,stages) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         c = r["triton_cfg"]
-        lines.append(f"| {r['model']} | {r['linear']} | {r['tokens']} | {r['cublaslt_us']} ({r['cublaslt_tbps']} TB/s) | "
+        lines.append(f"| {r['model']} | {r['linear']} | {r['tokens']} | "
+                     f"{r['cublaslt_us']} ({r['cublaslt_tbps']} TB/s) | "
                      f"{r['cublas_us']} | {r['triton_us']} ({r['triton_tbps']} TB/s) | "
                      f"{c['BM']},{c['BN']},{c['BK']},{c['SPLIT_K']},{c['stages']} |")
     (args.out / f"skinny_gemm{args.tag}.md").write_text("\n".join(lines) + "\n")
