@@ -14,7 +14,11 @@ broken package, not a subtle precision change: that is what the build's verifica
 
 A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally with `+autotune`
 (`aoti.max_autotune=true`), `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`) and
-`+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`).
+`+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`), `+hintRxT` (the export's example batch
+R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
+kernels' launch settings at the example's sizes) and `+cdt` (Inductor's coordinate-descent tuning of those settings).
+Session 22's call C ran before the GPU default became 8 x 1024: its `table` was traced at 3 x 48, its
+`table+hint8x1024` is today's `table`.
 Session 19's `table` and `computed` ran before `export.head` existed: they are `table+fullhead` and
 `computed+fullhead` now. Writes aoti_variants<tag>.json and .md to --out.
 """
@@ -48,6 +52,12 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
 
     rotary, *extras = variant.split("+")
     e = ExportConfig()
+    hint = [x for x in extras if x.startswith("hint")]
+    example = tuple(int(n) for n in hint[0][4:].split("x")) if hint else None
+    if "cdt" in extras:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     head = "full" if "fullhead" in extras else e.head
     t0 = time.perf_counter()
     agent = laya.load(ckpt, device="cpu")
@@ -55,7 +65,7 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     module = ExplicitDtypeModel(agent.model, torch_dtype(dtype), torch_dtype(e.action_head_dtype), device,
                                 attention=e.attention, rope_table=max_tokens if rotary == "table" else 0,
                                 head=head)
-    program = export_model(module, e.max_rows, max_tokens, e.max_markers, laya_api.pad_id(agent), device)
+    program = export_model(module, e.max_rows, max_tokens, e.max_markers, laya_api.pad_id(agent), device, example)
     t1 = time.perf_counter()
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         keys = list(f.keys())

@@ -42,6 +42,9 @@ Keys (KEY=VALUE overrides one value):
   export.head             answer_rows (default: the decision head's last layer computed only at position 0 and
                           the markers, the rows laya reads; every head layer's attention projected batch-first)
                           or full (laya's head as it is, every token)
+  export.example_rows, export.example_tokens
+                          the example batch the export is traced at and AOTInductor tunes its kernels at
+                          (default: 8 x 1024 on a GPU, capped by max_rows and max_tokens; 3 x 48 on the CPU)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache

@@ -72,6 +72,8 @@ class Exported:
     rotary: str = "computed"
     # where the head's last layer runs (`ExplicitDtypeModel.head`): "answer_rows" or "full"
     head: str = "full"
+    # the example batch it was traced and tuned at, rows x tokens (`exported_program.example_size`)
+    example: str = ""
 
 
 @dataclass

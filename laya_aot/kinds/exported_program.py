@@ -28,17 +28,40 @@ log = logging.getLogger(__name__)
 NAME = "exported_program"
 
 
-def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3) -> Tuple[torch.Tensor, ...]:
-    """A batch whose sizes are all > 1 and inside the declared ranges, so the exporter specialises none of them."""
+GPU_EXAMPLE = (8, 1024)  # rows, tokens: the sizes a GPU export is traced and tuned at (ExportConfig.example_rows)
+CPU_EXAMPLE = (3, 48)
+
+
+def example_size(device: str, max_rows: int, max_tokens: int, rows: Optional[int] = None,
+                 tokens: Optional[int] = None) -> Tuple[int, int]:
+    """The example batch's rows x tokens: asked for, or the device's default, within what the export declares.
+
+    Every size must be > 1 (a size of 1 would be specialised) and tokens a multiple of TOKEN_MULTIPLE of at
+    least 2 * TOKEN_MULTIPLE (the exporter raises ModernBERT's minimum to 32)."""
+    d_rows, d_tokens = GPU_EXAMPLE if str(device).startswith("cuda") else CPU_EXAMPLE
+    rows = min(rows or d_rows, max_rows)
+    tokens = min(tokens or d_tokens, max_tokens)
+    if rows < 2 or tokens < 2 * TOKEN_MULTIPLE or tokens % TOKEN_MULTIPLE:
+        raise ValueError("export.example_rows=%s, export.example_tokens=%s: the example needs at least 2 rows and "
+                         "a multiple of %d tokens of at least %d; leave them null for the device's default"
+                         % (rows, tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
+    return rows, tokens
+
+
+def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3,
+                   rows: Optional[int] = None, tokens: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """A batch whose sizes are all > 1 and inside the declared ranges, so the exporter specialises none of them;
+    rows x tokens from `example_size`."""
     g = torch.Generator().manual_seed(0)
-    rows, tokens, markers = min(3, max_rows), min(48, max_tokens), 3
+    rows, tokens = example_size(device, max_rows, max_tokens, rows, tokens)
+    markers = 3
     ids = torch.randint(5, 200, (rows, tokens), generator=g)
     att = torch.ones(rows, tokens, dtype=torch.long)
     att[1, tokens - 5:] = 0
     ids[1, tokens - 5:] = pad_id
     mpos = torch.tensor([[2, 5, 9]] * rows)
     mmask = torch.ones(rows, markers, dtype=torch.bool)
-    qtype = torch.tensor([0, 1, 2][:rows])
+    qtype = torch.arange(rows) % 3
     return tuple(t.to(device) for t in (ids, att, mpos, mmask, qtype))
 
 
@@ -51,14 +74,15 @@ def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int) -> Dict[str
 
 
 def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max_markers: int,
-                 pad_id: int, device: str = "cpu") -> ExportedProgram:
+                 pad_id: int, device: str = "cpu", example: Optional[Tuple[Optional[int], Optional[int]]] = None
+                 ) -> ExportedProgram:
     if max_tokens < 2 * TOKEN_MULTIPLE or max_tokens % TOKEN_MULTIPLE:
         raise ValueError("export.max_tokens=%d must be a multiple of %d and at least %d"
                          % (max_tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
     if not 2 <= max_rows <= MAX_ROWS:
         raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
                          % (max_rows, MAX_ROWS))
-    args = example_inputs(max_tokens, pad_id, device, max_rows)
+    args = example_inputs(max_tokens, pad_id, device, max_rows, *(example or (None, None)))
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,
                                    dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers))
@@ -123,9 +147,11 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
                                 attention=e.attention, rope_table=max_tokens if e.rotary == "table" else 0,
                                 head=e.head)
     t0 = time.perf_counter()
-    program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev)
+    example = example_size(dev, e.max_rows, max_tokens, e.example_rows, e.example_tokens)
+    program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev, example)
     seconds = time.perf_counter() - t0
-    made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary, module.head)
+    made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary, module.head,
+                    "%dx%d" % example)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,12 +160,14 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s attention; rotary %s; head %s; %s not shipped: %s"
-                     % (made.ranges.as_dict(), made.attention, made.rotary, made.head, name, why), exported=made)
+        return Built("ranges %s; %s attention; rotary %s; head %s; example %s; %s not shipped: %s"
+                     % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example, name, why),
+                     exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details={"attention": made.attention, "rotary": made.rotary, "head": made.head})
-    return Built("ranges %s; %s attention; rotary %s; head %s"
-                 % (made.ranges.as_dict(), made.attention, made.rotary, made.head),
+                     details={"attention": made.attention, "rotary": made.rotary, "head": made.head,
+                              "example": made.example})
+    return Built("ranges %s; %s attention; rotary %s; head %s; example %s"
+                 % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example),
                  exported=made)
 
 

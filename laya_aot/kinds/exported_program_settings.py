@@ -36,3 +36,10 @@ class ExportConfig:
     # and the markers; laya_aot/head.py), -11% of a base-512 forward on the CPU at 8x256; "full": over every token,
     # as laya's forward does
     head: str = "answer_rows"
+    # the example batch torch.export traces with, rows x tokens; AOTInductor tunes its Triton kernels' launch
+    # settings at these sizes. null = by device: on a GPU 8 x 1024 (capped by max_rows and max_tokens), measured on
+    # large-1024 against the 3 x 48 used before: -3.7 / -4.5 / -5.1% at 8x256 / 32x512 / 32x1024 and +2.5 / +3.8% at
+    # 1x128 / 1x80 (benchmarks/results/gpu_h200_profile.md, session 22); on the CPU 3 x 48 (its C++ kernels are not
+    # tuned at the example)
+    example_rows: Optional[int] = None
+    example_tokens: Optional[int] = None

@@ -56,6 +56,8 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert aoti["variant"].startswith("torch%s%s-cxx11-cpu-" % tuple(torch.__version__.split(".")[:2]))
     assert aoti["needs"]["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
     assert aoti["latency_ms"]["cpu"]["1x128x4"] > 0
+    # the example batch the export was traced at, recorded for each artifact of it: the CPU's default
+    assert aoti["details"]["example"] == _by_name(m, "exported_program-fp32")["details"]["example"] == "3x48"
     assert not list(demo_bundle.parent.glob(".demo.partial-*"))
 
 
