@@ -1,5 +1,5 @@
 #!/bin/bash
-# device call B (session 22): the default bundle of this session's main (export.head=answer_rows with the batch-first head attention of session 21), built and verified
+# device call B (session 22): the default bundle of this session's main (batch-first head attention of session 21; GPU export traced at 8 x 1024), built and verified
 # alone, then its calls (issue 24) and its starts against laya eager's (issue 20)
 T0=$(date +%s)
 el() { echo "[callB] $(( $(date +%s) - T0 )) s: $*"; }
