@@ -32,7 +32,8 @@ def main(src: str, dst: str) -> None:
         ax.bar(paths, host, bottom=fwd, color="#dd8452", label="host (laya's tokenising, packing, ...)")
         for i, p in enumerate(paths):
             m = r["paths"][p]["calls"][call]
-            ax.text(i, m["total_ms"], "%.1f ms" % m["total_ms"], ha="center", va="bottom", fontsize=9)
+            label = ("%.2f ms" if m["total_ms"] < 10 else "%.1f ms") % m["total_ms"]
+            ax.text(i, m["total_ms"], label, ha="center", va="bottom", fontsize=9)
         limit = max(r["paths"][p]["calls"][call]["limit_ms"] for p in paths)
         ax.axhline(limit, color="black", linestyle=":", label="dense bf16 limit of the forward")
         ax.axhline(TARGETS_MS[call], color="#c44e52", linestyle="--", label="issue 24's target")
