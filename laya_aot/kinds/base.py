@@ -75,6 +75,10 @@ class Exported:
     # the example batch it was traced and tuned at, rows x tokens (`exported_program.example_size`)
     example: str = ""
 
+    def details(self) -> Dict[str, str]:
+        """How the program was made, as every artifact of it records it in `Artifact.details`."""
+        return {"attention": self.attention, "rotary": self.rotary, "head": self.head, "example": self.example}
+
 
 @dataclass
 class Built:

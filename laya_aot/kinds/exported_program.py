@@ -39,13 +39,16 @@ def example_size(device: str, max_rows: int, max_tokens: int, rows: Optional[int
     Every size must be > 1 (a size of 1 would be specialised) and tokens a multiple of TOKEN_MULTIPLE of at
     least 2 * TOKEN_MULTIPLE (the exporter raises ModernBERT's minimum to 32)."""
     d_rows, d_tokens = GPU_EXAMPLE if str(device).startswith("cuda") else CPU_EXAMPLE
-    rows = min(rows or d_rows, max_rows)
-    tokens = min(tokens or d_tokens, max_tokens)
-    if rows < 2 or tokens < 2 * TOKEN_MULTIPLE or tokens % TOKEN_MULTIPLE:
-        raise ValueError("export.example_rows=%s, export.example_tokens=%s: the example needs at least 2 rows and "
-                         "a multiple of %d tokens of at least %d; leave them null for the device's default"
-                         % (rows, tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
-    return rows, tokens
+    got = min(rows or d_rows, max_rows), min(tokens or d_tokens, max_tokens)
+    if got[0] < 2 or got[1] < 2 * TOKEN_MULTIPLE or got[1] % TOKEN_MULTIPLE:
+        raise ValueError("export.example_rows=%s, export.example_tokens=%s make a %d x %d example: it needs at least "
+                         "2 rows and a multiple of %d tokens of at least %d; leave both null for the device's default"
+                         % (_null(rows), _null(tokens), got[0], got[1], TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
+    return got
+
+
+def _null(value: Optional[int]) -> str:
+    return "null" if value is None else str(value)
 
 
 def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: int = 3,
@@ -164,8 +167,7 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
                      % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example, name, why),
                      exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details={"attention": made.attention, "rotary": made.rotary, "head": made.head,
-                              "example": made.example})
+                     details=made.details())
     return Built("ranges %s; %s attention; rotary %s; head %s; example %s"
                  % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example),
                  exported=made)
