@@ -23,7 +23,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import FEW_DECISIONS
 
 from laya_aot import kinds
 from laya_aot.bundle_format import read_bundle
@@ -33,6 +32,7 @@ from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import pack, read_pack_manifest, unpack
 from laya_aot.manifest import MANIFEST, BundleError
 from laya_aot.usable import usable_here
+from tests.conftest import FEW_DECISIONS
 
 zstandard = pytest.importorskip("zstandard")
 pytest.importorskip("tilelang", reason="the tilelang extra is not installed (cross-compiles the sm_90a part)")

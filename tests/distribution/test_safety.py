@@ -20,11 +20,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import SMALL
-from reliability.tars import header as _header
-from reliability.tars import member as _member
-from reliability.tars import write_huge as _write_huge
-from reliability.tars import write_pack as _write_pack
 
 import laya_aot
 from laya_aot import kinds, probe, staging
@@ -36,6 +31,11 @@ from laya_aot.files import sha256_file
 from laya_aot.manifest import MANIFEST, Bundle, BundleError
 from laya_aot.usable import reject_reason
 from laya_aot.variant import current_machine
+from tests.conftest import SMALL
+from tests.reliability.tars import header as _header
+from tests.reliability.tars import member as _member
+from tests.reliability.tars import write_huge as _write_huge
+from tests.reliability.tars import write_pack as _write_pack
 
 zstandard = pytest.importorskip("zstandard")
 

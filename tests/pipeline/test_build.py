@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_bundle
 
 from laya_aot import kinds
 from laya_aot.bundle_format import check_artifact_hash, read_bundle, read_manifest
@@ -20,6 +19,7 @@ from laya_aot.files import sha256_file
 from laya_aot.manifest import MANIFEST, SCHEMA, SCHEMA_VERSION
 from laya_aot.padding import Ranges
 from laya_aot.pipeline import BuildError
+from tests.conftest import build_bundle
 
 
 def _by_name(manifest, name):

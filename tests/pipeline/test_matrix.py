@@ -19,10 +19,10 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import FEW_DECISIONS, build_bundle
-from questions import assert_same_answers, question_suite, state_text
 
 from laya_aot.demo import MATRIX
+from tests.conftest import FEW_DECISIONS, build_bundle
+from tests.questions import assert_same_answers, question_suite, state_text
 
 # which artifact kind serves each configuration (module docstring): AOTInductor gets one head, sixteen heads and
 # the longest context; ONNX head dim 64 and the decisive checkpoint

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FEW_DECISIONS
+
+from tests.conftest import FEW_DECISIONS
 
 pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="the test extra installs hydra-ray-launcher")
 

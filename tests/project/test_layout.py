@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import GUARDED, SECONDS, TOGETHER
+
+from tests.conftest import GUARDED, SECONDS, TOGETHER
 
 TESTS = Path(__file__).resolve().parents[1]
 PKG = TESTS.parent / "laya_aot"
@@ -16,6 +18,17 @@ def test_every_test_file_sits_in_an_area_folder():
     areas = {p.parent.name for p in TESTS.glob("*/test_*.py")}
     subpackages = {p.parent.name for p in PKG.glob("*/__init__.py")} - {"configs"}
     assert subpackages <= areas, "a package folder without its test folder: %s" % sorted(subpackages - areas)
+
+
+def test_no_test_folder_shadows_an_installed_package():
+    """transformers 5.25 imports `kernels` (a dependency now) when it is installed: with tests/ itself on sys.path,
+    tests/kernels answered instead and laya's model could not be built. tests/ is a package, so its folders import
+    as tests.kernels, tests.runtime and so on; none may be found under a top-level name."""
+    assert (TESTS / "__init__.py").is_file()
+    for folder in sorted(p.parent for p in TESTS.glob("*/__init__.py")):
+        spec = importlib.util.find_spec(folder.name)
+        assert spec is None or TESTS not in Path(spec.origin or "/").resolve().parents, \
+            "`import %s` finds the test folder %s: tests/ is on sys.path" % (folder.name, folder)
 
 
 @pytest.mark.parametrize("module, name, what", GUARDED)

@@ -11,11 +11,11 @@ import laya
 import numpy as np
 import pytest
 import torch
-from questions import assert_same_answers
 from safetensors.torch import load_file, save_file
 
 from laya_aot import laya_internals as laya_api
 from laya_aot.demo import make_checkpoint, question_suite, state_text
+from tests.questions import assert_same_answers
 
 
 def _resaved(src, dst, convert):

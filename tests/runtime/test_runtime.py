@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from questions import assert_same_answers, question_suite, state_text
 
 import laya_aot
 from laya_aot.bundle_format import read_manifest
 from laya_aot.files import write_json_atomic
 from laya_aot.manifest import MANIFEST
 from laya_aot.runtime.loader import NoArtifactError
+from tests.questions import assert_same_answers, question_suite, state_text
 
 
 @pytest.fixture(scope="module")

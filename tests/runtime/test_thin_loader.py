@@ -7,10 +7,10 @@ import warnings
 import laya
 import numpy as np
 import pytest
-from questions import assert_same_answers, question_suite, state_text
 
 import laya_aot
 from laya_aot import laya_internals as laya_api
+from tests.questions import assert_same_answers, question_suite, state_text
 
 STATES = [state_text(np.random.default_rng(7), n) for n in (12, 40, 90)]
 

@@ -171,7 +171,7 @@ def test_an_edited_tokenizer_or_a_damaged_snapshot_is_not_used(tmp_path):
 
 
 def test_a_later_thin_start_serves_without_importing_transformers(demo_ckpt, demo_bundle, tmp_path):
-    code = ("import json, sys; import laya_aot; from questions import question_suite, state_text; "
+    code = ("import json, sys; import laya_aot; from tests.questions import question_suite, state_text; "
             "import numpy as np; "
             "a = laya_aot.load(sys.argv[1], bundle=sys.argv[2], device='cpu', strict=True); "
             "states = [state_text(np.random.default_rng(3), n) for n in (5, 60, 400)]; "
@@ -179,7 +179,7 @@ def test_a_later_thin_start_serves_without_importing_transformers(demo_ckpt, dem
             "print(json.dumps({'tok': type(a.tok).__name__, 'transformers': 'transformers' in sys.modules, "
             "'answers': [o['answers'] for o in out]}))")
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     runs = [json.loads(subprocess.run([sys.executable, "-c", code, str(demo_ckpt), str(demo_bundle)], env=env,
                                       check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
             for _ in range(2)]

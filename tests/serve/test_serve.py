@@ -17,9 +17,9 @@ from typing import Dict, Optional
 
 import httpx
 import pytest
-from conftest import readme_serving_blocks
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+from tests.conftest import readme_serving_blocks
 from tests.questions import assert_same_answers
 
 KEY = "test-key"

@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import build_bundle
 
 from laya_aot import precision
 from laya_aot.tolerance import Agreement, Tolerance, rule_for
+from tests.conftest import build_bundle
 
 
 @pytest.mark.parametrize("amp", [None, "bf16", "fp16", "bfloat16", "float16", "fp32"])
@@ -190,9 +190,9 @@ def test_decisions_equal_laya_eager_in_the_same_dtype(demo_ckpt, bf16_bundle, mo
     near a tie; "call" answers those calls exactly as laya does, probabilities included."""
     import laya
     import numpy as np
-    from questions import _answer_key, question_suite, state_text
 
     import laya_aot
+    from tests.questions import _answer_key, question_suite, state_text
 
     monkeypatch.setenv("LAYA_CPU_AMP", "bf16")
     rng = np.random.default_rng(1)
