@@ -229,12 +229,22 @@ def _saved_guards(entries) -> List[bool]:
     """Which guards a precompiled function keeps: those on the inputs and the module's structure (shapes with
     the dynamic dimensions' ranges, dtypes, devices, strides, grad mode), checked before every call; not global
     ones nor object identities, which another process cannot check (and which torch refuses to save: its
-    default filter lets through an identity guard a module attribute derives, and the save fails)."""
+    default filter lets through an identity guard a module attribute derives, and the save fails). Nor the type
+    of an object whose class was made inside a function: no other process has that class (transformers >= 5.25
+    with `kernels` installed gives each ModernBERT attention such a wrapper of its rotary function)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     bad = set(getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", _UNSERIALISABLE))
-    return [not (e.is_global or e.guard_type in bad or bad.intersection(getattr(e, "derived_guard_types", ()) or ()))
-            for e in entries]
+    return [not (e.is_global or e.guard_type in bad or bad.intersection(getattr(e, "derived_guard_types", ()) or ())
+                 or _local_type(e)) for e in entries]
+
+
+def _local_type(entry) -> bool:
+    """A type guard on an object of a class defined in local scope (torch cannot save it, `_saved_guards`)."""
+    if entry.guard_type not in ("TYPE_MATCH", "BUILTIN_MATCH") or not getattr(entry, "has_value", False):
+        return False
+    t = type(entry.value)
+    return t.__qualname__ != t.__name__
 
 
 @contextlib.contextmanager

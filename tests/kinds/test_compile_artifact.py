@@ -515,3 +515,23 @@ def test_load_runner_reads_a_missing_format_as_the_saved_cache(tmp_path, monkeyp
                                                                                    "precompiled")):
         (tmp_path / INFO_FILE).write_text(json.dumps(info))
         assert inductor_cache.load_runner(tmp_path, None, "cpu") == runner, info
+
+
+def test_saved_guards_leave_out_type_checks_on_classes_made_inside_a_function():
+    """transformers 5.25 with `kernels` gives each ModernBERT attention an instance of a class made inside a
+    function; torch refuses to save a type guard on it, which cost the compile route its precompiled function."""
+    from types import SimpleNamespace
+
+    from laya_aot.kinds.inductor_cache import _saved_guards
+
+    def make():
+        class Local:
+            pass
+        return Local()
+
+    def entry(value, kind="TYPE_MATCH"):
+        return SimpleNamespace(name="L['self']._x", has_value=True, value=value, guard_type=kind,
+                               derived_guard_types=(), is_global=False, orig_guard=None)
+
+    # a local class's type guard goes; a module-level class's (int) and other guard kinds stay
+    assert _saved_guards([entry(make()), entry(3), entry(make(), "TENSOR_MATCH")]) == [False, True, True]
