@@ -37,6 +37,8 @@ STATUSES = ("built", "verified", "unverified", "failed_verification", "build_fai
 REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
 _VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
 _GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
+_PACKAGE = r"[A-Za-z0-9_.-]{1,40}==[A-Za-z0-9_.+-]{1,40}"
+_PACKAGES = re.compile(r"%s( %s){0,7}" % (_PACKAGE, _PACKAGE))
 _GPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()/+-]{0,79}")
 MAX_TOLERANCE = 1.0  # a difference of probabilities: a bound above 1 accepts anything
 MAX_SECONDS = 1e7  # build, verify and latency figures (about 4 months)
@@ -79,6 +81,9 @@ class Needs:
     python_build: Optional[str] = None
     triton: Optional[str] = None
     gpu_name: Optional[str] = None
+    # and to the Python packages whose code it traced, with their versions ("none": not installed), as
+    # `variant.traced_packages` spells them: laya==0.4.15 transformers==5.25.0 kernels==0.19.1
+    traced_packages: Optional[str] = None
 
 
 @dataclass
@@ -332,7 +337,8 @@ def _value_problem(a: Artifact, at: str) -> Optional[str]:
                                     ("torch_build", _VERSION, "a torch build such as 2.11.0+cu130"),
                                     ("python_build", _VERSION, "a Python version such as 3.11.7"),
                                     ("triton", _VERSION, "a triton version such as 3.5"),
-                                    ("gpu_name", _GPU_NAME, "a GPU name such as NVIDIA H200")):
+                                    ("gpu_name", _GPU_NAME, "a GPU name such as NVIDIA H200"),
+                                    ("traced_packages", _PACKAGES, "packages such as laya==0.4.15 kernels==none")):
         v = getattr(a.needs, name)
         if v is not None and not pattern.fullmatch(v):
             return bad("needs." + name, expected, v)

@@ -50,10 +50,13 @@ OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
     """Where the verdict on `art` is cached: keyed by its whole manifest entry (its files' sha256 and
     everything the child loads it with: kind, ranges, dtype, details) and the machine, so an entry that
-    differs in anything (a damaged duplicate, another build) never shares a verdict with this one."""
+    differs in anything (a damaged duplicate, another build) never shares a verdict with this one. The traced
+    packages are left out of the machine's facts: a build records them and a start does not read them (an
+    artifact bound to them is refused before any probe), so the build's verdict serves later starts."""
     entry = json.dumps(art.to_dict(), sort_keys=True, default=str)
+    machine_facts = dict(machine.as_dict(), traced_packages=None)
     facts = json.dumps({"entry": hashlib.sha256(entry.encode()).hexdigest(), "sha256": art.sha256,
-                        "machine": machine.as_dict(), "device": device, "probe": PROBE_VERSION}, sort_keys=True)
+                        "machine": machine_facts, "device": device, "probe": PROBE_VERSION}, sort_keys=True)
     return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
 
 

@@ -6,6 +6,7 @@ field by field, why an artifact does not fit.
 """
 from __future__ import annotations
 
+import functools
 import platform
 import sys
 from dataclasses import asdict, dataclass
@@ -35,6 +36,8 @@ class Machine:
     python_build: Optional[str] = None
     triton: Optional[str] = None
     gpu_name: Optional[str] = None
+    # `traced_packages()`; None: read when an artifact asks (package metadata: 3 ms after torch, 65 ms bare)
+    traced_packages: Optional[str] = None
 
     def as_dict(self) -> Dict[str, object]:
         return asdict(self)
@@ -114,6 +117,32 @@ def triton_version() -> Optional[str]:
     return None
 
 
+TRACED = ("laya", "transformers", "kernels")  # the packages whose Python code a precompiled function traces
+
+
+@functools.lru_cache(maxsize=1)
+def traced_packages() -> str:
+    """The installed versions of `TRACED`, from their package metadata ("none" where absent): a precompiled
+    function holds laya's and transformers' code as it was traced, and with `kernels` installed (transformers
+    >= 5.25 requires it) that code wraps ModernBERT's functions in objects a process without it cannot load."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    return " ".join("%s==%s" % (dist, version(dist)) for dist in TRACED)
+
+
+def build_machine(device: Optional[str] = None) -> Machine:
+    """What a build records of its machine: `current_machine`'s facts and the traced packages' versions."""
+    import dataclasses
+
+    return dataclasses.replace(current_machine(device), traced_packages=traced_packages())
+
+
 def native_variant(m: Machine, device: str) -> str:
     """The variant of compiled native code built on `m` for `device` (kinds with other needs spell their own).
 
@@ -177,7 +206,16 @@ def _exact_build_mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]
         facts += (("triton", "triton", m.triton), ("gpu_name", "GPU", m.gpu_name))
     diffs = ["%s %s, this process has %s" % (what, needs[key], have or "none")
              for key, what, have in facts if needs.get(key) and str(needs[key]) != have]
+    if diffs:
+        return ("a precompiled function runs only on the exact build it was compiled on (%s): rebuild the compile "
+                "route with this machine's torch (`laya-aot build` here)" % "; ".join(diffs))
+    if not needs.get("traced_packages"):
+        return None
+    want = dict(p.split("==", 1) for p in str(needs["traced_packages"]).split())
+    have = dict(p.split("==", 1) for p in (m.traced_packages or traced_packages()).split())
+    diffs = ["%s %s, this process has %s" % (name, v, have.get(name, "none"))
+             for name, v in want.items() if have.get(name, "none") != v]
     if not diffs:
         return None
-    return ("a precompiled function runs only on the exact build it was compiled on (%s): rebuild the compile "
-            "route with this machine's torch (`laya-aot build` here)" % "; ".join(diffs))
+    return ("a precompiled function runs only with the packages whose code it traced (%s): rebuild the compile "
+            "route with this process's packages (`laya-aot build` here)" % "; ".join(diffs))

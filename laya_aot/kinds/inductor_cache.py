@@ -262,7 +262,7 @@ def _aot_compile_enabled() -> Iterator[None]:
 def _system_of(fn, device: str) -> Dict[str, Optional[str]]:
     """What torch checks before it runs a precompiled function (`SystemInfo`), as `Needs` fields; from the function
     itself where this torch records it there, else from this process."""
-    from ..variant import current_machine
+    from ..variant import current_machine, traced_packages
 
     m = current_machine(device)
     info = getattr(getattr(fn, "_artifacts", None), "system_info", None)
@@ -270,15 +270,18 @@ def _system_of(fn, device: str) -> Dict[str, Optional[str]]:
     return {"torch_build": getattr(info, "torch_version", None) or m.torch_build,
             "python_build": getattr(info, "python_version", None) or m.python_build,
             "triton": ".".join(map(str, triton)) if triton and tuple(triton) != (0, 0) else m.triton,
-            "gpu_name": getattr(info, "gpu_name", None) or m.gpu_name}
+            "gpu_name": getattr(info, "gpu_name", None) or m.gpu_name,
+            "traced_packages": traced_packages()}
 
 
 def precompiled_needs(needs: Needs, system: Dict[str, Optional[str]]) -> Needs:
-    """`needs` bound to the exact build the function was compiled on (`variant.mismatch` refuses any other);
-    the GPU's facts only for a CUDA artifact, as torch checks them only there."""
+    """`needs` bound to the exact build the function was compiled on and the packages it traced
+    (`variant.mismatch` refuses any other); the GPU's facts only for a CUDA artifact, as torch checks them only
+    there."""
     gpu = needs.device == "cuda"
     return dataclasses.replace(needs, torch_build=system["torch_build"], python_build=system["python_build"],
-                               triton=system["triton"] if gpu else None, gpu_name=system["gpu_name"] if gpu else None)
+                               triton=system["triton"] if gpu else None, gpu_name=system["gpu_name"] if gpu else None,
+                               traced_packages=system.get("traced_packages"))
 
 
 def build_precompiled(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str = "fp32",

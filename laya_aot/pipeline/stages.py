@@ -30,7 +30,7 @@ from ..kinds import BuildContext, Built, Kind, Skip, model_tensors
 from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, CheckpointInfo, Fingerprint, Needs, VerifyResult
 from ..padding import Ranges
 from ..tolerance import Tolerance
-from ..variant import current_gpu_arch, current_machine
+from ..variant import build_machine, current_gpu_arch
 from ..verification import latency_ms, random_rows, run_padded, smoke_record
 from .children import ChildGuard
 
@@ -340,7 +340,7 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
         raise BuildError(str(e)) from e
     # the guard: compiler processes die with the build, even a build killed with SIGKILL
     with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
-        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=current_machine(device),
+        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=build_machine(device),
                            device=device, dtypes=dtypes)
         for name, fn, fatal, kind, dtype in stages(dtypes):
             enabled = fatal or bool(getattr(cfg.stages, name))

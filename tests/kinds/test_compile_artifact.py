@@ -300,6 +300,21 @@ def test_the_artifact_needs_its_exact_build_and_elsewhere_is_refused_naming_the_
     why = reject_reason(other, here, "cpu", "fp32")
     assert why and "torch 2.11.0+cu130, this process has %s" % torch.__version__ in why
     assert "rebuild the compile route" in why and ";" not in why.split("(")[0]
+    # (d) and from the packages whose code it traced: transformers 5.25 brings `kernels`, whose wrappers a process
+    # without it cannot load (ModuleNotFoundError deep in torch's loader before this check)
+    from laya_aot.variant import traced_packages
+
+    assert needs.traced_packages == traced_packages() and needs.traced_packages.startswith("laya==")
+    without = replace(art, needs=replace(needs, traced_packages=_set_version(needs.traced_packages, "kernels", "none")))
+    why = reject_reason(without, replace(here, traced_packages=_set_version(needs.traced_packages, "kernels",
+                                                                                "0.19.1")), "cpu", "fp32")
+    assert why == ("a precompiled function runs only with the packages whose code it traced (kernels none, this "
+                   "process has 0.19.1): rebuild the compile route with this process's packages (`laya-aot build` "
+                   "here)")
+
+
+def _set_version(packages: str, name: str, version: str) -> str:
+    return " ".join("%s==%s" % (n, version if n == name else v) for n, v in (p.split("==") for p in packages.split()))
 
 
 def test_a_gpu_artifact_needs_the_gpu_name_and_triton_it_was_compiled_with():
@@ -535,3 +550,26 @@ def test_saved_guards_leave_out_type_checks_on_classes_made_inside_a_function():
 
     # a local class's type guard goes; a module-level class's (int) and other guard kinds stay
     assert _saved_guards([entry(make()), entry(3), entry(make(), "TENSOR_MATCH")]) == [False, True, True]
+
+
+def test_a_precompiled_function_needs_the_packages_it_traced():
+    """laya, transformers and kernels as the build recorded them (`Needs.traced_packages`); an artifact without the
+    field (an older bundle) is not bound to them; a machine that differs is refused with one reason and the fix."""
+    from dataclasses import replace
+
+    from laya_aot.manifest import Needs
+    from laya_aot.variant import Machine, mismatch
+
+    built = "laya==0.4.15 transformers==5.25.0 kernels==0.19.1"
+    needs = Needs(device="cpu", torch="2.13.0", torch_build="2.13.0+cpu", python_build="3.11.7", traced_packages=built)
+    here = Machine(torch="2.13.0", cxx11_abi=True, cpu_isa="AVX512", cuda=None, gpu_arch=None, machine="x86_64",
+                   os="linux", python="3.11", torch_build="2.13.0+cpu", python_build="3.11.7", traced_packages=built)
+    assert mismatch(needs, here) is None
+    older = replace(here, traced_packages="laya==0.4.15 transformers==5.24.0 kernels==none")
+    assert mismatch(needs, older) == (
+        "a precompiled function runs only with the packages whose code it traced (transformers 5.25.0, this process "
+        "has 5.24.0; kernels 0.19.1, this process has none): rebuild the compile route with this process's packages "
+        "(`laya-aot build` here)")
+    assert mismatch(replace(needs, traced_packages=None), older) is None
+    # another torch build is the first reason, alone
+    assert "exact build" in mismatch(needs, replace(older, torch_build="2.13.1+cpu"))

@@ -28,6 +28,18 @@ def test_entries_that_differ_in_anything_do_not_share_a_verdict(aoti):
     assert probe.verdict_path(aoti, machine, "cpu") == probe.verdict_path(dataclasses.replace(aoti), machine, "cpu")
 
 
+def test_the_build_and_a_later_start_key_one_verdict_alike(aoti):
+    """A build records the traced packages in its machine's facts; a start does not read them (package
+    metadata). The verdict the build's probe cached still serves the starts on that machine."""
+    from laya_aot.variant import build_machine
+
+    built = build_machine("cpu")
+    assert built.traced_packages and current_machine("cpu").traced_packages is None
+    assert probe.verdict_path(aoti, built, "cpu") == probe.verdict_path(aoti, current_machine("cpu"), "cpu")
+    other = dataclasses.replace(current_machine("cpu"), cpu_isa="AVX2")
+    assert probe.verdict_path(aoti, other, "cpu") != probe.verdict_path(aoti, built, "cpu")
+
+
 def _kill_soon(pending, sig):
     deadline = time.time() + 30
     while pending.proc.poll() is None and time.time() < deadline:
