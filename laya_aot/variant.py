@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Dict, Optional
 
 if TYPE_CHECKING:
@@ -138,9 +138,7 @@ def traced_packages() -> str:
 
 def build_machine(device: Optional[str] = None) -> Machine:
     """What a build records of its machine: `current_machine`'s facts and the traced packages' versions."""
-    import dataclasses
-
-    return dataclasses.replace(current_machine(device), traced_packages=traced_packages())
+    return replace(current_machine(device), traced_packages=traced_packages())
 
 
 def native_variant(m: Machine, device: str) -> str:
