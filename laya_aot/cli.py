@@ -103,6 +103,18 @@ def _build(argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The `laya-aot` command. A reader that stops early (`laya-aot build --help | head -3`) ends it quietly
+    with the status a shell gives a command its pipe closed on (141), not a traceback."""
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # Python's documented recipe: stdout points at devnull, so the interpreter's exit flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _dispatch(argv: Optional[List[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -88,3 +88,19 @@ def test_a_users_config_dir_adds_group_options(tmp_path):
     (tmp_path / "checkpoint" / "mine.yaml").write_text("name: mine\n")
     assert build_mistake(["--config-dir", str(tmp_path), "checkpoint=mine"]) is None
     assert "did you mean `mine`" in build_mistake(["--config-dir", str(tmp_path), "checkpoint=mien"])
+
+
+@pytest.mark.parametrize("args", [["build", "--help"], ["--help"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(args):
+    """`laya-aot build --help | head -3`: the pipe closes before the text is written; the command ends with the
+    shell's closed-pipe status (141) and nothing on stderr, not a BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the command writes anything
+    try:
+        p = subprocess.run([sys.executable, "-m", "laya_aot.cli", *args], cwd=ROOT, env=env, stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert p.stderr == ""
+    assert p.returncode == 141
