@@ -166,7 +166,10 @@ def calls_child(path: str, ckpt: str, bundle: str, device: str = "cuda") -> None
     res["peak_32x1024_gb"] = torch.cuda.max_memory_allocated() / 1e9
     bo = getattr(agent, "backend_object", None)
     res["stats"] = dict(getattr(bo, "stats", {}) or {}) if bo is not None else {}
-    res["stats"].pop("cuda_graphs", None)
+    graphs = res["stats"].get("cuda_graphs")
+    if isinstance(graphs, dict):  # the counters and any refusal's reason (session 24's fp16 1x1 call went unexplained)
+        res["stats"]["cuda_graphs"] = {k: v for k, v in graphs.items() if k in ("captured", "replays", "refusals",
+                                                                                 "evicted", "graphs", "refused")}
     print("RESULT " + json.dumps(res, default=str), flush=True)
 
 
