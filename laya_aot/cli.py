@@ -108,10 +108,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return _dispatch(argv)
     except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe or socket broke (a child, a connection): a real error
+            raise
         # Python's documented recipe: stdout points at devnull, so the interpreter's exit flush cannot raise again
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is not a file descriptor
+        return False
 
 
 def _dispatch(argv: Optional[List[str]]) -> int:

@@ -104,3 +104,16 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(args):
         os.close(write)
     assert p.stderr == ""
     assert p.returncode == 141
+
+
+def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
+    """Only a closed stdout ends a command quietly: a pipe or socket of the command's own (a probe child, a
+    connection) that breaks while stdout is fine is raised as before."""
+    from laya_aot import cli
+
+    def broken(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_dispatch", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["inspect", "x"])
