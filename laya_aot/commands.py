@@ -220,19 +220,20 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: 
     """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
     the hashes; the probe, the load and the smoke check come at load time)."""
     from .runtime import start_costs
-    from .runtime.select import rank, start_tie_reason
+    from .runtime.select import plan, start_tie_reason
     from .variant import current_machine
 
     here = {r["name"]: r["here"] for r in rows}
     usable_here = [e for e in artifacts if here[e.name] == "usable"]
     starts = start_costs.known(usable_here, current_machine(device), device) if usable_here else {}
-    ranked, _ = rank(usable_here, device, starts=starts)
+    start = plan(usable_here, device, starts=starts)
+    ranked = start.order
     if not ranked:
         return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
                 "why)")
     first = ranked[0]
     lat = first.latency_ms.get(device) or {}
-    tie = start_tie_reason(first, usable_here, device, starts)
+    tie = start.why or start_tie_reason(first, usable_here, device, starts)
     if lat and tie:
         why = "measured on %s at build: %s; %s" % (device, _latencies(lat), tie)
     elif lat:
@@ -240,7 +241,12 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: 
     else:
         why = "no latency measured on %s, so the kinds' fixed order decides" % device
     more = " (then %s if it fails to load)" % ", ".join(e.name for e in ranked[1:]) if len(ranked) > 1 else ""
-    return "[bold]%s[/] (%s, given the checkpoint it was built from)%s" % (first.name, why, more)
+    then = ""
+    if start.handover_to is not None:
+        best = start.handover_to
+        then = ("; once it answers, [bold]%s[/] takes over in the background (the best measured mix: %s)"
+                % (best.name, _latencies(best.latency_ms.get(device) or {}) or "no figures"))
+    return "[bold]%s[/] (%s, given the checkpoint it was built from)%s%s" % (first.name, why, then, more)
 
 
 def _latencies(per_shape: Dict[str, float]) -> str:

@@ -134,9 +134,15 @@ def check(agent: Any = None, router: Any = None, routes: Tuple[str, ...] = ("cor
 
 
 def install_backend(agent: Any, backend: Backend) -> None:
-    """Make `backend` the agent's forward, as laya's own `set_backend` swaps backends: under its write lock."""
+    """Make `backend` the agent's forward, as laya's own `set_backend` swaps backends: under its write lock.
+
+    A backend made on another module than the agent's (a hand-over to an artifact that runs laya's own module,
+    built while another artifact served) brings that module along: the agent takes it in the same locked step,
+    so no call sees the new module without its backend."""
     with agent._gate.write_lock():
         agent.deaccelerate()
+        if backend.model is not agent.model:
+            agent.model = backend.model
         backend.install()
         agent._backend = backend
         agent._fast = None
@@ -615,13 +621,28 @@ def _retie(model: torch.nn.Module, shared: List[List[Tuple[torch.nn.Module, str,
             getattr(module, table)[name] = keep
 
 
+class AgentWithModel:
+    """`agent` with `model` in place of its own, read-only: what an artifact's load reads (laya's fast path reads
+    the agent's model, dtype and config) while the agent itself keeps serving with its own model."""
+
+    def __init__(self, agent: Any, model: torch.nn.Module):
+        self.__dict__.update(_agent=agent, model=model)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_agent"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("AgentWithModel is read-only (%s)" % name)
+
+
 def set_model(agent: Any, model: torch.nn.Module) -> None:
     """Make `model` the agent's module (no backend may be installed yet), under laya's write lock."""
     with agent._gate.write_lock():
         agent.model = model
 
 
-__all__ = ["Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable", "aot_router_class", "bucket_rows",
+__all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable",
+           "aot_router_class", "bucket_rows",
            "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
            "embedding_rows_short", "head_attention_classes",
            "install_backend", "is_thin",

@@ -65,6 +65,8 @@ class AOTBackend(Backend):
         # builds laya's eager module on first need when the agent was loaded thin (None: it exists)
         self.eager_module = eager_module
         self.host_path: Any = None  # runtime/host_path.HostPath, once the loader installs it
+        self.handover: Any = None  # runtime/handover.Handover: the artifact taking over from this one, or from
+        #                            which this one took over (its `stats` are also load_stats["handover"])
         self.chunk_tokens = int(chunk_tokens)  # padded tokens per artifact call (padding.chunks; 0: max_rows only)
         # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
         # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)

@@ -31,7 +31,7 @@ from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..manifest import Artifact
 from ..padding import smallest_batch
 from . import start_costs
-from .select import rank
+from .select import plan
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class HeadStart:
     """The first candidate artifact's checks, probe, weights and load, run beside laya's load (module doc)."""
 
     def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-                 pin: Optional[str] = None, thin: bool = False, probe: bool = True, cuda_graphs: bool = True):
+                 pin: Optional[str] = None, thin: bool = False, probe: bool = True, cuda_graphs: bool = True,
+                 handover: bool = True):
         self.name: Optional[str] = None      # the artifact worked on
         self.device: Optional[str] = None    # the device it was prepared for
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
@@ -54,7 +55,7 @@ class HeadStart:
         self._t0 = time.perf_counter()
         self._weights_thread: Optional[threading.Thread] = None
         self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe,
-                                                                cuda_graphs),
+                                                                cuda_graphs, handover),
                                         daemon=True, name="laya-aot-head-start")
         self._thread.start()
 
@@ -62,7 +63,7 @@ class HeadStart:
         return round(time.perf_counter() - self._t0, 3)
 
     def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str], pin: Optional[str],
-             thin: bool, probe: bool, cuda_graphs: bool) -> None:
+             thin: bool, probe: bool, cuda_graphs: bool, handover: bool) -> None:
         from ..probe import finish, start
 
         try:
@@ -72,8 +73,8 @@ class HeadStart:
             # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
             here = usable.here(ckpt_mod.read_config(ckpt), device)
             starts = start_costs.known(manifest.artifacts, here.machine, here.device_type)
-            candidates, _ = rank(manifest.artifacts, here.device_type, prefer, starts)
-            art = next((a for a in candidates if here.reject_reason(a) is None), None)
+            fits = [a for a in manifest.artifacts if here.reject_reason(a) is None]
+            art = next(iter(plan(fits, here.device_type, prefer, starts, handover).order), None)
             kind = kinds.get(art.kind) if art is not None else None
             probed = bool(kind and kind.native and probe)
             prepare = kind.prepare if kind is not None and thin else None

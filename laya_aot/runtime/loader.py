@@ -34,8 +34,9 @@ from . import host_path as host_path_mod
 from . import start_costs
 from .backend import DEFAULT_NEAR_TIES, AOTBackend, EagerFallback, near_tie_mode
 from .eager_module import EagerModule
+from .handover import Handover
 from .head_start import HeadStart
-from .select import rank, reject_reason, start_tie_reason
+from .select import plan, rank, reject_reason, start_tie_reason
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
          prefer: Optional[str] = None, strict: bool = False, probe: bool = True, smoke_check: bool = True,
          cuda_graphs: bool = True, bundle_sha256: Optional[str] = None,
          near_ties: bool | str = DEFAULT_NEAR_TIES, eager_module: str = "lazy", host_path: bool = True,
-         chunk_tokens: int = CHUNK_TOKENS, **agent_kwargs: Any):
+         chunk_tokens: int = CHUNK_TOKENS, handover: bool = True, **agent_kwargs: Any):
     """A `laya.Agent` for `checkpoint` whose forward runs the best usable artifact of `bundle`.
 
     `prefer` asks for one artifact kind (tilelang, aoti, compile, onnx). `probe=False` skips the child
@@ -204,7 +205,11 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     serving): laya's tokenising with question heads kept across calls and a call's states tokenised in one
     batch, the same tokens as laya's (runtime/host_path.py). `chunk_tokens`: the most padded tokens one
     artifact call takes (a wider batch runs in even pieces, bounding the forward's activation memory; 0: only
-    the export's max_rows splits). Other keyword arguments go to `laya.load`.
+    the export's max_rows splits). `handover` (on by default): where the artifact with the best measured mix
+    starts slowly here (it runs laya's own module, or its recorded starts are slower) and another usable one
+    starts quicker, the quicker one answers first and the best mix takes over once loaded and checked, in the
+    background (runtime/handover.py; `select.plan`); False: the start waits for the best mix. Other keyword
+    arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
     (`manifest.Artifact`), its variant, verify figures, `stats` and, for every artifact not used, the
     reason in `rejected`.
@@ -215,10 +220,10 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
     usable = not rejected
-    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens)
+    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens, bool(handover))
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs) \
+    early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs, bool(handover)) \
         if usable and (probe or thin) else None
     try:
         agent, eager = _agent(ckpt, device, thin, agent_kwargs)
@@ -237,6 +242,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
         _remember_start(agent, chosen)
         if chosen.eager_module is not None and (eager_module == "background" or near_ties != "off"):
             chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (eager_module, near_ties))
+        if chosen.handover is not None:
+            chosen.handover.start()
         return agent
     if strict:
         raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s" % (bundle, _format(rejected)))
@@ -272,6 +279,7 @@ class _Options(NamedTuple):
     cuda_graphs: bool
     near_ties: str
     chunk_tokens: int
+    handover: bool = True
 
 
 def _checked_arguments(prefer: Optional[str], near_ties: bool | str, eager_module: str, chunk_tokens: int) -> str:
@@ -356,17 +364,27 @@ def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
         rejected.append(("bundle", why))
         return None
     trial = _Trial(agent, ckpt, bundle, manifest, opts, rejected, load_stats, early, eager)
-    starts = start_costs.known(manifest.artifacts, trial.machine, agent.device.type)
-    candidates, skipped = rank(manifest.artifacts, agent.device.type, opts.prefer, starts)
+    device = agent.device.type
+    starts = start_costs.known(manifest.artifacts, trial.machine, device)
+    ranked, skipped = rank(manifest.artifacts, device, opts.prefer, starts)
     rejected.extend(skipped)
     load_stats["serving_dtype"] = laya_api.serving_dtype(agent)
-    for art in candidates:
+    # the start's order among those that fit here (`select.plan`); the rest follow, each to get its reason
+    fits = [a for a in ranked if reject_reason(a, trial.machine, device, load_stats["serving_dtype"]) is None]
+    start = plan(fits, device, None, starts, opts.handover)
+    for art in start.order + [a for a in ranked if all(a is not f for f in fits)]:
         backend = trial.run(art)
         if backend is not None:
             trial.drop_unused_module(backend)
             backend.load_stats["start_costs_here_s"] = starts
-            _log_choice(ckpt, backend, agent.device.type, opts.near_ties,
-                        start_tie_reason(art, manifest.artifacts, agent.device.type, starts))
+            if art is start.order[0] and start.why:
+                why_first = start.why
+            else:
+                why_first = start_tie_reason(art, manifest.artifacts, device, starts)
+            _log_choice(ckpt, backend, device, opts.near_ties, why_first)
+            target = start.handover_to
+            if target is not None and art is not target and all(name != target.name for name, _ in rejected):
+                backend.handover = Handover(trial, target, backend, start.why)
             return backend
     return None
 
@@ -402,18 +420,22 @@ class _Trial:
         self.pad_id = laya_api.pad_id(agent)
         self.tensors: Any = None
         self.module_for: Optional[str] = None  # the artifact laya's module was started for beside its probe
+        self.last_reason: Optional[str] = None  # why the last artifact `run` tried was rejected
 
-    def run(self, art: Artifact) -> Optional[AOTBackend]:
-        """The artifact installed into the agent, or None with its reason added to `rejected`."""
+    def run(self, art: Artifact, handover: bool = False) -> Optional[AOTBackend]:
+        """The artifact installed into the agent, or None with its reason added to `rejected` (and kept in
+        `last_reason`). `handover`: another artifact serves meanwhile (runtime/handover.py), so laya's module,
+        where this artifact runs it, is given to the agent only with this artifact's backend."""
         stats: Dict[str, Any] = {}
         why = self._before_load(art, stats)
         if why is None:
             try:
-                backend, why = self._load(art, stats)
+                backend, why = self._load(art, stats, handover)
             except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
                 why = "loading it failed: %s: %s" % (type(e).__name__, e)
         if why is not None:
             self.rejected.append((art.name, why))
+            self.last_reason = why
             return None
         # the runner's own load figures, the checks after the backend was made (verify here, smoke check)
         # and, for the compile route, what the smoke check's first call cost
@@ -473,12 +495,19 @@ class _Trial:
                      probe_wait_after_laya_load_s=round(time.perf_counter() - t_wait, 3))
         return why
 
-    def _load(self, art: Artifact, stats: Dict[str, Any]) -> Tuple[AOTBackend, Optional[str]]:
+    def _load(self, art: Artifact, stats: Dict[str, Any], handover: bool = False
+              ) -> Tuple[AOTBackend, Optional[str]]:
         """Load it in this process, verify it here if the build could not, smoke-check it; why it fails."""
         agent, eager, kind = self.agent, self.eager, kinds.get(art.kind)
         thin = laya_api.is_thin(agent)
+        model = agent.model
         if thin and _runs_module(art) and eager is not None:
-            eager.install("artifact %s runs laya's own module" % art.name)
+            if handover:  # the serving artifact keeps the agent's model: this one takes laya's with its backend
+                model = eager.ensure("artifact %s runs laya's own module; it takes over from the one serving"
+                                     % art.name)
+            else:
+                eager.install("artifact %s runs laya's own module" % art.name)
+                model = agent.model
             thin = False
         if self.tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
             self.tensors = ckpt_mod.Weights(self.ckpt) if thin else kinds.model_tensors(agent.model)
@@ -486,16 +515,18 @@ class _Trial:
         t1 = time.perf_counter()
         runner = self._early_runner(art, thin, graphs, stats)
         if runner is None:
-            env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=agent.model, agent=agent,
+            env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=model,
+                                agent=agent if model is agent.model else laya_api.AgentWithModel(agent, model),
                                 cuda_graphs=graphs, prepared=self._prepared(art, thin, stats))
             runner = kind.load(artifact_path(self.bundle, art), art, env)
         stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
         backend = AOTBackend(agent, runner, art, self.pad_id, self.rejected, dict(self.load_stats, **stats),
                              self.opts.near_ties, eager if thin else None, self.opts.chunk_tokens)
+        backend.model = model  # the module it installs on; install_backend gives it to the agent with it
         why = None
         if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
-            model = eager.ensure("verifying %s here" % art.name) if thin and eager else agent.model
-            here = _verify_here(agent, model, runner, art, self.manifest, self.machine, stats)
+            reference = eager.ensure("verifying %s here" % art.name) if thin and eager else model
+            here = _verify_here(agent, reference, runner, art, self.manifest, self.machine, stats)
             why = None if here.passed else "verified on this machine and failed: %s" % here.reason
             art = dataclasses.replace(art, verify=here)
             backend.artifact, backend.verify = art, here

@@ -6,17 +6,21 @@ probing (which touch the artifact's bytes) come after, in `loader`.
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 from .. import kinds
 from ..manifest import Artifact
 from ..usable import reject_reason
 
-__all__ = ["MIX_TIE", "rank", "reject_reason"]  # reject_reason lives in ..usable: fetching asks it too
+__all__ = ["MIX_TIE", "START_SLACK_S", "StartPlan", "plan", "rank", "reject_reason"]  # reject_reason: ..usable
 
 # artifacts whose measured mix is within this fraction of the fastest one's are a tie on the mix (a build's
 # figures vary by a few percent from run to run): among them, the one that starts faster on this machine wins
 MIX_TIE = 0.05
+
+# an artifact recorded as starting more than this much slower here than another usable one is not made the start's
+# (the quicker one answers first and hands over to it in the background: `plan`)
+START_SLACK_S = 1.0
 
 
 def _latency(art: Artifact, device: str) -> Optional[float]:
@@ -69,3 +73,51 @@ def start_tie_reason(art: Artifact, arts: List[Artifact], device: str, starts: M
     return ("within %d%% of %s's mix, and it starts faster here (%.2f s against %s)"
             % (round(MIX_TIE * 100), other.name, starts[art.name],
                "%.2f s" % starts[other.name] if other.name in starts else "no start recorded"))
+
+
+class StartPlan(NamedTuple):
+    """The order in which a start tries the candidates, and the artifact that then takes over in the background."""
+
+    order: List[Artifact]
+    skipped: List[Tuple[str, str]]   # (name, reason) for those `prefer` rules out
+    handover_to: Optional[Artifact]  # the best mix, when another artifact starts quicker here (None: none)
+    why: Optional[str]               # why order[0] is not rank's first (None: it is)
+
+
+def _starts_quicker(art: Artifact, best: Artifact, starts: Mapping[str, float]) -> Optional[str]:
+    """Why `art` answers a start sooner than `best` (None: it does not). Recorded starts here decide where both
+    have one; otherwise a kind that runs laya's own module (seconds to build it before the first answer, a
+    transformers import included) is taken to start slower than one that does not."""
+    if art.name in starts and best.name in starts:
+        if starts[art.name] + START_SLACK_S < starts[best.name]:
+            return "%s started in %.2f s here, %s in %.2f s" % (best.name, starts[best.name], art.name,
+                                                               starts[art.name])
+        return None
+    if kinds.get(best.kind).needs_module and not kinds.get(art.kind).needs_module:
+        return "%s runs laya's own module, which a start would build first; %s does not" % (best.name, art.name)
+    return None
+
+
+def plan(arts: List[Artifact], device: str, prefer: Optional[str] = None,
+         starts: Optional[Mapping[str, float]] = None, handover: bool = True) -> StartPlan:
+    """`rank`'s order, except that a best mix which starts slowly here is not what a start waits for.
+
+    When another candidate starts quicker (`_starts_quicker`), that one is tried first and the best mix takes over
+    once it is loaded and checked, in the background: a service pays a start on every new replica and the call on
+    every request, so the first answer comes from the quick starter and the rest from the best mix. Should the
+    quick one fail to load, the start goes on down `rank`'s order. `handover=False`: `rank`'s order as it is."""
+    order, skipped = rank(arts, device, prefer, starts)
+    if not handover or len(order) < 2:
+        return StartPlan(order, skipped, None, None)
+    best = order[0]
+    for art in order[1:]:
+        why = _starts_quicker(art, best, starts or {})
+        if why:
+            first = [art] + [a for a in order if a is not art]
+            quick, slow = _latency(art, device), _latency(best, device)
+            if quick is not None and slow is not None and quick <= slow * (1 + MIX_TIE):  # not worth a hand-over
+                return StartPlan(first, skipped, None, "within %d%% of %s's mix, and it starts quicker here: %s"
+                                 % (round(MIX_TIE * 100), best.name, why))
+            return StartPlan(first, skipped, best, "it starts quicker here than %s, the best measured mix, which "
+                                                   "takes over once loaded: %s" % (best.name, why))
+    return StartPlan(order, skipped, None, None)

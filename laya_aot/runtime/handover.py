@@ -1,0 +1,94 @@
+"""The hand-over: the artifact with the best measured mix takes over from the one that answered the start.
+
+`select.plan` starts with a quicker-starting artifact where the best mix would make a start wait: an artifact
+that runs laya's own module builds it first (transformers' model code imported, the module built and filled:
+seconds for a large checkpoint), and recorded starts may say so too. Once the quick one serves, a thread loads
+the best mix with every check a start makes (hash, probe child, load, verification here where the build could
+not, smoke check) and installs it under laya's write lock, with laya's module where it runs it
+(`laya_internals.install_backend`): calls before that moment are the first artifact's, calls after it the new
+one's, and none sees half of each. A hand-over that fails leaves the first artifact serving, with the reason in
+the log and in `load_stats["handover"]`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from ..manifest import Artifact
+from ..variant import current_machine
+from . import start_costs
+
+log = logging.getLogger(__name__)
+
+
+class Handover:
+    """One hand-over from the serving backend to `art` (module docstring); `stats` is the record of it, shared by
+    both backends' `load_stats["handover"]`."""
+
+    def __init__(self, trial: Any, art: Artifact, served: Any, why: Optional[str]):
+        self.trial, self.art = trial, art
+        self._served = served
+        self._done = threading.Event()
+        self._t0 = 0.0
+        self.stats: Dict[str, Any] = {"from": served.artifact.name, "to": art.name, "why": why, "state": "waiting"}
+        served.load_stats["handover"] = self.stats
+
+    def start(self) -> None:
+        """Begin, in a daemon thread (the serving backend answers meanwhile)."""
+        self.trial.early = None  # the start's head start is closed: the hand-over makes its own checks
+        self.stats["state"] = "running"
+        self._t0 = time.perf_counter()
+        threading.Thread(target=self._run, daemon=True, name="laya-aot-handover").start()
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the hand-over ended, either way; False if `timeout` passed first."""
+        return self._done.wait(timeout)
+
+    def _run(self) -> None:
+        served, art, trial = self._served, self.art, self.trial
+        try:
+            backend = trial.run(art, handover=True)
+            why = None if backend is not None else trial.last_reason
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the serving artifact keeps serving
+            backend, why = None, "%s: %s" % (type(e).__name__, e)
+        seconds = round(time.perf_counter() - self._t0, 3)
+        try:
+            if backend is None:
+                self._failed(served, why, seconds)
+            else:
+                self._done_with(served, backend, seconds)
+        finally:
+            self._served = None  # the replaced backend (and its runner's memory) is not held here
+            self._done.set()
+
+    def _failed(self, served: Any, why: Optional[str], seconds: float) -> None:
+        self.stats.update(state="failed", reason=why, seconds=seconds)
+        log.warning("laya-aot: %s keeps serving; the hand-over to %s failed after %.2f s: %s",
+                    served.artifact.name, self.art.name, seconds, why)
+        eager = self.trial.eager
+        # laya's module built for the hand-over holds the weights again: dropped unless the serving backend
+        # wants laya's eager forward for near-ties (the agent still thin; a need later builds it again)
+        if eager is not None and eager.model is not None and served.near_ties == "off" \
+                and served.eager_module is eager and _thin(self.trial.agent):
+            eager.discard("the hand-over to %s, which it was built for, failed" % self.art.name)
+
+    def _done_with(self, served: Any, backend: Any, seconds: float) -> None:
+        self.stats.update(state="done", seconds=seconds)
+        backend.handover = self
+        backend.host_path = served.host_path
+        backend.load_stats["handover"] = self.stats
+        stats = backend.load_stats
+        if stats.get("probe") in (None, "cached"):  # as start_costs records a start: not one that ran the child
+            agent = self.trial.agent
+            start_costs.record(self.art, current_machine(str(agent.device)), agent.device.type,
+                               float(stats.get("agent_load_s", 0.0)) + seconds)
+        log.info("laya-aot: %s now serves in place of %s, %.2f s after the start answered (%s)", self.art.name,
+                 served.artifact.name, seconds, self.stats.get("why") or "the best measured mix")
+
+
+def _thin(agent: Any) -> bool:
+    from .. import laya_internals as laya_api
+
+    return laya_api.is_thin(agent)
