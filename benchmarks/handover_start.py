@@ -6,8 +6,9 @@ Each start is a fresh `python3 -c` as a user's process runs it: import, `laya_ao
 (timed from the parent's spawn to the child's first answer, nothing inside it). Then, untimed by that clock, the
 child waits for the hand-over (`backend_object.handover`), records it, and times the three realistic calls of
 `gpu_start.py` (median of --repeats after 3 warm-ups) on what serves after it, with the compile counters of the
-serving process. Modes alternate start by start: `handover` (load's default) and `wait` (`handover=False`: the
-start waits for the best mix itself). The first start of the run has an empty laya-aot cache (the probe child
+serving process. Modes alternate start by start: `handover` (load's default), `wait` (`handover=False`: the
+start waits for the best mix itself) and `aoti` (`prefer="aoti"`: the AOTInductor artifact alone, no hand-over:
+the same bundle's start without one). The first start of the run has an empty laya-aot cache (the probe child
 runs); later starts reuse its verdicts and the start costs it recorded.
 Writes handover<tag>.json and .md to --out.
 """
@@ -23,13 +24,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_start import CALLS, ONE, states  # noqa: E402  (a sibling benchmark script)
+from gpu_start import CALLS, ONE  # noqa: E402  (a sibling benchmark script)
 
 CHILD = """
 import json, statistics, sys, time
 sys.path.insert(0, {bench!r})
 import laya_aot
-agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r}, handover={handover!r})
+agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r}, **{load_kwargs!r})
 agent.predict_batch(["I was charged twice for the March invoice"], {q!r})
 import torch
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -63,13 +64,16 @@ print("RESULT", json.dumps(out, default=str), flush=True)
 """
 
 
-def one_start(args, handover: bool, env: dict) -> dict:
+MODES = {"handover": {}, "wait": {"handover": False}, "aoti": {"prefer": "aoti"}}
+
+
+def one_start(args, mode: str, env: dict) -> dict:
     code = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), ckpt=str(args.ckpt),
-                        bundle=str(args.bundle), device=args.device, handover=handover, q=ONE,
+                        bundle=str(args.bundle), device=args.device, load_kwargs=MODES[mode], q=ONE,
                         repeats=args.repeats)
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=args.timeout)
-    res = {"mode": "handover" if handover else "wait", "rc": p.returncode}
+    res = {"mode": mode, "rc": p.returncode}
     for line in p.stdout.splitlines():
         if line.startswith("FIRST "):
             res["first_answer_s"] = round(float(line.split()[1]) - t0, 3)
@@ -87,7 +91,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--starts", type=int, default=3, help="starts per mode")
-    ap.add_argument("--modes", default="handover,wait")
+    ap.add_argument("--modes", default="handover,wait", help="of %s, comma-separated" % ", ".join(MODES))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=400.0)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/laya-aot-handover-cache"),
@@ -98,11 +102,13 @@ def main() -> None:
 
     shutil.rmtree(args.cache, ignore_errors=True)
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(args.cache))
-    modes = [m == "handover" for m in args.modes.split(",")]
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        ap.error("--modes: use %s" % ", ".join(MODES))
     runs = []
-    for i in range(args.starts):
-        for handover in modes:
-            r = one_start(args, handover, env)
+    for _ in range(args.starts):
+        for mode in modes:
+            r = one_start(args, mode, env)
             r["start"] = "first" if not runs else "later"
             runs.append(r)
             print(json.dumps({k: r.get(k) for k in ("mode", "start", "rc", "first_answer_s", "first", "serving",
@@ -126,7 +132,7 @@ def markdown(runs) -> str:
             "%s (%s)" % (ho.get("seconds"), ho.get("state")) if ho else "-",
             " / ".join(str(calls.get(c[0], "-")) for c in CALLS)))
     med = {}
-    for mode in ("handover", "wait"):
+    for mode in MODES:
         xs = [r["first_answer_s"] for r in runs if r["mode"] == mode and r["start"] == "later"
               and "first_answer_s" in r]
         if xs:

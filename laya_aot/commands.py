@@ -246,7 +246,7 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: 
         best = start.handover_to
         then = ("; once it answers, [bold]%s[/] takes over in the background (the best measured mix: %s)"
                 % (best.name, _latencies(best.latency_ms.get(device) or {}) or "no figures"))
-    return "[bold]%s[/] (%s, given the checkpoint it was built from)%s%s" % (first.name, why, then, more)
+    return "[bold]%s[/] (given the checkpoint it was built from; %s)%s%s" % (first.name, why, then, more)
 
 
 def _latencies(per_shape: Dict[str, float]) -> str:

@@ -67,6 +67,7 @@ class AOTBackend(Backend):
         self.host_path: Any = None  # runtime/host_path.HostPath, once the loader installs it
         self.handover: Any = None  # runtime/handover.Handover: the artifact taking over from this one, or from
         #                            which this one took over (its `stats` are also load_stats["handover"])
+        self.after_first_call: Any = None  # called once, after this backend's first call (the hand-over's start)
         self.chunk_tokens = int(chunk_tokens)  # padded tokens per artifact call (padding.chunks; 0: max_rows only)
         # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
         # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)
@@ -117,6 +118,10 @@ class AOTBackend(Backend):
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False, **extra):
         out, by_artifact = self._forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder,
                                          **extra)
+        then = self.after_first_call
+        if then is not None:
+            self.after_first_call = None
+            then()
         margin = self.tie_margin
         if not by_artifact or margin is None:
             return out

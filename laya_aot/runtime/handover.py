@@ -8,6 +8,10 @@ not, smoke check) and installs it under laya's write lock, with laya's module wh
 (`laya_internals.install_backend`): calls before that moment are the first artifact's, calls after it the new
 one's, and none sees half of each. A hand-over that fails leaves the first artifact serving, with the reason in
 the log and in `load_stats["handover"]`.
+
+It begins once the first artifact has answered its first call, or after IDLE_S without one: its first seconds
+(transformers' imports, laya's module) hold the interpreter lock, and begun beside a start's first call they
+made that answer 1.3 s later on the H200 (`benchmarks/results/gpu_h200_start.md`, session 25).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from . import start_costs
 
 log = logging.getLogger(__name__)
 
+IDLE_S = 2.0  # with no call this long after the start, the hand-over begins anyway
+
 
 class Handover:
     """One hand-over from the serving backend to `art` (module docstring); `stats` is the record of it, shared by
@@ -31,13 +37,26 @@ class Handover:
         self.trial, self.art = trial, art
         self._served = served
         self._done = threading.Event()
+        self._begun = threading.Lock()  # taken once, by whichever comes first: the first answer or the timer
+        self._timer: Optional[threading.Timer] = None
         self._t0 = 0.0
         self.stats: Dict[str, Any] = {"from": served.artifact.name, "to": art.name, "why": why, "state": "waiting"}
         served.load_stats["handover"] = self.stats
 
     def start(self) -> None:
-        """Begin, in a daemon thread (the serving backend answers meanwhile)."""
+        """Arm it: it begins, in a daemon thread, after the serving backend's first call or IDLE_S without one."""
         self.trial.early = None  # the start's head start is closed: the hand-over makes its own checks
+        self._served.after_first_call = self.begin
+        self._timer = threading.Timer(IDLE_S, self.begin)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def begin(self) -> None:
+        """Begin now (once; later calls do nothing)."""
+        if not self._begun.acquire(blocking=False):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
         self.stats["state"] = "running"
         self._t0 = time.perf_counter()
         threading.Thread(target=self._run, daemon=True, name="laya-aot-handover").start()
@@ -54,6 +73,7 @@ class Handover:
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the serving artifact keeps serving
             backend, why = None, "%s: %s" % (type(e).__name__, e)
         seconds = round(time.perf_counter() - self._t0, 3)
+        served.after_first_call = None
         try:
             if backend is None:
                 self._failed(served, why, seconds)
@@ -84,8 +104,8 @@ class Handover:
             agent = self.trial.agent
             start_costs.record(self.art, current_machine(str(agent.device)), agent.device.type,
                                float(stats.get("agent_load_s", 0.0)) + seconds)
-        log.info("laya-aot: %s now serves in place of %s, %.2f s after the start answered (%s)", self.art.name,
-                 served.artifact.name, seconds, self.stats.get("why") or "the best measured mix")
+        log.info("laya-aot: %s now serves in place of %s; the hand-over took %.2f s", self.art.name,
+                 served.artifact.name, seconds)
 
 
 def _thin(agent: Any) -> bool:
