@@ -5,6 +5,6 @@ T0=$(date +%s)
 el() { echo "[callD] $(( $(date +%s) - T0 )) s: $*"; }
 python3 -m laya_aot.cli inspect /tmp/b-edit > $OUT/inspect_edit_s25d.txt 2>&1
 timeout 420 python3 benchmarks/handover_start.py --ckpt /tmp/laya-large-1024-fp16 --bundle /tmp/b-edit --out $OUT \
-  --starts 4 --repeats 5 --modes handover,aoti --tag _s25d > $OUT/handover_s25d.log 2>&1
+  --starts 3 --repeats 5 --modes handover,aoti --tag _s25d > $OUT/handover_s25d.log 2>&1
 el "handover rc $?"
 uptime
