@@ -220,13 +220,13 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: 
     """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
     the hashes; the probe, the load and the smoke check come at load time)."""
     from .runtime import start_costs
-    from .runtime.select import plan, start_tie_reason
+    from .runtime.select import plan, rank, start_tie_reason
     from .variant import current_machine
 
     here = {r["name"]: r["here"] for r in rows}
     usable_here = [e for e in artifacts if here[e.name] == "usable"]
     starts = start_costs.known(usable_here, current_machine(device), device) if usable_here else {}
-    start = plan(usable_here, device, starts=starts)
+    start = plan(rank(usable_here, device, starts=starts)[0], device, starts)
     ranked = start.order
     if not ranked:
         return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "

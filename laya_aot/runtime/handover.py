@@ -2,7 +2,7 @@
 
 `select.plan` starts with a quicker-starting artifact where the best mix would make a start wait: an artifact
 that runs laya's own module builds it first (transformers' model code imported, the module built and filled:
-seconds for a large checkpoint), and recorded starts may say so too. Once the quick one serves, a thread loads
+seconds for a large checkpoint). Once the quick one serves, a thread loads
 the best mix with every check a start makes (hash, probe child, load, verification here where the build could
 not, smoke check) and installs it under laya's write lock, with laya's module where it runs it
 (`laya_internals.install_backend`): calls before that moment are the first artifact's, calls after it the new

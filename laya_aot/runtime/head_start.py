@@ -31,7 +31,7 @@ from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..manifest import Artifact
 from ..padding import smallest_batch
 from . import start_costs
-from .select import plan
+from .select import plan, rank
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ class HeadStart:
             # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
             here = usable.here(ckpt_mod.read_config(ckpt), device)
             starts = start_costs.known(manifest.artifacts, here.machine, here.device_type)
-            fits = [a for a in manifest.artifacts if here.reject_reason(a) is None]
-            art = next(iter(plan(fits, here.device_type, prefer, starts, handover).order), None)
+            ranked, _ = rank(manifest.artifacts, here.device_type, prefer, starts)
+            fits = [a for a in ranked if here.reject_reason(a) is None]
+            art = next(iter(plan(fits, here.device_type, starts, handover).order), None)
             kind = kinds.get(art.kind) if art is not None else None
             probed = bool(kind and kind.native and probe)
             prepare = kind.prepare if kind is not None and thin else None

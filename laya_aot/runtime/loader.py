@@ -206,8 +206,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     batch, the same tokens as laya's (runtime/host_path.py). `chunk_tokens`: the most padded tokens one
     artifact call takes (a wider batch runs in even pieces, bounding the forward's activation memory; 0: only
     the export's max_rows splits). `handover` (on by default): where the artifact with the best measured mix
-    starts slowly here (it runs laya's own module, or its recorded starts are slower) and another usable one
-    starts quicker, the quicker one answers first and the best mix takes over once loaded and checked, in the
+    runs laya's own module (built before its first answer: seconds) and another usable one does not, that one
+    answers first and the best mix takes over once loaded and checked, in the
     background (runtime/handover.py; `select.plan`); False: the start waits for the best mix. Other keyword
     arguments go to `laya.load`.
     `agent.backend` names what runs (`aot:aoti`, ...); `agent.backend_object` holds the artifact
@@ -371,7 +371,7 @@ def _choose(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],
     load_stats["serving_dtype"] = laya_api.serving_dtype(agent)
     # the start's order among those that fit here (`select.plan`); the rest follow, each to get its reason
     fits = [a for a in ranked if reject_reason(a, trial.machine, device, load_stats["serving_dtype"]) is None]
-    start = plan(fits, device, None, starts, opts.handover)
+    start = plan(fits, device, starts, opts.handover)
     for art in start.order + [a for a in ranked if all(a is not f for f in fits)]:
         backend = trial.run(art)
         if backend is not None:

@@ -18,8 +18,8 @@ __all__ = ["MIX_TIE", "START_SLACK_S", "StartPlan", "plan", "rank", "reject_reas
 # figures vary by a few percent from run to run): among them, the one that starts faster on this machine wins
 MIX_TIE = 0.05
 
-# an artifact recorded as starting more than this much slower here than another usable one is not made the start's
-# (the quicker one answers first and hands over to it in the background: `plan`)
+# an artifact that runs laya's own module but is recorded as starting within this of a quicker one here serves a
+# start itself: no hand-over (`plan`)
 START_SLACK_S = 1.0
 
 
@@ -79,36 +79,38 @@ class StartPlan(NamedTuple):
     """The order in which a start tries the candidates, and the artifact that then takes over in the background."""
 
     order: List[Artifact]
-    skipped: List[Tuple[str, str]]   # (name, reason) for those `prefer` rules out
     handover_to: Optional[Artifact]  # the best mix, when another artifact starts quicker here (None: none)
     why: Optional[str]               # why order[0] is not rank's first (None: it is)
 
 
 def _starts_quicker(art: Artifact, best: Artifact, starts: Mapping[str, float]) -> Optional[str]:
-    """Why `art` answers a start sooner than `best` (None: it does not). Recorded starts here decide where both
-    have one; otherwise a kind that runs laya's own module (seconds to build it before the first answer, a
-    transformers import included) is taken to start slower than one that does not."""
-    if art.name in starts and best.name in starts:
-        if starts[art.name] + START_SLACK_S < starts[best.name]:
-            return "%s started in %.2f s here, %s in %.2f s" % (best.name, starts[best.name], art.name,
-                                                               starts[art.name])
+    """Why `art` answers a start sooner than `best` (None: it does not): `best` runs laya's own module, which a start
+    must build first (transformers' model code imported, the module made and filled: seconds for a large
+    checkpoint), and `art` does not; unless both have a start recorded here and `best`'s is within START_SLACK_S of
+    `art`'s. Recorded starts alone never make a hand-over: they vary with the machine's load from start to start."""
+    if not kinds.get(best.kind).needs_module or kinds.get(art.kind).needs_module:
         return None
-    if kinds.get(best.kind).needs_module and not kinds.get(art.kind).needs_module:
-        return "%s runs laya's own module, which a start would build first; %s does not" % (best.name, art.name)
-    return None
+    if art.name in starts and best.name in starts:
+        if starts[best.name] <= starts[art.name] + START_SLACK_S:
+            return None
+        return "%s runs laya's own module and started in %.2f s here, %s in %.2f s" % (
+            best.name, starts[best.name], art.name, starts[art.name])
+    return "%s runs laya's own module, which a start would build first; %s does not" % (best.name, art.name)
 
 
-def plan(arts: List[Artifact], device: str, prefer: Optional[str] = None,
-         starts: Optional[Mapping[str, float]] = None, handover: bool = True) -> StartPlan:
-    """`rank`'s order, except that a best mix which starts slowly here is not what a start waits for.
+def plan(ranked: List[Artifact], device: str, starts: Optional[Mapping[str, float]] = None,
+         handover: bool = True) -> StartPlan:
+    """The start's order of `ranked` (`rank`'s order of the candidates that fit here): `rank`'s, except that a best
+    mix which starts slowly is not what a start waits for.
 
     When another candidate starts quicker (`_starts_quicker`), that one is tried first and the best mix takes over
-    once it is loaded and checked, in the background: a service pays a start on every new replica and the call on
-    every request, so the first answer comes from the quick starter and the rest from the best mix. Should the
-    quick one fail to load, the start goes on down `rank`'s order. `handover=False`: `rank`'s order as it is."""
-    order, skipped = rank(arts, device, prefer, starts)
+    once it is loaded and checked, in the background (runtime/handover.py): a service pays a start on every new
+    replica and the call on every request, so the first answer comes from the quick starter and the rest from the
+    best mix. Within MIX_TIE of the best mix the quick one simply serves. Should it fail to load, the start goes on
+    down `rank`'s order. `handover=False`: `rank`'s order as it is."""
+    order = list(ranked)
     if not handover or len(order) < 2:
-        return StartPlan(order, skipped, None, None)
+        return StartPlan(order, None, None)
     best = order[0]
     for art in order[1:]:
         why = _starts_quicker(art, best, starts or {})
@@ -116,8 +118,8 @@ def plan(arts: List[Artifact], device: str, prefer: Optional[str] = None,
             first = [art] + [a for a in order if a is not art]
             quick, slow = _latency(art, device), _latency(best, device)
             if quick is not None and slow is not None and quick <= slow * (1 + MIX_TIE):  # not worth a hand-over
-                return StartPlan(first, skipped, None, "within %d%% of %s's mix, and it starts quicker here: %s"
+                return StartPlan(first, None, "within %d%% of %s's mix, and it starts quicker here: %s"
                                  % (round(MIX_TIE * 100), best.name, why))
-            return StartPlan(first, skipped, best, "it starts quicker here than %s, the best measured mix, which "
-                                                   "takes over once loaded: %s" % (best.name, why))
-    return StartPlan(order, skipped, None, None)
+            return StartPlan(first, best, "it starts quicker here than %s, the best measured mix, which takes "
+                                          "over once loaded: %s" % (best.name, why))
+    return StartPlan(order, None, None)
