@@ -251,6 +251,8 @@ def describe(agent: Any) -> Dict[str, Any]:
         out["near_ties"] = getattr(backend, "near_ties", None)
         decisions = getattr(verify, "decisions", None)
         out["decisions"] = dataclasses.asdict(decisions) if decisions is not None else None
+        # runtime/handover.py: the best mix taking over (or having taken over) from the artifact that started
+        out["handover"] = dict((getattr(backend, "load_stats", None) or {}).get("handover") or {}) or None
     out["refused"] = ["%s: %s" % (name, why) for name, why in (getattr(backend, "rejected", None) or [])]
     return out
 
@@ -334,8 +336,10 @@ class BundleLoads:
         refused = "; ".join(_pin_words(spec, r) for r in info["refused"] + damaged)
         if info["artifact"] is not None:
             (log.warning if refused else log.info)(
-                "%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s%s", key, n, took, info["backend"],
-                info["artifact"], info["variant"], spec.bundle, "; not used: %s" % refused if refused else "")
+                "%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s%s%s", key, n, took,
+                info["backend"], info["artifact"], info["variant"], spec.bundle,
+                "; %s takes over once loaded (GET /v1/aot: handover)" % info["handover"]["to"]
+                if info["handover"] else "", "; not used: %s" % refused if refused else "")
         else:
             log.warning("%r load #%d in %.2f s: fell back to laya's eager forward; no artifact of "
                         "bundle %s fits: %s", key, n, took, spec.bundle, refused)

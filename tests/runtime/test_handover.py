@@ -42,7 +42,7 @@ def _plan(arts, starts=None, handover=True, prefer=None):
     return plan(rank(arts, "cpu", prefer, starts)[0], "cpu", starts, handover)
 
 
-def test_a_best_mix_that_runs_lavas_module_hands_over_from_a_kind_that_does_not():
+def test_a_best_mix_that_runs_layas_module_hands_over_from_a_kind_that_does_not():
     # catches: the kind rule gone (compile/tilelang would make the start wait for laya's module) or the hand-over
     # target not being the best mix
     compile_, aoti = _entry("compile", "compile", lat=1.0), _entry("aoti", "aoti", lat=2.0)
@@ -224,7 +224,7 @@ def test_the_quick_artifact_answers_first_and_the_best_mix_takes_over(demo_ckpt,
     _same(direct.predict_batch(STATES, QUESTIONS), after)
 
 
-def test_a_best_mix_that_runs_lavas_module_takes_it_to_the_agent(demo_ckpt, bundle_copy, onnx_best, held, eager,
+def test_a_best_mix_that_runs_layas_module_takes_it_to_the_agent(demo_ckpt, bundle_copy, onnx_best, held, eager,
                                                                  monkeypatch):
     # catches: install_backend not giving the agent the backend's module (the agent stays a shell: the eager
     # forward a request beyond the export needs would run on meta tensors), or the module installed on the agent
