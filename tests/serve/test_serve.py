@@ -180,6 +180,7 @@ def test_answers_over_http_equal_laya_serves_eager_answers(servers):
     assert demo["artifact"] and demo["refused"] == [] and demo["resident"] and demo["loads"] >= 1
     assert 0 <= demo["near_tie_margin"] < 1e-3   # an fp32 artifact: near-ties are float noise
     assert demo["near_ties"] == "off" and report["strict"] is False   # the default: the artifact's answers
+    assert demo["handover"] is None   # no artifact of the demo bundle runs laya's module: nothing takes over
     assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
 
 
