@@ -9,12 +9,16 @@ not, smoke check) and installs it under laya's write lock, with laya's module wh
 one's, and none sees half of each. A hand-over that fails leaves the first artifact serving, with the reason in
 the log and in `load_stats["handover"]`.
 
+A process that exits during a hand-over stops it at its next step and waits for the step under way (at most
+EXIT_WAIT_S): a thread left inside torch or CUDA while the interpreter finalises can end the process badly.
+
 It begins once the first artifact has answered its first call, or after IDLE_S without one: its first seconds
 (transformers' imports, laya's module) hold the interpreter lock, and begun beside a start's first call they
 made that answer 1.3 s later on the H200 (`benchmarks/results/gpu_h200_start.md`, session 25).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -27,6 +31,7 @@ from . import start_costs
 log = logging.getLogger(__name__)
 
 IDLE_S = 2.0  # with no call this long after the start, the hand-over begins anyway
+EXIT_WAIT_S = 60.0  # at exit, the longest wait for the step under way to end
 
 
 class Handover:
@@ -39,6 +44,7 @@ class Handover:
         self._done = threading.Event()
         self._begun = threading.Lock()  # taken once, by whichever comes first: the first answer or the timer
         self._timer: Optional[threading.Timer] = None
+        self._stop = threading.Event()  # set at exit: the hand-over ends at its next step
         self._t0 = 0.0
         self.stats: Dict[str, Any] = {"from": served.artifact.name, "to": art.name, "why": why, "state": "waiting"}
         served.load_stats["handover"] = self.stats
@@ -46,6 +52,8 @@ class Handover:
     def start(self) -> None:
         """Arm it: it begins, in a daemon thread, after the serving backend's first call or IDLE_S without one."""
         self.trial.early = None  # the start's head start is closed: the hand-over makes its own checks
+        self.trial.stop = self._stop
+        atexit.register(self._at_exit)
         self._served.after_first_call = self.begin
         self._timer = threading.Timer(IDLE_S, self.begin)
         self._timer.daemon = True
@@ -53,13 +61,20 @@ class Handover:
 
     def begin(self) -> None:
         """Begin now (once; later calls do nothing)."""
-        if not self._begun.acquire(blocking=False):
+        if self._stop.is_set() or not self._begun.acquire(blocking=False):
             return
         if self._timer is not None:
             self._timer.cancel()
         self.stats["state"] = "running"
         self._t0 = time.perf_counter()
         threading.Thread(target=self._run, daemon=True, name="laya-aot-handover").start()
+
+    def _at_exit(self) -> None:
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.stats.get("state") == "running":
+            self._done.wait(EXIT_WAIT_S)
 
     def join(self, timeout: Optional[float] = None) -> bool:
         """Wait until the hand-over ended, either way; False if `timeout` passed first."""
@@ -82,11 +97,14 @@ class Handover:
         finally:
             self._served = None  # the replaced backend (and its runner's memory) is not held here
             self._done.set()
+            atexit.unregister(self._at_exit)
 
     def _failed(self, served: Any, why: Optional[str], seconds: float) -> None:
-        self.stats.update(state="failed", reason=why, seconds=seconds)
-        log.warning("laya-aot: %s keeps serving; the hand-over to %s failed after %.2f s: %s",
-                    served.artifact.name, self.art.name, seconds, why)
+        stopped = self._stop.is_set()
+        self.stats.update(state="stopped" if stopped else "failed", reason=why, seconds=seconds)
+        (log.info if stopped else log.warning)("laya-aot: %s keeps serving; the hand-over to %s %s after %.2f s: %s",
+                                               served.artifact.name, self.art.name,
+                                               "stopped" if stopped else "failed", seconds, why)
         eager = self.trial.eager
         # laya's module built for the hand-over holds the weights again: dropped unless the serving backend
         # wants laya's eager forward for near-ties (the agent still thin; a need later builds it again)

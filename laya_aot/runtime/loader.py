@@ -421,18 +421,24 @@ class _Trial:
         self.tensors: Any = None
         self.module_for: Optional[str] = None  # the artifact laya's module was started for beside its probe
         self.last_reason: Optional[str] = None  # why the last artifact `run` tried was rejected
+        self.stop: Optional[Any] = None  # a threading.Event a hand-over's owner sets to end it between its steps
+
+    def _stopped(self) -> Optional[str]:
+        """The reason to go no further, once `stop` is set (the process is exiting: runtime/handover.py)."""
+        return "stopped: the process is exiting" if self.stop is not None and self.stop.is_set() else None
 
     def run(self, art: Artifact, handover: bool = False) -> Optional[AOTBackend]:
         """The artifact installed into the agent, or None with its reason added to `rejected` (and kept in
         `last_reason`). `handover`: another artifact serves meanwhile (runtime/handover.py), so laya's module,
         where this artifact runs it, is given to the agent only with this artifact's backend."""
         stats: Dict[str, Any] = {}
-        why = self._before_load(art, stats)
+        why = self._before_load(art, stats) or self._stopped()
         if why is None:
             try:
                 backend, why = self._load(art, stats, handover)
             except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
                 why = "loading it failed: %s: %s" % (type(e).__name__, e)
+        why = why or self._stopped()
         if why is not None:
             self.rejected.append((art.name, why))
             self.last_reason = why
@@ -512,6 +518,8 @@ class _Trial:
         if self.tensors is None:  # a thin agent's artifact takes its weights from the checkpoint file
             self.tensors = ckpt_mod.Weights(self.ckpt) if thin else kinds.model_tensors(agent.model)
         graphs = _graphs_wanted(self.opts.cuda_graphs, art, agent.device, self.opts.probe, stats)
+        if self._stopped():
+            raise RuntimeError(self._stopped())
         t1 = time.perf_counter()
         runner = self._early_runner(art, thin, graphs, stats)
         if runner is None:
@@ -530,6 +538,7 @@ class _Trial:
             why = None if here.passed else "verified on this machine and failed: %s" % here.reason
             art = dataclasses.replace(art, verify=here)
             backend.artifact, backend.verify = art, here
+        why = why or self._stopped()
         if why is None and self.opts.smoke_check:
             t_smoke = time.perf_counter()
             why = _smoke_check(agent, backend, art, self.manifest)

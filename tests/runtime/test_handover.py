@@ -310,3 +310,34 @@ def test_inspect_names_the_artifact_that_takes_over(bundle_copy, onnx_best, caps
     served, out = would_serve()
     assert served == quick and "onnx-fp32 runs laya's own module and started in 9.00 s here" in out
     assert "once it answers, onnx-fp32 takes over in the background" in out
+
+
+EXITS = """
+import atexit, dataclasses, sys
+from laya_aot.kinds import registry
+registry._BY_NAME["onnx"] = dataclasses.replace(registry._BY_NAME["onnx"], needs_module=True)
+import laya_aot
+seen = {}
+# registered before the load, so it runs after the hand-over's own exit handler (atexit runs the latest first)
+atexit.register(lambda: print("AT EXIT", seen["first"].load_stats["handover"]["state"],
+                              seen["agent"].backend_object.artifact.kind, flush=True))
+agent = seen["agent"] = laya_aot.load(sys.argv[1], bundle=sys.argv[2], device="cpu", strict=True)
+first = seen["first"] = agent.backend_object
+agent.predict_batch(["the door is open"], {"n": {"type": "noul", "instructions": "is it open?"}})
+print("ANSWERED", first.artifact.kind, first.load_stats["handover"]["state"], flush=True)
+"""
+
+
+def test_a_process_that_exits_during_a_hand_over_stops_it_and_exits_cleanly(demo_ckpt, bundle_copy, onnx_best):
+    # catches: no exit handler (the hand-over's thread left running inside torch while the interpreter finalises:
+    # its record still says "running" at exit), or an exit handler that lets the hand-over run on to the end
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", EXITS, str(demo_ckpt), str(bundle_copy)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert "ANSWERED aoti running" in lines, p.stdout
+    assert "AT EXIT stopped aoti" in lines, p.stdout + p.stderr[-3000:]   # the AOTInductor package still serves
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
