@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
@@ -146,6 +146,14 @@ def install_backend(agent: Any, backend: Backend) -> None:
         backend.install()
         agent._backend = backend
         agent._fast = None
+
+
+def serving_paused(agent: Any) -> ContextManager[None]:
+    """laya's write lock on the agent's forward (`Agent._gate`, as `install_backend` takes it): inside, no forward
+    of the agent runs and none begins. A hand-over holds it while the artifact taking over makes its first calls
+    (runtime/loader.py): they may capture CUDA graphs in torch's global mode (laya's fast path), which a serving
+    forward's allocation or synchronising call on another thread would break, failing both."""
+    return agent._gate.write_lock()
 
 
 _HOST_ROUTED = threading.Lock()
@@ -647,4 +655,5 @@ __all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "LayaIncompatible"
            "embedding_rows_short", "head_attention_classes",
            "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
-           "router_agent_kwargs", "serve_settings", "serving_dtype", "set_model", "thin_agent", "vocab"]
+           "router_agent_kwargs", "serve_settings", "serving_dtype", "serving_paused", "set_model",
+           "thin_agent", "vocab"]

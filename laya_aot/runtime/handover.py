@@ -9,6 +9,11 @@ not, smoke check) and installs it under laya's write lock, with laya's module wh
 one's, and none sees half of each. A hand-over that fails leaves the first artifact serving, with the reason in
 the log and in `load_stats["handover"]`.
 
+Serving pauses while the new artifact makes its first calls (its verification here and smoke check, under laya's
+write lock: `loader._paused_serving`, recorded as `serving_paused_s`): they may capture CUDA graphs in torch's
+global mode (laya's fast path, which the TileLang artifact drives), and a serving forward's allocation or
+synchronising call on another thread during such a capture fails both.
+
 A process that exits during a hand-over stops it at its next step and waits for the step under way (at most
 EXIT_WAIT_S): a thread left inside torch or CUDA while the interpreter finalises can end the process badly.
 
@@ -113,7 +118,7 @@ class Handover:
             eager.discard("the hand-over to %s, which it was built for, failed" % self.art.name)
 
     def _done_with(self, served: Any, backend: Any, seconds: float) -> None:
-        self.stats.update(state="done", seconds=seconds)
+        self.stats.update(state="done", seconds=seconds, serving_paused_s=backend.load_stats.get("serving_paused_s"))
         backend.handover = self
         backend.host_path = served.host_path
         backend.load_stats["handover"] = self.stats
@@ -122,8 +127,8 @@ class Handover:
             agent = self.trial.agent
             start_costs.record(self.art, current_machine(str(agent.device)), agent.device.type,
                                float(stats.get("agent_load_s", 0.0)) + seconds)
-        log.info("laya-aot: %s now serves in place of %s; the hand-over took %.2f s", self.art.name,
-                 served.artifact.name, seconds)
+        log.info("laya-aot: %s now serves in place of %s; the hand-over took %.2f s (serving paused %.3f s)",
+                 self.art.name, served.artifact.name, seconds, self.stats["serving_paused_s"] or 0.0)
 
 
 def _thin(agent: Any) -> bool:

@@ -10,13 +10,14 @@ run while laya builds the agent (`head_start.HeadStart`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -407,6 +408,19 @@ def _bundle_refused(agent, manifest: Bundle, ckpt: Path, load_stats: Dict[str, A
     return None
 
 
+@contextlib.contextmanager
+def _paused_serving(agent: Any, stats: Dict[str, Any]) -> Iterator[None]:
+    """No forward of the agent runs inside (`laya_internals.serving_paused`): a hand-over's artifact makes its first
+    calls here, which may capture CUDA graphs that a concurrent serving forward would break. The seconds from
+    asking for the lock to releasing it add up in stats["serving_paused_s"]."""
+    t0 = time.perf_counter()
+    try:
+        with laya_api.serving_paused(agent):
+            yield
+    finally:
+        stats["serving_paused_s"] = round(stats.get("serving_paused_s", 0.0) + time.perf_counter() - t0, 3)
+
+
 class _Trial:
     """The checks of one candidate artifact after another, cheapest first, sharing what they all need: the
     machine's facts, laya's serving dtype, the weights an artifact is loaded with."""
@@ -430,7 +444,9 @@ class _Trial:
     def run(self, art: Artifact, handover: bool = False) -> Optional[AOTBackend]:
         """The artifact installed into the agent, or None with its reason added to `rejected` (and kept in
         `last_reason`). `handover`: another artifact serves meanwhile (runtime/handover.py), so laya's module,
-        where this artifact runs it, is given to the agent only with this artifact's backend."""
+        where this artifact runs it, is given to the agent only with this artifact's backend, and serving pauses
+        while this artifact makes its first calls (verified here, smoke check: `_paused_serving`), as they may
+        capture CUDA graphs in torch's global mode, which a concurrent serving forward would break."""
         stats: Dict[str, Any] = {}
         why = self._before_load(art, stats) or self._stopped()
         if why is None:
@@ -532,17 +548,20 @@ class _Trial:
                              self.opts.near_ties, eager if thin else None, self.opts.chunk_tokens)
         backend.model = model  # the module it installs on; install_backend gives it to the agent with it
         why = None
-        if art.status == "unverified":  # verified here: the artifact now carries this machine's verdict
-            reference = eager.ensure("verifying %s here" % art.name) if thin and eager else model
-            here = _verify_here(agent, reference, runner, art, self.manifest, self.machine, stats)
-            why = None if here.passed else "verified on this machine and failed: %s" % here.reason
-            art = dataclasses.replace(art, verify=here)
-            backend.artifact, backend.verify = art, here
-        why = why or self._stopped()
-        if why is None and self.opts.smoke_check:
-            t_smoke = time.perf_counter()
-            why = _smoke_check(agent, backend, art, self.manifest)
-            stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
+        unverified = art.status == "unverified"
+        # built before serving pauses, which it need not (seconds for a large checkpoint)
+        reference = eager.ensure("verifying %s here" % art.name) if unverified and thin and eager else model
+        with _paused_serving(agent, stats) if handover else contextlib.nullcontext():
+            if unverified:  # verified here: the artifact now carries this machine's verdict
+                here = _verify_here(agent, reference, runner, art, self.manifest, self.machine, stats)
+                why = None if here.passed else "verified on this machine and failed: %s" % here.reason
+                art = dataclasses.replace(art, verify=here)
+                backend.artifact, backend.verify = art, here
+            why = why or self._stopped()
+            if why is None and self.opts.smoke_check:
+                t_smoke = time.perf_counter()
+                why = _smoke_check(agent, backend, art, self.manifest)
+                stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         return backend, why
 
 

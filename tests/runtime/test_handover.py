@@ -259,6 +259,50 @@ def test_a_best_mix_that_runs_layas_module_takes_it_to_the_agent(demo_ckpt, bund
     assert_same_answers(got, eager[1])
 
 
+def test_serving_pauses_while_the_artifact_taking_over_makes_its_first_calls(demo_ckpt, bundle_copy, onnx_best,
+                                                                              held, monkeypatch):
+    # catches: the hand-over's smoke check run while a serving forward may run beside it (a CUDA graph it captures
+    # in torch's global mode fails then, with that forward), serving paused on a start (nothing serves yet: the
+    # lock taken whatever `handover` says), or the pause not recorded in load_stats["handover"]
+    from laya_aot.runtime import loader
+
+    seen = []     # (artifact, laya's write lock held, a forward from another thread began during the check)
+    readers = []
+    real = loader._smoke_check
+
+    def smoke_check(agent, backend, art, manifest):
+        began = threading.Event()
+
+        def forward():
+            with agent._gate.read_lock():   # as laya's Agent runs each forward
+                began.set()
+        reader = threading.Thread(target=forward, daemon=True)
+        reader.start()
+        readers.append(reader)
+        seen.append((art.name, agent._gate._writers == 1, began.wait(0.5)))
+        return real(agent, backend, art, manifest)
+    monkeypatch.setattr(loader, "_smoke_check", smoke_check)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
+    first = agent.backend_object
+    assert first.artifact.kind == "aoti" and "serving_paused_s" not in first.load_stats
+    agent.predict_batch(STATES[:1], QUESTIONS)   # its first call begins the hand-over
+    held.set()
+    assert first.handover.join(60)
+    for reader in readers:
+        reader.join(10)
+        assert not reader.is_alive()   # each forward got in once the check (and the pause) ended
+    assert seen == [(first.artifact.name, False, True), ("onnx-fp32", True, False)]
+    best = agent.backend_object
+    record = best.load_stats["handover"]
+    assert record["state"] == "done" and best.artifact.name == "onnx-fp32", record
+    assert isinstance(record["serving_paused_s"], float) and record["serving_paused_s"] >= 0.5   # the reader's wait
+    assert record["serving_paused_s"] == best.load_stats["serving_paused_s"] <= record["seconds"]
+    # the start's own checks and a start told not to hand over: nothing serves yet, nothing pauses
+    direct = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True, handover=False)
+    assert direct.backend_object.artifact.name == "onnx-fp32"
+    assert "serving_paused_s" not in direct.backend_object.load_stats and seen[2:] == [("onnx-fp32", False, True)]
+
+
 def test_a_hand_over_that_fails_leaves_the_first_artifact_serving(demo_ckpt, bundle_copy, onnx_best, held, eager,
                                                                     caplog, monkeypatch):
     # catches: a failed hand-over taking the agent down or installing a damaged artifact, its failure not
