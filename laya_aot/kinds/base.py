@@ -200,6 +200,11 @@ class Kind:
     # `ctx.cfg.<config_section>`), typed by a dataclass in its torch-free `kinds/<stage>_settings.py`; None: none
     config_section: Optional[str] = None
 
+    def replays_graphs(self, device: str) -> bool:
+        """Whether an agent on `device` replays this kind's small calls as CUDA graphs (the loader's default,
+        `load(cuda_graphs=True)`); the build times an artifact the same way, so its mix is what serving pays."""
+        return self.cuda_graphs and torch.device(device).type == "cuda"
+
 
 def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every parameter and buffer of a DecisionModel by name, non-persistent buffers included."""

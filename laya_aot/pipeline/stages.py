@@ -118,10 +118,7 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
         art.status = "failed_verification"
         return "%s FAILED (%s)" % (art.name, crash)
     try:
-        env = kinds.LoadEnv(device=art.device, tensors=tensors, model=ref.model)
-        if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
-            env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
-        runner = kind.load(ctx.staging / art.path, art, env)
+        runner = kind.load(ctx.staging / art.path, art, _load_env(ctx, kind, art, ref, tensors, gpu_agents))
         result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name)
         if kind.serves:
             art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
@@ -131,6 +128,18 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
     art.verify = result
     art.status = "verified" if result.passed else "failed_verification"
     return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
+
+
+def _load_env(ctx: BuildContext, kind: Kind, art: Artifact, ref: verification.Reference, tensors,
+              gpu_agents: Dict[str, Any]) -> kinds.LoadEnv:
+    """What the build loads an artifact with to verify and time it: as an agent serves it, CUDA graphs included
+    where the kind replays them: timed without them, an AOTInductor artifact's small calls were timed slower than
+    it serves them, against TileLang's, which laya's fast path always graphs, and the loader ranks on those figures."""
+    env = kinds.LoadEnv(device=art.device, tensors=tensors, model=ref.model,
+                        cuda_graphs=kind.replays_graphs(art.device))
+    if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
+        env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
+    return env
 
 
 def _latencies(ctx: BuildContext, runner, ref_batches) -> Dict[str, float]:

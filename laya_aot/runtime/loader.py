@@ -173,7 +173,7 @@ def _store_verdict(path: Path, art: Artifact, res: VerifyResult) -> None:
 def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: bool,
                    stats: Dict[str, Any]) -> bool:
     """CUDA graphs for a kind that replays them on CUDA, unless not asked for or the probe child's capture failed."""
-    if not kinds.get(art.kind).cuda_graphs or device.type != "cuda":
+    if not kinds.get(art.kind).replays_graphs(str(device)):
         return False
     why = stats.get("probe_graphs") if probed else None
     stats["cuda_graphs"] = bool(asked and why is None)
