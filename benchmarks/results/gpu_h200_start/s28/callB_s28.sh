@@ -1,4 +1,5 @@
 #!/bin/bash
+# (edit_mix.py: session 26's script; this call ran a byte-identical copy, md5 321ce906, since removed)
 # device call B (session 28), on call A's machine (or the tail of call A, BUDGET seconds): merge the two parts as the
 # CI flow merges them, inspect the merged bundle (its mix as built); a copy whose manifest gives TileLang the best
 # mix (edit_mix.py: TileLang's figures divided by 3, so that a start has a slow-starting best mix to hand over to);
@@ -15,7 +16,7 @@ el builds; for f in $L/build_*_s28.log; do echo "== $f"; grep -E "^(ok|failed|sk
 if [ ! -f /tmp/b-e/bundle.json ]; then
   python3 -m laya_aot.cli merge /tmp/b-m /tmp/b-aoti /tmp/b-tl > $L/merge_s28.log 2>&1; echo "merge rc $?" >> $L/merge_s28.log
   python3 -m laya_aot.cli inspect /tmp/b-m > $L/inspect_merged_s28.txt 2>&1
-  cp -al /tmp/b-m /tmp/b-e && python3 $S/edit_mix.py /tmp/b-e tilelang >> $L/merge_s28.log 2>&1
+  cp -al /tmp/b-m /tmp/b-e && python3 benchmarks/results/gpu_h200_start/s26/edit_mix.py /tmp/b-e tilelang >> $L/merge_s28.log 2>&1
   python3 -m laya_aot.cli inspect /tmp/b-e > $L/inspect_edit_s28.txt 2>&1
   el merged; cat $L/merge_s28.log $L/inspect_merged_s28.txt; tail -3 $L/inspect_edit_s28.txt
 fi
