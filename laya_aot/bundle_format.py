@@ -30,12 +30,16 @@ from .manifest import (
     check_schema,
     files_digest,
     smoke_digest,
+    text_digest,
     unsafe_relpath,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_MANIFEST_BYTES = 16 << 20  # a build writes < 4 MiB (the smoke record is bounded: 64 x 4096 tokens)
+# a build writes < 12 MiB: the smoke record < 4 MiB (64 x 4096 tokens), the tokenizer snapshot at most
+# MAX_TOKENIZER_SNAPSHOT_BYTES (a larger one is not shipped)
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_TOKENIZER_SNAPSHOT_BYTES = 8 << 20
 # where a pin comes from, in the words of the message refusing a bundle that is not the pinned one (a server that
 # reads its pins from another setting names that setting instead: laya_aot.serve)
 PIN_SETTING = "bundle_sha256 or LAYA_AOT_BUNDLE_SHA256"
@@ -133,9 +137,12 @@ def encode(bundle: Bundle) -> bytes:
 
 
 def write_manifest(directory: str | os.PathLike, bundle: Bundle) -> None:
-    """Write bundle.json atomically (`files.write_bytes_atomic`), the smoke record's hash filled in first."""
+    """Write bundle.json atomically (`files.write_bytes_atomic`), the smoke record's and the tokenizer snapshot's
+    hashes filled in first."""
     if bundle.smoke is not None:
         bundle.smoke.sha256 = smoke_digest(bundle.smoke)
+    if bundle.tokenizer_snapshot is not None:
+        bundle.tokenizer_snapshot.sha256 = text_digest(bundle.tokenizer_snapshot.text)
     write_bytes_atomic(Path(directory) / MANIFEST, encode(bundle))
 
 

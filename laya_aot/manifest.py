@@ -195,6 +195,20 @@ class SmokeRecord:
 
 
 @dataclass
+class TokenizerSnapshot:
+    """laya's tokenizer as the build proved a snapshot of it (`tokenizer_snapshot.make`): a start on a machine
+    whose cache lacks it reads this instead of importing transformers (`tokenizer_snapshot.seed`)."""
+
+    # the snapshot's key: the tokenizer files' digests and the transformers, tokenizers and laya versions
+    key: str
+    # the snapshot, as the machine cache stores it (JSON text)
+    text: str
+    # sha256 of `text` (`text_digest`), filled in by `write_manifest`: a snapshot damaged or edited by hand is
+    # never used
+    sha256: Optional[str] = None
+
+
+@dataclass
 class Bundle:
     """The whole manifest. `artifacts` holds every artifact the build attempted, failed ones included."""
 
@@ -210,6 +224,7 @@ class Bundle:
     ranges: Optional[Ranges] = None
     eager_latency_ms: Dict[str, Any] = field(default_factory=dict)
     smoke: Optional[SmokeRecord] = None
+    tokenizer_snapshot: Optional[TokenizerSnapshot] = None
     stages: List[Dict[str, Any]] = field(default_factory=list)
     config: Dict[str, Any] = field(default_factory=dict)
 
@@ -258,6 +273,9 @@ class Bundle:
                   bundle.checkpoint.n_actions)
         if bundle.smoke is not None:
             _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
+        snap = bundle.tokenizer_snapshot
+        if snap is not None and not (len(snap.key) == 64 and all(c in "0123456789abcdef" for c in snap.key)):
+            _fail(source, "tokenizer_snapshot.key", "a sha256 (64 hex digits)", snap.key)
         seen = set()
         for i, a in enumerate(bundle.artifacts):
             _check_artifact(a, kinds, "artifacts[%d]" % i, source, context)
@@ -460,6 +478,11 @@ def _check_smoke(rec: SmokeRecord, n_actions: int, source: str) -> None:
             _fail(source, "smoke.reference.%s" % name, "shape %s" % (want,), got)
         if not all(math.isfinite(x) for row in value for x in row):
             _fail(source, "smoke.reference.%s" % name, "finite numbers", "NaN or infinity")
+
+
+def text_digest(text: str) -> str:
+    """sha256 of a text field's UTF-8 bytes (the tokenizer snapshot's)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def smoke_digest(rec: SmokeRecord) -> str:

@@ -24,7 +24,7 @@ import logging
 import threading
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .files import cache_dir, cached_sha256, sha256_tree, write_bytes_atomic
 
@@ -229,11 +229,9 @@ def _differences(snap_tok: SnapshotTokenizer, real: Any, texts: Sequence[str]) -
     return bad
 
 
-def store(tok_dir: str, real: Any) -> Optional[Path]:
-    """Snapshot `real` (laya's tokenizer for `tok_dir`) into the machine cache if it answers as `real` does.
-
-    Best effort: a tokenizer the snapshot cannot reproduce, or a cache that cannot be written, only means the
-    next start loads the real tokenizer again. Returns the file written, or None."""
+def make(tok_dir: str, real: Any) -> Optional[Tuple[str, str]]:
+    """The snapshot of `real` (laya's tokenizer for `tok_dir`) as (key, JSON text) when it answers as `real` does
+    on every check, else None (logged). What the machine cache stores and what a build ships in its bundle."""
     k = key(tok_dir)
     if k is None or k in _REFUSED or not hasattr(real, "backend_tokenizer"):
         return None
@@ -241,24 +239,66 @@ def store(tok_dir: str, real: Any) -> Optional[Path]:
         snap = _snapshot_of(real)
         specials = [v for n, v in snap["special"].items() if not n.endswith("_id") and v]
         texts = list(_CHECK_TEXTS) + [" ".join(specials)]
-        chosen = None
         for cleanup in (False, True):  # which decode the real one does is found, not assumed per version
             snap["decode_cleanup"] = cleanup
             bad = _differences(SnapshotTokenizer(snap, lambda: real), real, texts)
             if not bad:
-                chosen = snap
-                break
-        if chosen is None:
-            _REFUSED.add(k)
-            log.info("laya-aot: no tokenizer snapshot for %s (it differs from transformers' on %s)",
-                     tok_dir, ", ".join(bad[:3]))
-            return None
-        path = _path(k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, json.dumps(chosen).encode("utf-8"))
-        return path
+                return k, json.dumps(snap)
+        _REFUSED.add(k)
+        log.info("laya-aot: no tokenizer snapshot for %s (it differs from transformers' on %s)",
+                 tok_dir, ", ".join(bad[:3]))
     except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation; the real tokenizer serves regardless
         log.info("laya-aot: no tokenizer snapshot for %s: %s: %s", tok_dir, type(e).__name__, e)
+    return None
+
+
+def store(tok_dir: str, real: Any) -> Optional[Path]:
+    """Snapshot `real` (laya's tokenizer for `tok_dir`) into the machine cache if it answers as `real` does.
+
+    Best effort: a tokenizer the snapshot cannot reproduce, or a cache that cannot be written, only means the
+    next start loads the real tokenizer again. Returns the file written, or None."""
+    made = make(tok_dir, real)
+    return None if made is None else _write(*made)
+
+
+def cached(tok_dir: str) -> bool:
+    """Whether this machine's cache holds a snapshot for `tok_dir` as it is now, with these library versions."""
+    k = key(tok_dir)
+    return k is not None and (k in _LOADED or _path(k).is_file())
+
+
+def seed(tok_dir: str, snap_key: str, text: str) -> Optional[str]:
+    """Put a snapshot a build made (a bundle's, `manifest.TokenizerSnapshot`) into this machine's cache, so that
+    the first start here reads it instead of importing transformers. It is used only under the key it was
+    proven under: the same tokenizer files and the same transformers, tokenizers and laya versions as here
+    (the check ran against those on the build machine; tokenizers' answers do not depend on the machine).
+    Returns why it was not used (None: the cache holds it now)."""
+    here = key(tok_dir)
+    if here is None:
+        return "the checkpoint has no readable tokenizer directory"
+    if here != snap_key:
+        return ("it was made for other tokenizer files or other transformers/tokenizers/laya versions than "
+                "these (%s)" % ", ".join("%s %s" % kv for kv in sorted(_versions().items())))
+    if _path(here).is_file():
+        return None
+    try:
+        snap = json.loads(text)
+        if not isinstance(snap, dict) or snap.get("format") != FORMAT:
+            return "it is not a snapshot of format %d" % FORMAT
+        SnapshotTokenizer(snap, lambda: None)  # readable by this tokenizers before it is stored
+    except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation; the real tokenizer serves regardless
+        return "it cannot be read (%s: %s)" % (type(e).__name__, str(e)[:200])
+    return None if _write(here, text) is not None else "this machine's laya-aot cache cannot be written"
+
+
+def _write(k: str, text: str) -> Optional[Path]:
+    try:
+        path = _path(k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, text.encode("utf-8"))
+        return path
+    except OSError as e:
+        log.info("laya-aot: tokenizer snapshot not stored: %s", e)
         return None
 
 

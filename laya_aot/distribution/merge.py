@@ -109,6 +109,7 @@ def _merged(parts: List[Tuple[Path, Bundle]], arts: List[Artifact]) -> Bundle:
         checkpoint=b0.checkpoint, artifacts=arts,
         target={"name": "+".join(str(b.target.get("name")) for _, b in parts), "parts": [b.target for _, b in parts]},
         build_machine={}, tolerance=b0.tolerance, ranges=b0.ranges, eager_latency_ms=eager, smoke=b0.smoke,
+        tokenizer_snapshot=next((b.tokenizer_snapshot for _, b in parts if b.tokenizer_snapshot), None),
         stages=[dict(s, part=i) for i, (_, b) in enumerate(parts) for s in b.stages],
         config={"merged_from": [{"bundle": str(p), "created": b.created, "config": b.config} for p, b in parts]})
 

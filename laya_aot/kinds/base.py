@@ -115,6 +115,8 @@ class BuildContext:
     stages: List[Dict[str, Any]] = field(default_factory=list)
     eager_latency_ms: Optional[Dict[str, float]] = None
     smoke: Optional[Dict[str, Any]] = None
+    # laya's tokenizer as a proven snapshot (`tokenizer_snapshot.make`: key, JSON text), shipped in the manifest
+    tokenizer_snapshot: Optional[Tuple[str, str]] = None
 
     @property
     def ranges(self) -> Optional[Ranges]:

@@ -20,14 +20,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import demo, kinds, precision, progress, staging, verification
+from .. import demo, kinds, precision, progress, staging, tokenizer_snapshot, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
-from ..bundle_format import record_files, write_manifest
+from ..bundle_format import MAX_TOKENIZER_SNAPSHOT_BYTES, record_files, write_manifest
 from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Built, Kind, Skip, model_tensors
-from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, CheckpointInfo, Fingerprint, Needs, VerifyResult
+from ..manifest import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    Artifact,
+    Bundle,
+    CheckpointInfo,
+    Fingerprint,
+    Needs,
+    TokenizerSnapshot,
+    VerifyResult,
+)
 from ..padding import Ranges
 from ..tolerance import Tolerance
 from ..variant import build_machine, current_gpu_arch
@@ -73,7 +83,20 @@ def stage_load(ctx: BuildContext) -> str:
                          "reads; it cannot be exported" % ctx.ckpt)
     ctx.pad_id = laya_api.pad_id(ctx.agent)
     ctx.vocab = laya_api.vocab(ctx.agent)
-    return "fingerprint %s..." % ctx.fingerprint["sha256"][:12]
+    ctx.tokenizer_snapshot = _tokenizer_snapshot(ctx)
+    return "fingerprint %s...; tokenizer snapshot %s" % (ctx.fingerprint["sha256"][:12],
+                                                         "shipped" if ctx.tokenizer_snapshot else "not shipped")
+
+
+def _tokenizer_snapshot(ctx: BuildContext) -> Optional[Tuple[str, str]]:
+    """laya's tokenizer as a proven snapshot for the manifest (None, logged: it cannot be made, or it is larger
+    than MAX_TOKENIZER_SNAPSHOT_BYTES): a service's first start on a new machine then skips transformers."""
+    made = tokenizer_snapshot.make(str(ctx.ckpt / ckpt_mod.TOKENIZER_DIR), ctx.agent.tok)
+    if made is not None and len(made[1].encode("utf-8")) > MAX_TOKENIZER_SNAPSHOT_BYTES:
+        log.info("tokenizer snapshot not shipped: %d bytes, more than %d", len(made[1].encode("utf-8")),
+                 MAX_TOKENIZER_SNAPSHOT_BYTES)
+        return None
+    return made
 
 
 def stage_verify(ctx: BuildContext) -> str:
@@ -235,7 +258,9 @@ def bundle_of(ctx: BuildContext) -> Bundle:
         target=OmegaConf.to_container(ctx.cfg.target, resolve=True),
         build_machine=ctx.machine.as_dict(), tolerance=_tolerance(ctx.cfg), ranges=ctx.ranges,
         eager_latency_ms={"cpu": ctx.eager_latency_ms} if ctx.eager_latency_ms else {},
-        smoke=ctx.smoke, stages=ctx.stages, config=OmegaConf.to_container(ctx.cfg, resolve=True))
+        smoke=ctx.smoke, stages=ctx.stages,
+        tokenizer_snapshot=TokenizerSnapshot(*ctx.tokenizer_snapshot) if ctx.tokenizer_snapshot else None,
+        config=OmegaConf.to_container(ctx.cfg, resolve=True))
 
 
 Step = Callable[[BuildContext], Union[str, Built]]

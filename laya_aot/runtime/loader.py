@@ -227,8 +227,11 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs, bool(handover)) \
         if usable and (probe or thin) else None
     try:
+        shipped = _seed_tokenizer(ckpt, Path(bundle), pin) if thin else None
         agent, eager = _agent(ckpt, device, thin, agent_kwargs)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
+        if shipped is not None:
+            load_stats["tokenizer_snapshot"] = shipped
         chosen = _choose_or_fall_back(agent, ckpt, Path(bundle), opts, pin, rejected, load_stats, early, eager) \
             if usable else None
     finally:
@@ -309,6 +312,34 @@ def _local_bundle(bundle: Any, device: Optional[str], ckpt: Path, pin: Optional[
         rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
                                    "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % str(pin)[:80]))
     return bundle, rejected
+
+
+def _seed_tokenizer(ckpt: Path, bundle: Path, pin: Optional[str]) -> Optional[str]:
+    """The bundle's tokenizer snapshot into this machine's cache before the thin agent loads its tokenizer, where
+    the cache lacks one (a first start here: without it the agent imports transformers to make one). Returns
+    what happened for `load_stats` (None: the cache had it); never raises: `_choose` reads the bundle again
+    and reports what is wrong with it."""
+    from .. import tokenizer_snapshot
+    from ..manifest import text_digest
+
+    tok_dir = str(ckpt / ckpt_mod.TOKENIZER_DIR)
+    if tokenizer_snapshot.cached(tok_dir):
+        return None
+    try:
+        snap = read_bundle(bundle, kinds.BY_NAME, sha256=pin).tokenizer_snapshot
+    except Exception as e:  # noqa: BLE001 - reported by _choose's own read
+        return "not read from the bundle (%s)" % type(e).__name__
+    if snap is None:
+        return "none in the bundle"
+    if snap.sha256 != text_digest(snap.text):
+        log.warning("laya-aot: the tokenizer snapshot in %s does not match its recorded sha256 (damaged or edited); "
+                    "not used: this start loads laya's tokenizer itself", bundle)
+        return "the bundle's did not match its sha256; not used"
+    why = tokenizer_snapshot.seed(tok_dir, snap.key, snap.text)
+    if why is not None:
+        log.info("laya-aot: the bundle's tokenizer snapshot is not used here: %s", why)
+        return "the bundle's not used: %s" % why
+    return "the bundle's, stored in this machine's cache"
 
 
 def _agent(ckpt: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any]

@@ -170,18 +170,68 @@ def test_an_edited_tokenizer_or_a_damaged_snapshot_is_not_used(tmp_path):
     assert ts.load(str(tok_dir), lambda: real) is None
 
 
-def test_a_later_thin_start_serves_without_importing_transformers(demo_ckpt, demo_bundle, tmp_path):
+def _starts(ckpt: Path, bundle: Path, cache: Path, n: int = 2) -> list:
+    """`n` fresh processes sharing one laya-aot cache: each loads, answers, and says what tokenised."""
     code = ("import json, sys; import laya_aot; from tests.questions import question_suite, state_text; "
             "import numpy as np; "
             "a = laya_aot.load(sys.argv[1], bundle=sys.argv[2], device='cpu', strict=True); "
             "states = [state_text(np.random.default_rng(3), n) for n in (5, 60, 400)]; "
             "out = a.predict_batch(states, question_suite()); "
             "print(json.dumps({'tok': type(a.tok).__name__, 'transformers': 'transformers' in sys.modules, "
+            "'shipped': a.backend_object.load_stats.get('tokenizer_snapshot'), "
             "'answers': [o['answers'] for o in out]}))")
-    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"),
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    runs = [json.loads(subprocess.run([sys.executable, "-c", code, str(demo_ckpt), str(demo_bundle)], env=env,
-                                      check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
-            for _ in range(2)]
+    return [json.loads(subprocess.run([sys.executable, "-c", code, str(ckpt), str(bundle)], env=env, check=True,
+                                      capture_output=True, text=True, timeout=300).stdout.splitlines()[-1])
+            for _ in range(n)]
+
+
+def test_the_bundles_snapshot_serves_the_first_start_on_a_machine(demo_ckpt, demo_bundle, tmp_path):
+    """The build ships a proven snapshot in the manifest: a start with an empty cache never imports transformers,
+    and answers as a start with the real tokenizer does (the bundle without it, below)."""
+    snap = json.loads((demo_bundle / "bundle.json").read_text())["tokenizer_snapshot"]
+    assert snap["key"] == ts.key(str(demo_ckpt / "tokenizer")) and len(snap["sha256"]) == 64
+    runs = _starts(demo_ckpt, demo_bundle, tmp_path / "cache")
+    assert runs[0]["tok"] == "SnapshotTokenizer" and not runs[0]["transformers"]
+    assert runs[0]["shipped"] == "the bundle's, stored in this machine's cache"
+    assert runs[1] == dict(runs[0], shipped=None)   # the cache has it now: the manifest is not read for it
+
+
+def _edited(bundle: Path, edit) -> None:
+    m = json.loads((bundle / "bundle.json").read_text())
+    edit(m)
+    (bundle / "bundle.json").write_text(json.dumps(m))
+
+
+def test_without_the_bundles_snapshot_a_later_thin_start_serves_without_importing_transformers(
+        demo_ckpt, bundle_copy, tmp_path):
+    _edited(bundle_copy, lambda m: m.pop("tokenizer_snapshot"))   # a bundle built before snapshots were shipped
+    runs = _starts(demo_ckpt, bundle_copy, tmp_path / "cache")
     assert runs[0]["tok"] != "SnapshotTokenizer" and runs[0]["transformers"]   # the first start: the real one
-    assert runs[1] == dict(runs[0], tok="SnapshotTokenizer", transformers=False)
+    assert runs[0]["shipped"] == "none in the bundle"
+    assert runs[1] == dict(runs[0], tok="SnapshotTokenizer", transformers=False, shipped=None)
+
+
+def test_a_damaged_or_foreign_snapshot_in_the_bundle_is_not_used(demo_ckpt, bundle_copy, tmp_path):
+    """Edited text (its sha256 no longer matches) or a key made for other files or versions: the first start loads
+    laya's tokenizer itself and answers the same."""
+    original = json.loads((bundle_copy / "bundle.json").read_text())["tokenizer_snapshot"]
+    reference = _starts(demo_ckpt, bundle_copy, tmp_path / "ref", n=1)[0]
+    assert reference["tok"] == "SnapshotTokenizer"
+
+    def damaged(m):
+        m["tokenizer_snapshot"]["text"] = original["text"].replace('"len": ', '"len": 1', 1)
+
+    _edited(bundle_copy, damaged)
+    run = _starts(demo_ckpt, bundle_copy, tmp_path / "damaged", n=1)[0]
+    assert run["shipped"] == "the bundle's did not match its sha256; not used"
+    assert run["tok"] != "SnapshotTokenizer" and run["answers"] == reference["answers"]
+
+    def foreign(m):
+        m["tokenizer_snapshot"] = dict(original, key="0" * 64)
+
+    _edited(bundle_copy, foreign)
+    run = _starts(demo_ckpt, bundle_copy, tmp_path / "foreign", n=1)[0]
+    assert run["shipped"].startswith("the bundle's not used: it was made for other tokenizer files")
+    assert run["tok"] != "SnapshotTokenizer" and run["answers"] == reference["answers"]
