@@ -281,13 +281,7 @@ def seed(tok_dir: str, snap_key: str, text: str) -> Optional[str]:
                 "these (%s)" % ", ".join("%s %s" % kv for kv in sorted(_versions().items())))
     if _path(here).is_file():
         return None
-    try:
-        snap = json.loads(text)
-        if not isinstance(snap, dict) or snap.get("format") != FORMAT:
-            return "it is not a snapshot of format %d" % FORMAT
-        SnapshotTokenizer(snap, lambda: None)  # readable by this tokenizers before it is stored
-    except Exception as e:  # noqa: BLE001 - a snapshot is an optimisation; the real tokenizer serves regardless
-        return "it cannot be read (%s: %s)" % (type(e).__name__, str(e)[:200])
+    # stored as it is: `load` reads it next (once), and treats an unreadable entry as none (the real tokenizer)
     return None if _write(here, text) is not None else "this machine's laya-aot cache cannot be written"
 
 

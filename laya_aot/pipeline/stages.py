@@ -92,9 +92,9 @@ def _tokenizer_snapshot(ctx: BuildContext) -> Optional[Tuple[str, str]]:
     """laya's tokenizer as a proven snapshot for the manifest (None, logged: it cannot be made, or it is larger
     than MAX_TOKENIZER_SNAPSHOT_BYTES): a service's first start on a new machine then skips transformers."""
     made = tokenizer_snapshot.make(str(ctx.ckpt / ckpt_mod.TOKENIZER_DIR), ctx.agent.tok)
-    if made is not None and len(made[1].encode("utf-8")) > MAX_TOKENIZER_SNAPSHOT_BYTES:
-        log.info("tokenizer snapshot not shipped: %d bytes, more than %d", len(made[1].encode("utf-8")),
-                 MAX_TOKENIZER_SNAPSHOT_BYTES)
+    size = len(made[1].encode("utf-8")) if made is not None else 0
+    if size > MAX_TOKENIZER_SNAPSHOT_BYTES:
+        log.info("tokenizer snapshot not shipped: %d bytes, more than %d", size, MAX_TOKENIZER_SNAPSHOT_BYTES)
         return None
     return made
 
