@@ -124,6 +124,17 @@ class FileRecord:
 
 
 @dataclass
+class ProbeVerdict:
+    """The build's passing probe of a native artifact (`probe.verdict_key`): a start on a machine whose facts give
+    the same key takes it as its own cached verdict instead of running a probe child (`probe.cached_verdict`)."""
+
+    # sha256 of the entry's loaded fields, the build machine's facts, the device and the probe's version
+    key: str
+    # None: the child captured and replayed a CUDA graph; else why not ("not probed" where the kind has none)
+    graphs: Optional[str] = "not probed"
+
+
+@dataclass
 class Artifact:
     """One artifact of a bundle: where it is, what it needs, what it is, and how it verified."""
 
@@ -147,6 +158,8 @@ class Artifact:
     # every file of the artifact by its path in the bundle (schema 2), and the machine that built it
     files: Dict[str, FileRecord] = field(default_factory=dict)
     build_machine: Dict[str, Any] = field(default_factory=dict)
+    # native kinds: the build's own probe of this entry passed on its machine (`ProbeVerdict`)
+    probe_verdict: Optional[ProbeVerdict] = None
     # set by the reader, never written: why this entry's values are beyond what a build writes (an
     # impossible version, a non-finite tolerance, ...); `usable.reject_reason` rejects the artifact with it,
     # and the bundle's other artifacts are still considered
@@ -274,7 +287,7 @@ class Bundle:
         if bundle.smoke is not None:
             _check_smoke(bundle.smoke, bundle.checkpoint.n_actions, source)
         snap = bundle.tokenizer_snapshot
-        if snap is not None and not (len(snap.key) == 64 and all(c in "0123456789abcdef" for c in snap.key)):
+        if snap is not None and not is_sha256(snap.key):
             _fail(source, "tokenizer_snapshot.key", "a sha256 (64 hex digits)", snap.key)
         seen = set()
         for i, a in enumerate(bundle.artifacts):
@@ -290,6 +303,11 @@ class Bundle:
         if conflicts:  # checked once for the whole bundle: no directory could hold these files
             raise BundleError("%s is invalid at artifacts[].files: %s; %s" % (source, conflicts[0], REBUILD))
         return bundle
+
+
+def is_sha256(value: str) -> bool:
+    """Whether `value` spells a sha256 as the manifest holds them: 64 lower-case hex digits."""
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def check_schema(data: Any, source: str) -> None:
@@ -335,6 +353,8 @@ def _check_artifact(a: Artifact, kinds: Kinds, where: str, source: str,
             _fail(source, at + "path", "a path inside the bundle (%s)" % why, a.path)
     if a.ranges is not None:
         _check_ranges(a.ranges, at + "ranges", source, context)
+    if a.probe_verdict is not None and not is_sha256(a.probe_verdict.key):
+        _fail(source, at + "probe_verdict.key", "a sha256 (64 hex digits)", a.probe_verdict.key)
     check_details: Optional[Callable[[Dict[str, Any]], Optional[str]]] = getattr(
         kinds.get(a.kind), "check_details", None) if isinstance(kinds, Mapping) else None
     problem = check_details(a.details) if check_details else None

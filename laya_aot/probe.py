@@ -3,7 +3,9 @@
 A native artifact can kill the process that loads it (an AOTInductor package built with the wrong
 compiler segfaults inside the loader), and a segfault cannot be caught. So the first time an artifact
 meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
-disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing.
+disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing. The build probes
+every native artifact the same way and ships its passing verdict's key in the manifest: a first start on a
+machine whose facts give the same key (the build's GPU, torch, Python, CPU ISA) takes it instead of a child.
 
 Run as a module it is the child: `python -m laya_aot.probe BUNDLE CHECKPOINT DEVICE`, with the artifact's
 manifest entry (exactly the one the parent checked) in the file $LAYA_AOT_PROBE_ENTRY_FILE names, its sha256 in
@@ -47,17 +49,29 @@ PROBE_VERSION = 3
 OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
-    """Where the verdict on `art` is cached: keyed by its whole manifest entry (its files' sha256 and
-    everything the child loads it with: kind, ranges, dtype, details) and the machine, so an entry that
-    differs in anything (a damaged duplicate, another build) never shares a verdict with this one. The traced
-    packages are left out of the machine's facts: a build records them and a start does not read them (an
-    artifact bound to them is refused before any probe), so the build's verdict serves later starts."""
-    entry = json.dumps(art.to_dict(), sort_keys=True, default=str)
+# the entry's fields a child loads the artifact with; the build's outcome (status, verify, latency, files' list,
+# the probe verdict itself) is written after its probe, so it is left out: the build's verdict keys later starts
+KEYED_FIELDS = ("name", "kind", "device", "path", "variant", "dtype", "action_head_dtype", "ranges", "sha256",
+                "details", "needs")
+
+
+def verdict_key(art: Artifact, machine: Machine, device: str) -> str:
+    """The verdict on `art` on this machine: a sha256 of its loaded fields (`KEYED_FIELDS`: its files' sha256 and
+    everything the child loads it with), the machine's facts, the device and the probe's version, so an entry
+    that differs in any of them (a damaged duplicate, another build, another GPU or torch) never shares a
+    verdict with this one. The traced packages are left out of the machine's facts: a build records them and a
+    start does not read them (an artifact bound to them is refused before any probe)."""
+    entry = {k: v for k, v in art.to_dict().items() if k in KEYED_FIELDS}
     machine_facts = dict(machine.as_dict(), traced_packages=None)
-    facts = json.dumps({"entry": hashlib.sha256(entry.encode()).hexdigest(), "sha256": art.sha256,
-                        "machine": machine_facts, "device": device, "probe": PROBE_VERSION}, sort_keys=True)
-    return cache_dir() / "probes" / (hashlib.sha256(facts.encode()).hexdigest() + ".json")
+    facts = json.dumps({"entry": hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest(),
+                        "sha256": art.sha256, "machine": machine_facts, "device": device, "probe": PROBE_VERSION},
+                       sort_keys=True)
+    return hashlib.sha256(facts.encode()).hexdigest()
+
+
+def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
+    """Where the verdict on `art` on this machine is cached (`verdict_key`)."""
+    return cache_dir() / "probes" / (verdict_key(art, machine, device) + ".json")
 
 
 class SettingError(LayaAotError, ValueError):
@@ -207,14 +221,20 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[Dict[str, Any]]:
-    """The verdict an earlier start recorded for `entry` on this machine (None: none, so a probe child will run)."""
+    """The verdict an earlier start recorded for `entry` on this machine, else the build's passing one where the
+    build's machine had this machine's facts (`Artifact.probe_verdict`: read from the bundle at every start, never
+    copied into the cache); None: a probe child will run."""
+    path = verdict_path(entry, machine, device)
     try:
-        cached = json.loads(verdict_path(entry, machine, device).read_text(encoding="utf-8"))
+        cached = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        cached = None
     if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
         return cached
-    return None
+    shipped = entry.probe_verdict
+    if shipped is None or shipped.key != path.stem:
+        return None
+    return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 
 
 def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine) -> Pending:
@@ -278,7 +298,9 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
     stats = stats if stats is not None else {}
     if pending.cached is not None:
-        stats.update(probe="not started" if pending.cached.get("not_cached") else "cached", probe_seconds=0.0,
+        said = "not started" if pending.cached.get("not_cached") else "shipped" if pending.cached.get("shipped") \
+            else "cached"
+        stats.update(probe=said, probe_seconds=0.0,
                      probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
     assert pending.proc is not None

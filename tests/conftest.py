@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -175,6 +176,20 @@ def bundle_copy(demo_bundle, tmp_path) -> Path:
     """A private copy of the demo bundle that a test may damage."""
     dst = tmp_path / "bundle"
     shutil.copytree(demo_bundle, dst)
+    return dst
+
+
+@pytest.fixture
+def other_facts_bundle(demo_bundle, tmp_path) -> Path:
+    """The demo bundle as a build on a machine with other facts (another CPU ISA, GPU or torch) would ship it: no
+    artifact's probe verdict is this machine's, so a first start here runs the probe child."""
+    dst = tmp_path / "other-facts-bundle"
+    shutil.copytree(demo_bundle, dst)
+    data = json.loads((dst / "bundle.json").read_text())
+    for art in data["artifacts"]:
+        if art.get("probe_verdict"):
+            art["probe_verdict"]["key"] = hashlib.sha256(b"another machine " + art["name"].encode()).hexdigest()
+    (dst / "bundle.json").write_text(json.dumps(data))
     return dst
 
 

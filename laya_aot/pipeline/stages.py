@@ -35,6 +35,7 @@ from ..manifest import (
     CheckpointInfo,
     Fingerprint,
     Needs,
+    ProbeVerdict,
     TokenizerSnapshot,
     VerifyResult,
 )
@@ -135,7 +136,8 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
         art.verify = _not_verified(why_not_here)
         return "%s unverified" % art.name
     t0 = time.perf_counter()
-    crash = _probe_native(ctx, kind, art)
+    probed: Dict[str, Any] = {}
+    crash = _probe_native(ctx, kind, art, probed)
     if crash:
         art.verify = _not_verified(crash, time.perf_counter() - t0)
         art.status = "failed_verification"
@@ -150,6 +152,8 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
     result.seconds = round(time.perf_counter() - t0, 3)
     art.verify = result
     art.status = "verified" if result.passed else "failed_verification"
+    if result.passed and probed:  # a start on a machine with this one's facts takes it (`probe.cached_verdict`)
+        art.probe_verdict = ProbeVerdict(probed["key"], probed.get("probe_graphs", "not probed"))
     return "%s %s" % (art.name, "ok" if result.passed else "FAILED")
 
 
@@ -210,15 +214,19 @@ def _gpu_agent(ctx: BuildContext, dtype: str):
     return agent
 
 
-def _probe_native(ctx: BuildContext, kind: Kind, art: Artifact) -> Optional[str]:
-    """Load a native artifact in a child process first: a crash there must not kill the build."""
+def _probe_native(ctx: BuildContext, kind: Kind, art: Artifact, probed: Dict[str, Any]) -> Optional[str]:
+    """Load a native artifact in a child process first: a crash there must not kill the build. `probed` gets
+    the verdict's figures and its key (`probe.verdict_key`) when it passed."""
     if not kind.native:
         return None
-    from ..probe import probe
+    from ..probe import probe, verdict_key
 
     p = ctx.staging / art.path
     art.sha256 = sha256_tree(p) if p.is_dir() else sha256_file(p)
-    return probe(ctx.staging, art, ctx.ckpt, art.device, ctx.machine)
+    why = probe(ctx.staging, art, ctx.ckpt, art.device, ctx.machine, probed)
+    if why is None:
+        probed["key"] = verdict_key(art, ctx.machine, art.device)
+    return why
 
 
 def _no_grad(model, batch):
@@ -245,7 +253,19 @@ def _hash_artifacts(ctx: BuildContext) -> None:
             art.build_machine = ctx.machine.as_dict()
 
 
+def _shipped_verdicts_hold(ctx: BuildContext) -> None:
+    """A probe verdict is shipped only for the entry it was given on: an artifact whose loaded fields changed
+    after its probe (no stage does that today) ships none, and its first start on a machine probes it."""
+    from ..probe import verdict_key
+
+    for art in ctx.artifacts:
+        if art.probe_verdict is not None and art.probe_verdict.key != verdict_key(art, ctx.machine, art.device):
+            log.warning("%s changed after its probe; its probe verdict is not shipped", art.name)
+            art.probe_verdict = None
+
+
 def bundle_of(ctx: BuildContext) -> Bundle:
+    _shipped_verdicts_hold(ctx)
     info = ctx.info
     checkpoint = CheckpointInfo(name=info["name"], path=info["path"], max_len=info["max_len"],
                                 n_actions=info["n_actions"], option_layout=info["option_layout"],

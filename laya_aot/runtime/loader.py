@@ -27,7 +27,7 @@ from .. import laya_internals as laya_api
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
 from ..errors import LayaAotError
-from ..manifest import Artifact, Bundle, BundleError, VerifyResult
+from ..manifest import Artifact, Bundle, BundleError, VerifyResult, is_sha256
 from ..padding import CHUNK_TOKENS
 from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
@@ -121,11 +121,12 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
                  stats: Dict[str, Any]) -> VerifyResult:
     """Full verification, on this machine, of an artifact the build had no GPU to verify (cross-compiled
     TileLang kernels). The verdict (with the bound it met, which the smoke check then applies) is cached
-    per artifact and machine like the probe's."""
+    per artifact and machine like the probe's, and per checkpoint: the same kernels verify again against
+    other weights."""
     from ..probe import verdict_path
     from ..verification import reference, verify_artifact
 
-    path = verdict_path(art, machine, "verify:" + str(agent.device))
+    path = verdict_path(art, machine, "verify:%s:%s" % (agent.device, manifest.checkpoint.fingerprint.sha256))
     cached = _cached_verdict(path)
     if cached is not None:
         return cached
@@ -308,7 +309,7 @@ def _local_bundle(bundle: Any, device: Optional[str], ckpt: Path, pin: Optional[
     if bundle is None or not str(bundle):
         rejected.append(("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a directory written by "
                                    "`laya-aot build`" % (bundle,)))
-    elif pin is not None and not _is_sha256(pin):
+    elif pin is not None and not is_sha256(str(pin).strip().lower()):
         rejected.append(("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is not a sha256 "
                                    "(64 hex digits); `laya-aot inspect BUNDLE` prints the bundle's" % str(pin)[:80]))
     return bundle, rejected
@@ -362,11 +363,6 @@ def _install_fallback(agent, eager: Optional[EagerModule], rejected: List[Tuple[
     fallback = EagerFallback(agent, rejected)
     fallback.stats = load_stats
     laya_api.install_backend(agent, fallback)
-
-
-def _is_sha256(value: str) -> bool:
-    v = str(value).strip().lower()
-    return len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 def _choose_or_fall_back(agent, ckpt: Path, bundle: Path, opts: _Options, pin: Optional[str],

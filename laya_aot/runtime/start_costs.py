@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def _path(art: Artifact, machine: Machine, device: str) -> Path:
     from ..probe import verdict_path
 
-    return verdict_path(art, machine, "start:" + device)  # keyed like a verdict: the whole entry and the machine
+    return verdict_path(art, machine, "start:" + device)  # keyed like a verdict: the entry and the machine
 
 
 def record(art: Artifact, machine: Machine, device: str, seconds: float) -> None:

@@ -1,5 +1,6 @@
-"""Probe verdicts: keyed by the whole entry and the machine; a child killed from outside is retried once
-and never cached as the artifact's fault; concurrent writers never leave a half-written verdict."""
+"""Probe verdicts: keyed by the entry's loaded fields and the machine; the build's passing verdict is shipped and
+taken only where the machine's facts are the build's; a child killed from outside is retried once and never cached
+as the artifact's fault; concurrent writers never leave a half-written verdict."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,8 @@ from laya_aot.variant import current_machine
 
 @pytest.fixture
 def aoti(demo_bundle):
-    return read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
+    """The demo's AOTInductor entry as a build on another machine ships it (no verdict for this one): a child runs."""
+    return dataclasses.replace(read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu"), probe_verdict=None)
 
 
 def test_entries_that_differ_in_anything_do_not_share_a_verdict(aoti):
@@ -38,6 +40,36 @@ def test_the_build_and_a_later_start_key_one_verdict_alike(aoti):
     assert probe.verdict_path(aoti, built, "cpu") == probe.verdict_path(aoti, current_machine("cpu"), "cpu")
     other = dataclasses.replace(current_machine("cpu"), cpu_isa="AVX2")
     assert probe.verdict_path(aoti, other, "cpu") != probe.verdict_path(aoti, built, "cpu")
+
+
+def test_the_builds_outcome_does_not_change_the_key(aoti):
+    """The build writes status, verification and latency after its probe: the verdict it cached keys later starts."""
+    machine = current_machine("cpu")
+    later = dataclasses.replace(aoti, status="failed_verification", verify=None, latency_ms={"cpu": {"1x8x2": 9.0}})
+    assert probe.verdict_key(aoti, machine, "cpu") == probe.verdict_key(later, machine, "cpu")
+
+
+def test_the_builds_verdict_is_taken_on_a_machine_with_its_facts(demo_bundle, demo_ckpt, tmp_path, monkeypatch):
+    """A first start (empty cache) on a machine like the build's runs no child, and every later start takes the
+    bundle's verdict again (nothing is written to the cache); a machine with other facts finds none and probes."""
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    art = read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
+    machine = current_machine("cpu")
+    assert art.probe_verdict is not None and art.probe_verdict.key == probe.verdict_key(art, machine, "cpu")
+    assert not probe.verdict_path(art, machine, "cpu").exists()
+    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine)
+    stats = {}
+    assert pending.proc is None and probe.finish(pending, stats) is None and stats["probe"] == "shipped"
+    assert not probe.verdict_path(art, machine, "cpu").exists()
+    other = dataclasses.replace(machine, cpu_isa="AVX2" if machine.cpu_isa != "AVX2" else "AVX512")
+    assert probe.cached_verdict(art, other, "cpu") is None
+
+
+def test_a_shipped_verdict_for_another_entry_is_not_taken(demo_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    art = read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
+    twin = dataclasses.replace(art, ranges=dataclasses.replace(art.ranges, max_tokens=4096))  # the same verdict key
+    assert probe.cached_verdict(twin, current_machine("cpu"), "cpu") is None
 
 
 def _kill_soon(pending, sig):

@@ -30,8 +30,10 @@ def _first_start(ckpt, bundle, cache, **env):
     return json.loads(line[7:])
 
 
-def test_a_first_start_probes_with_the_child_started_ahead_and_a_later_one_reads_its_verdict(demo_ckpt, demo_bundle,
+def test_a_first_start_probes_with_the_child_started_ahead_and_a_later_one_reads_its_verdict(demo_ckpt,
+                                                                                            other_facts_bundle,
                                                                                             tmp_path):
+    demo_bundle = other_facts_bundle  # built on a machine with other facts: this one's first start probes
     first = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1")
     assert first["probe"] == "ran" and first["backend"].startswith("aot:") and not first["left"]
     assert first["timeline"]["imported_ahead_s"] > 0 and first["timeline"]["imports_s"] < 0.5
@@ -39,6 +41,13 @@ def test_a_first_start_probes_with_the_child_started_ahead_and_a_later_one_reads
     assert later["probe"] == "cached" and later["backend"] == first["backend"]
     off = _first_start(demo_ckpt, demo_bundle, tmp_path / "other-cache", LAYA_AOT_PROBE_AHEAD="0")
     assert off["probe"] == "ran" and "imported_ahead_s" not in off["timeline"]   # a child started when needed
+
+
+def test_a_first_start_on_a_machine_like_the_builds_runs_no_child(demo_ckpt, demo_bundle, tmp_path):
+    """The build probed the artifact on a machine with these facts and shipped the verdict: no child, none left."""
+    first = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1")
+    assert first["probe"] == "shipped" and first["backend"].startswith("aot:") and not first["left"]
+    assert first["timeline"] is None
 
 
 @pytest.fixture
@@ -53,10 +62,13 @@ def ahead(monkeypatch, tmp_path):
 
 
 def _aoti(bundle):
+    """The AOTInductor entry as a build on another machine ships it (no verdict for this one): a child runs."""
+    import dataclasses
+
     from laya_aot import kinds
     from laya_aot.bundle_format import read_bundle
 
-    return read_bundle(bundle, kinds.BY_NAME).artifact("aoti-cpu")
+    return dataclasses.replace(read_bundle(bundle, kinds.BY_NAME).artifact("aoti-cpu"), probe_verdict=None)
 
 
 def test_a_child_started_ahead_under_other_settings_is_not_used(ahead, demo_ckpt, demo_bundle, monkeypatch):

@@ -312,8 +312,10 @@ def test_crashing_artifact_is_probed_skipped_and_remembered(bundle_copy, demo_ck
     assert again.backend_object.artifact.name == agent.backend_object.artifact.name
 
 
-def test_first_start_probes_while_laya_loads(demo_bundle, demo_ckpt, tmp_path, monkeypatch):
-    # a machine that never saw the bundle: the probe child starts before laya.load and is collected after
+def test_first_start_probes_while_laya_loads(other_facts_bundle, demo_ckpt, tmp_path, monkeypatch):
+    # a machine that never saw the bundle, unlike the build's: the probe child starts before laya.load and is
+    # collected after
+    demo_bundle = other_facts_bundle
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "fresh-cache"))
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="aoti")
     stats = agent.backend_object.load_stats
@@ -445,12 +447,13 @@ def test_probe_stand_in_weights_have_the_checkpoints_shapes(demo_ckpt, demo_bund
         assert t.shape == real[key].shape and t.dtype == getattr(torch, wanted[key])
 
 
-def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_recorded(demo_bundle, demo_ckpt,
+def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_recorded(other_facts_bundle, demo_ckpt,
                                                                                    tmp_path, monkeypatch,
                                                                                    probe_starts):
-    """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune): the probe
-    child may start before the weights' digest is known; the mismatch refuses the bundle, and no
-    verdict is cached for it."""
+    """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune), on a machine unlike
+    the build's: the probe child may start before the weights' digest is known; the mismatch refuses the
+    bundle, and no verdict is cached for it."""
+    demo_bundle = other_facts_bundle
     other = tmp_path / "finetuned"
     shutil.copytree(demo_ckpt, other)
     from safetensors.torch import load_file, save_file

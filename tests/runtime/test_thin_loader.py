@@ -102,11 +102,13 @@ def _module_route(monkeypatch, tmp_path, runs_module):
     return building_at_probe
 
 
-def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt, demo_bundle, reference, monkeypatch,
-                                                                        tmp_path):
-    """A first start: the module is building in a thread before the probe's verdict is waited for (the child takes
-    seconds in another process), and the artifact serves it once both are done, with laya eager's answers. A later
-    start (the verdict cached) builds it when the artifact loads: nothing would overlap."""
+def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt, other_facts_bundle, reference,
+                                                                        monkeypatch, tmp_path):
+    """A first start on a machine unlike the build's: the module is building in a thread before the probe's verdict
+    is waited for (the child takes seconds in another process), and the artifact serves it once both are done, with
+    laya eager's answers. A later start (the verdict cached) builds it when the artifact loads: nothing would
+    overlap."""
+    demo_bundle = other_facts_bundle
     seen = _module_route(monkeypatch, tmp_path, lambda art: True)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, probe=True)
     stats = agent.backend_object.load_stats
@@ -121,12 +123,14 @@ def test_a_route_that_runs_laya_module_builds_it_while_its_probe_runs(demo_ckpt,
     assert "probe" not in later.backend_object.load_stats["eager_module_why"]
 
 
-def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves(demo_ckpt, demo_bundle, reference,
-                                                                                 monkeypatch, tmp_path):
-    """The first candidate runs laya's module and its probe fails; the next one, which does not run it, serves the
-    thin agent: the module built beside the failed probe is not left holding the weights again."""
+def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves(demo_ckpt, other_facts_bundle,
+                                                                                 reference, monkeypatch, tmp_path):
+    """The first candidate runs laya's module and its probe (a child: a machine unlike the build's) fails; the next
+    one, which does not run it, serves the thin agent: the module built beside the failed probe is not left
+    holding the weights again."""
     from laya_aot.runtime import loader
 
+    demo_bundle = other_facts_bundle
     first = []
 
     def runs_module(art):
@@ -171,7 +175,7 @@ def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_ans
     assert bo.artifact.name == "aoti-cpu" and laya_api.is_thin(agent)
     assert bo.load_stats["constants_prepared"] is True and bo.load_stats["weights_prepared_early_s"] >= 0
     # loaded and called once beside laya's load, after the probe's verdict
-    assert bo.load_stats["loaded_early"] is True and bo.load_stats["probe"] in ("ran", "cached")
+    assert bo.load_stats["loaded_early"] is True and bo.load_stats["probe"] in ("ran", "cached", "shipped")
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"])
     # a whole agent's artifact takes laya's module's tensors, never weights read early from the file
@@ -201,12 +205,13 @@ def test_prepared_weights_are_the_ones_the_package_would_read(demo_ckpt, demo_bu
     assert aoti.prepare(demo_bundle / "aoti-cpu-frozen", Weights(demo_ckpt), "cpu") is None  # weights inside
 
 
-def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(demo_ckpt, demo_bundle, tmp_path,
+def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(demo_ckpt, other_facts_bundle, tmp_path,
                                                                               monkeypatch, probe_starts):
     import time
 
     from laya_aot.runtime.head_start import HeadStart
 
+    demo_bundle = other_facts_bundle  # a machine unlike the build's: its first start runs a child
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
     _package_first(monkeypatch)
     started = probe_starts

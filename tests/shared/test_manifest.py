@@ -143,6 +143,7 @@ def test_what_the_fuzzer_must_refuse_is_refused(manifest):
         "checkpoint.fingerprint.sha256": lambda m: m["checkpoint"]["fingerprint"].pop("sha256"),
         "tolerance.fp32": lambda m: m["tolerance"].pop("fp32"),
         "smoke.inputs": lambda m: m["smoke"].update(inputs="x"),
+        "artifacts[1].probe_verdict.key": lambda m: m["artifacts"][1]["probe_verdict"].update(key="../" * 20),
         "twice": lambda m: m["artifacts"].append(copy.deepcopy(m["artifacts"][0])),
     }
     for field, mutate in cases.items():
