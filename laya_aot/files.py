@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -89,9 +90,22 @@ def _stat_key(path: Path) -> str:
     return "%s:%d:%d:%d:%d" % (path.resolve(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
+_DIGESTING: Dict[str, threading.Lock] = {}  # one lock per file being digested (`cached_sha256`)
+_DIGESTING_GUARD = threading.Lock()
+
+
 def cached_sha256(path: Path) -> str:
-    """sha256 of a file, reusing an earlier digest when the file provably did not change."""
+    """sha256 of a file, reusing an earlier digest when the file provably did not change. Threads asking for
+    the same file take turns: the second reads the digest the first stored (a start's head start and its
+    loader both check the checkpoint's fingerprint; a large one takes a second to hash)."""
     key = hashlib.sha256(_stat_key(path).encode()).hexdigest()
+    with _DIGESTING_GUARD:
+        lock = _DIGESTING.setdefault(key, threading.Lock())
+    with lock:
+        return _cached_sha256(path, key)
+
+
+def _cached_sha256(path: Path, key: str) -> str:
     store = cache_dir() / "digests" / (key + ".json")
     try:
         with open(store, encoding="utf-8") as f:

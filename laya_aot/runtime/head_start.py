@@ -7,10 +7,11 @@ one thread, as long as it makes only the checks `_choose` makes first:
 
 1. the manifest, the checkpoint's small files (configs, tokenizer), this machine's fit, the files' hash;
 2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents);
-3. the checkpoint's fingerprint (a mismatch kills the child and drops everything);
+3. the checkpoint's fingerprint, in a thread of its own (a mismatch kills the child and drops everything);
 4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
    itself: loaded with the prepared weights and called once, so its lazy loading (kernels, CUDA modules)
-   is paid off the critical path. Nothing native is loaded in this process before that verdict.
+   is paid off the critical path, while the fingerprint is still being computed on a first start (nothing
+   serves before `_choose` has checked it). Nothing native is loaded in this process before that verdict.
 
 `_choose` still makes every check in order and takes what was done here for the same artifact on the same
 device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
@@ -54,6 +55,7 @@ class HeadStart:
         self._closed = threading.Event()
         self._t0 = time.perf_counter()
         self._weights_thread: Optional[threading.Thread] = None
+        self._mismatch = False               # the checkpoint is not the bundle's (`_fingerprint`)
         self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe,
                                                                 cuda_graphs, handover),
                                         daemon=True, name="laya-aot-head-start")
@@ -64,7 +66,7 @@ class HeadStart:
 
     def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str], pin: Optional[str],
              thin: bool, probe: bool, cuda_graphs: bool, handover: bool) -> None:
-        from ..probe import finish, start
+        from ..probe import start
 
         try:
             manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
@@ -90,26 +92,50 @@ class HeadStart:
                     self._weights_thread = threading.Thread(target=self._prepare, args=(prepare, path, ckpt),
                                                             daemon=True, name="laya-aot-head-start-weights")
                     self._weights_thread.start()
-            # the fingerprint (seconds for a large checkpoint never seen here) is cached for _choose
-            if ckpt_mod.mismatch(manifest, ckpt) is not None:
+            # the fingerprint (seconds for a large checkpoint never seen here), beside the probe and the load
+            # (it is cached for _choose, which waits for it: `files.cached_sha256`); a mismatch kills the child
+            fingerprint = threading.Thread(target=self._fingerprint, args=(manifest, ckpt), daemon=True,
+                                           name="laya-aot-head-start-fingerprint")
+            fingerprint.start()
+            try:
+                if ok and prepare is not None:
+                    self._verdict_then_load(kind, art, bundle, ckpt, cuda_graphs)
+            finally:
+                fingerprint.join()
+            if self._mismatch:
                 self._drop()
-                return
-            if not ok or prepare is None or self._closed.is_set():
-                return
-            graphs_ok: Optional[str] = None
-            if self._pending is not None:  # the artifact is loaded here only once a child loaded and ran it
-                pending, stats = self._pending, {}
-                why = finish(pending, stats)
-                self._verdict = {"why": why, "stats": stats, "done_after_s": self._since()}
-                self._pending = None
-                if why is not None:
-                    return
-                graphs_ok = stats.get("probe_graphs")
-            self._load(kind, art, artifact_path(bundle, art), ckpt,
-                       cuda_graphs and kind.cuda_graphs and torch.device(self.device).type == "cuda"
-                       and graphs_ok is None)
         except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
             log.debug("head start stopped: %s", e)
+
+    def _fingerprint(self, manifest: Any, ckpt: Path) -> None:
+        try:
+            self._mismatch = ckpt_mod.mismatch(manifest, ckpt) is not None
+        except Exception as e:  # noqa: BLE001 - _choose checks it again and reports it
+            log.debug("head start's fingerprint failed: %s", e)
+            self._mismatch = True
+        pending = self._pending
+        if self._mismatch and pending is not None:
+            pending.cancel()
+
+    def _verdict_then_load(self, kind: Any, art: Artifact, bundle: Path, ckpt: Path, cuda_graphs: bool) -> None:
+        """The probe's verdict (the artifact is loaded here only once a child loaded and ran it, or an earlier
+        start or the build did), then the artifact itself."""
+        from ..probe import finish
+
+        graphs_ok: Optional[str] = None
+        if self._pending is not None:
+            pending, stats = self._pending, {}
+            why = finish(pending, stats)
+            self._verdict = {"why": why, "stats": stats, "done_after_s": self._since()}
+            self._pending = None
+            if why is not None:
+                return
+            graphs_ok = stats.get("probe_graphs")
+        if self._mismatch or self._closed.is_set():
+            return
+        self._load(kind, art, artifact_path(bundle, art), ckpt,
+                   cuda_graphs and kind.cuda_graphs and torch.device(self.device).type == "cuda"
+                   and graphs_ok is None)
 
     def _prepare(self, prepare: Callable[..., Any], path: Path, ckpt: Path) -> None:
         t = time.perf_counter()
