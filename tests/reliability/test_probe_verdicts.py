@@ -166,3 +166,30 @@ def test_four_processes_writing_one_verdict_at_once_heavy(tmp_path):
     failed, torn, n, leftovers = _race(tmp_path, 4, 60.0)
     print("\ncache race (heavy): %d writes+reads, %d failed writes, %d torn reads" % (n, failed, torn))
     assert n > 10000 and failed == 0 and torn == 0 and not leftovers
+
+
+def test_threads_asking_for_one_files_digest_hash_it_once(tmp_path, monkeypatch):
+    """A start's head start and its loader both check the checkpoint's fingerprint; the second waits for the
+    first's digest rather than hashing a large file again (`files.cached_sha256`)."""
+    import threading
+
+    from laya_aot import files
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(os.urandom(1 << 20))
+    hashed = []
+    real = files.sha256_file
+
+    def slow_sha256(path):
+        hashed.append(path)
+        time.sleep(0.3)
+        return real(path)
+    monkeypatch.setattr(files, "sha256_file", slow_sha256)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(files.cached_sha256(big))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(hashed) == 1 and len(set(got)) == 1 and len(got) == 3

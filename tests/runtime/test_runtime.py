@@ -447,33 +447,54 @@ def test_probe_stand_in_weights_have_the_checkpoints_shapes(demo_ckpt, demo_bund
         assert t.shape == real[key].shape and t.dtype == getattr(torch, wanted[key])
 
 
-def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_recorded(other_facts_bundle, demo_ckpt,
-                                                                                   tmp_path, monkeypatch,
-                                                                                   probe_starts):
-    """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune), on a machine unlike
-    the build's: the probe child may start before the weights' digest is known; the mismatch refuses the
-    bundle, and no verdict is cached for it."""
-    demo_bundle = other_facts_bundle
-    other = tmp_path / "finetuned"
-    shutil.copytree(demo_ckpt, other)
+@pytest.fixture
+def finetuned_ckpt(demo_ckpt, tmp_path, monkeypatch) -> Path:
+    """A checkpoint with the build's configs and tokenizer but other weights (a fine-tune), loaded with an empty
+    cache; the demo's weights (0.7 MB in fp16) count as a large file here, as a real checkpoint's would."""
+    import functools
+
     from safetensors.torch import load_file, save_file
 
+    from laya_aot import checkpoint as ckpt_mod
+
+    other = tmp_path / "finetuned"
+    shutil.copytree(demo_ckpt, other)
     w = load_file(str(other / "model.safetensors"))
     key = sorted(w)[0]
     w[key] = w[key] + 0.5
     save_file(w, str(other / "model.safetensors"), metadata={"format": "pt"})
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "fresh-cache"))
-    import functools
-
-    from laya_aot import checkpoint as ckpt_mod
-
-    # the demo's weights (0.7 MB in fp16) count as a large file here, as a real checkpoint's would
     monkeypatch.setattr(ckpt_mod, "small_files_match", functools.partial(ckpt_mod.small_files_match,
                                                                          limit_bytes=1 << 18))
+    return other
+
+
+def test_early_probe_of_a_same_sized_foreign_checkpoint_is_killed_and_not_recorded(other_facts_bundle, finetuned_ckpt,
+                                                                                   tmp_path, probe_starts):
+    """On a machine unlike the build's: the probe child may start before the weights' digest is known; the
+    mismatch refuses the bundle, and no verdict is cached for it."""
     started = probe_starts
-    _load_expect_eager(other, demo_bundle, "built from another checkpoint", prefer="aoti")
+    _load_expect_eager(finetuned_ckpt, other_facts_bundle, "built from another checkpoint", prefer="aoti")
     assert started and all(p.proc.poll() is not None for p in started)   # started early, then ended
     assert not list((tmp_path / "fresh-cache" / "probes").glob("*.json"))
+
+
+def test_a_foreign_checkpoint_is_refused_though_its_artifact_loaded_before_the_digest(demo_bundle, finetuned_ckpt,
+                                                                                     monkeypatch):
+    """On a machine like the build's no child runs, and the head start loads the artifact with the weights while
+    the checkpoint's digest is still being computed: the mismatch still refuses the bundle, and what was loaded
+    is dropped, never installed."""
+    from laya_aot.runtime import head_start
+
+    loaded = []
+    real_load = head_start.HeadStart._load
+
+    def recording_load(self, *a, **k):
+        real_load(self, *a, **k)
+        loaded.append(self._runner is not None)
+    monkeypatch.setattr(head_start.HeadStart, "_load", recording_load)
+    agent = _load_expect_eager(finetuned_ckpt, demo_bundle, "built from another checkpoint", prefer="aoti")
+    assert loaded and agent.backend == "eager"
 
 
 def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check(demo_ckpt, demo_bundle, tmp_path,
