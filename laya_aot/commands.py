@@ -115,6 +115,19 @@ def _usable_here(bundle: Path, art: Artifact, here) -> str:
     return "usable" if why is None else why
 
 
+def _probe_here(art: Artifact, here) -> Optional[str]:
+    """What a start here does about a native artifact's probe child (`probe.cached_verdict`): "cached" (an earlier
+    start here probed it), "shipped" (the build's verdict fits this machine: no child) or "child" (one runs on the
+    first start); None for kinds without one."""
+    from . import kinds
+    from .probe import cached_verdict
+
+    if not art.built or not kinds.get(art.kind).native:
+        return None
+    verdict = cached_verdict(art, here.machine, here.device)
+    return "child" if verdict is None else "shipped" if verdict.get("shipped") else "cached"
+
+
 def _guarded(name: str, run: Callable[[], int]) -> int:
     """Run a command; anything unforeseen is one line naming it (exit 2), never a traceback. A bundle's
     problems are reported by the command itself; this catches what nobody foresaw."""
@@ -187,7 +200,7 @@ def _inspect(a: argparse.Namespace) -> int:
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
                      "tie_margin": v.tie_margin() if v else None,
                      "decisions": dataclasses.asdict(v.decisions) if v and v.decisions else None,
-                     "here": _usable_here(Path(a.bundle), e, here)})
+                     "here": _usable_here(Path(a.bundle), e, here), "probe_here": _probe_here(e, here)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
                           "machine": machine.as_dict(),
@@ -207,11 +220,17 @@ def _inspect(a: argparse.Namespace) -> int:
               soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
+    probed = {r["name"]: r["probe_here"] for r in rows if r["here"] == "usable" and r["probe_here"]}
+    if probed:
+        con.print("probe child (native artifacts, on a start here): %s" % ", ".join(
+            "%s %s" % (name, _PROBE_WORDS[state]) for name, state in probed.items()), soft_wrap=True)
     con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
               soft_wrap=True)
     return 0
 
 
+_PROBE_WORDS = {"cached": "none (probed here before)", "shipped": "none (the build's verdict fits this machine)",
+                "child": "runs on the first start (no verdict for this machine yet)"}
 # below this many columns the table's thirteen columns fold every cell: a list reads better
 TABLE_WIDTH = 170
 

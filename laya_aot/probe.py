@@ -231,8 +231,8 @@ def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[D
         cached = None
     if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
         return cached
-    shipped = entry.probe_verdict
-    if shipped is None or shipped.key != path.stem:
+    shipped = entry.probe_verdict  # keyed by the build with the artifact's device type: cuda:1's is cuda's
+    if shipped is None or shipped.key != verdict_key(entry, machine, str(device).split(":")[0]):
         return None
     return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 

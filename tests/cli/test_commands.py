@@ -33,3 +33,25 @@ def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(de
     assert inspect([str(demo_bundle), "--json"], time.perf_counter()) == 0
     facts = json.loads(capsys.readouterr().out)
     assert set(facts) == {"bundle", "bundle_sha256", "checkpoint", "machine", "device", "serving_dtype", "artifacts"}
+
+
+def test_inspect_says_whether_a_start_here_runs_a_probe_child(demo_bundle, other_facts_bundle, demo_ckpt, tmp_path,
+                                                             monkeypatch, capsys):
+    """The build's verdict fits the machine that built it: no child, as the loader then says; a bundle built on a
+    machine with other facts: a child on the first start, and none once a start here probed it."""
+    import json
+
+    import laya_aot
+    from laya_aot.commands import inspect
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    for bundle, before, after in ((demo_bundle, "shipped", "shipped"), (other_facts_bundle, "child", "cached")):
+        assert inspect([str(bundle), "--json"], time.perf_counter()) == 0
+        rows = {r["name"]: r["probe_here"] for r in json.loads(capsys.readouterr().out)["artifacts"]}
+        assert rows["aoti-cpu"] == before and rows["exported_program-fp32"] is None
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle), device="cpu", prefer="aoti")
+        assert agent.backend_object.load_stats["probe"] == {"shipped": "shipped", "child": "ran"}[before]
+        assert inspect([str(bundle)], time.perf_counter()) == 0
+        assert "probe child (native artifacts, on a start here): aoti-cpu %s" % (
+            "none (the build's verdict fits" if after == "shipped" else "none (probed here before)") \
+            in capsys.readouterr().out

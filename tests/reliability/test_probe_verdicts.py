@@ -61,6 +61,7 @@ def test_the_builds_verdict_is_taken_on_a_machine_with_its_facts(demo_bundle, de
     stats = {}
     assert pending.proc is None and probe.finish(pending, stats) is None and stats["probe"] == "shipped"
     assert not probe.verdict_path(art, machine, "cpu").exists()
+    assert probe.cached_verdict(art, machine, "cpu:0")["shipped"]   # an agent on an indexed device of that type
     other = dataclasses.replace(machine, cpu_isa="AVX2" if machine.cpu_isa != "AVX2" else "AVX512")
     assert probe.cached_verdict(art, other, "cpu") is None
 
