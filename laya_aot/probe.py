@@ -144,10 +144,19 @@ class Pending:
 
 
 ENV_AHEAD = "LAYA_AOT_PROBE_AHEAD"
+# "0": the build's shipped verdicts are not taken; every machine's first start runs the child (a fleet whose
+# drivers or system libraries differ from the build machine's, which the machine's facts leave out)
+ENV_SHIPPED = "LAYA_AOT_PROBE_SHIPPED"
+
 WAIT_S = 300.0  # how long a child started ahead waits for its artifact before it exits on its own
 _ahead: Optional[Tuple[subprocess.Popen, Any]] = None
 _ahead_tried = False
 _ahead_lock = threading.Lock()
+
+
+def _off(name: str) -> bool:
+    """Whether the switch in environment variable `name` (on by default) is turned off."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _child_env() -> Dict[str, str]:
@@ -172,7 +181,7 @@ def start_ahead() -> bool:
         if _ahead_tried:
             return False
         _ahead_tried = True
-        if os.environ.get(ENV_AHEAD, "1").strip().lower() in ("0", "false", "no", "off"):
+        if _off(ENV_AHEAD):
             return False
         try:
             probes = cache_dir() / "probes"
@@ -232,7 +241,7 @@ def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[D
     if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
         return cached
     shipped = entry.probe_verdict  # keyed by the build with the artifact's device type: cuda:1's is cuda's
-    if shipped is None or shipped.key != verdict_key(entry, machine, str(device).split(":")[0]):
+    if shipped is None or _off(ENV_SHIPPED) or shipped.key != verdict_key(entry, machine, str(device).split(":")[0]):
         return None
     return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 

@@ -64,6 +64,8 @@ def test_the_builds_verdict_is_taken_on_a_machine_with_its_facts(demo_bundle, de
     assert probe.cached_verdict(art, machine, "cpu:0")["shipped"]   # an agent on an indexed device of that type
     other = dataclasses.replace(machine, cpu_isa="AVX2" if machine.cpu_isa != "AVX2" else "AVX512")
     assert probe.cached_verdict(art, other, "cpu") is None
+    monkeypatch.setenv("LAYA_AOT_PROBE_SHIPPED", "0")   # an operator who wants every new machine probed
+    assert probe.cached_verdict(art, machine, "cpu") is None
 
 
 def test_a_shipped_verdict_for_another_entry_is_not_taken(demo_bundle, tmp_path, monkeypatch):
