@@ -69,9 +69,9 @@ def verdict_key(art: Artifact, machine: Machine, device: str) -> str:
     return hashlib.sha256(facts.encode()).hexdigest()
 
 
-def verdict_path(art: Artifact, machine: Machine, device: str) -> Path:
-    """Where the verdict on `art` on this machine is cached (`verdict_key`)."""
-    return cache_dir() / "probes" / (verdict_key(art, machine, device) + ".json")
+def verdict_path(art: Artifact, machine: Machine, device: str, key: Optional[str] = None) -> Path:
+    """Where the verdict on `art` on this machine is cached (`verdict_key`, or `key` where already made)."""
+    return cache_dir() / "probes" / ((key or verdict_key(art, machine, device)) + ".json")
 
 
 class SettingError(LayaAotError, ValueError):
@@ -233,7 +233,8 @@ def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[D
     """The verdict an earlier start recorded for `entry` on this machine, else the build's passing one where the
     build's machine had this machine's facts (`Artifact.probe_verdict`: read from the bundle at every start, never
     copied into the cache); None: a probe child will run."""
-    path = verdict_path(entry, machine, device)
+    key = verdict_key(entry, machine, device)
+    path = verdict_path(entry, machine, device, key)
     try:
         cached = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -241,7 +242,10 @@ def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[D
     if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
         return cached
     shipped = entry.probe_verdict  # keyed by the build with the artifact's device type: cuda:1's is cuda's
-    if shipped is None or _off(ENV_SHIPPED) or shipped.key != verdict_key(entry, machine, str(device).split(":")[0]):
+    if shipped is None or _off(ENV_SHIPPED):
+        return None
+    device_type = str(device).split(":")[0]
+    if shipped.key != (key if device_type == device else verdict_key(entry, machine, device_type)):
         return None
     return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 
