@@ -48,10 +48,13 @@ def test_inspect_says_whether_a_start_here_runs_a_probe_child(demo_bundle, other
     for bundle, before, after in ((demo_bundle, "shipped", "shipped"), (other_facts_bundle, "child", "cached")):
         assert inspect([str(bundle), "--json"], time.perf_counter()) == 0
         rows = {r["name"]: r["probe_here"] for r in json.loads(capsys.readouterr().out)["artifacts"]}
-        assert rows["aoti-cpu"] == before and rows["exported_program-fp32"] is None
+        assert rows["aoti-cpu"] == rows["aoti-cpu-frozen"] == before and rows["exported_program-fp32"] is None
         agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle), device="cpu", prefer="aoti")
         assert agent.backend_object.load_stats["probe"] == {"shipped": "shipped", "child": "ran"}[before]
+        # which of the two packages serves follows the build's latency figures (noisy on a busy machine)
+        served = agent.backend_object.artifact.name
         assert inspect([str(bundle)], time.perf_counter()) == 0
-        assert "probe child (native artifacts, on a start here): aoti-cpu %s" % (
-            "none (the build's verdict fits" if after == "shipped" else "none (probed here before)") \
-            in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "%s %s" % (served, "none (the build's verdict fits" if after == "shipped"
+                          else "none (probed here before)") in out, out
+        assert "probe child (native artifacts, on a start here): " in out, out
