@@ -9,9 +9,10 @@ one thread, as long as it makes only the checks `_choose` makes first:
 2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents);
 3. the checkpoint's fingerprint, in a thread of its own (a mismatch kills the child and drops everything);
 4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
-   itself: loaded with the prepared weights and called once, so its lazy loading (kernels, CUDA modules)
-   is paid off the critical path, while the fingerprint is still being computed on a first start (nothing
-   serves before `_choose` has checked it). Nothing native is loaded in this process before that verdict.
+   itself: loaded with the prepared weights while the fingerprint is still being computed on a first start
+   (nothing serves before `_choose` has checked it), and called once where the loader runs no smoke check
+   (otherwise the smoke check's call is the first and pays the lazy loading: kernels, CUDA modules). Nothing
+   native is loaded in this process before that verdict.
 
 `_choose` still makes every check in order and takes what was done here for the same artifact on the same
 device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
@@ -42,7 +43,7 @@ class HeadStart:
 
     def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
                  pin: Optional[str] = None, thin: bool = False, probe: bool = True, cuda_graphs: bool = True,
-                 handover: bool = True):
+                 handover: bool = True, warm: bool = True):
         self.name: Optional[str] = None      # the artifact worked on
         self.device: Optional[str] = None    # the device it was prepared for
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
@@ -56,6 +57,9 @@ class HeadStart:
         self._t0 = time.perf_counter()
         self._weights_thread: Optional[threading.Thread] = None
         self._mismatch = False               # the checkpoint is not the bundle's (`_fingerprint`)
+        # call the artifact once after its load; not where the loader's smoke check calls it next anyway (that
+        # call pays what a first call loads: a second forward in a row on the start's critical path saves nothing)
+        self._warm = warm
         self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe,
                                                                 cuda_graphs, handover),
                                         daemon=True, name="laya-aot-head-start")
@@ -150,8 +154,8 @@ class HeadStart:
             log.debug("weights not prepared early for %s: %s", self.name, e)
 
     def _load(self, kind: Any, art: Artifact, path: Path, ckpt: Path, graphs: bool) -> None:
-        """Load the artifact and call it once (its lazy loading paid here); its package loads while the weights
-        are still on their way, and takes them once there."""
+        """Load the artifact (its package loads while the weights are still on their way, and takes them once
+        there) and, unless the smoke check follows, call it once (its lazy loading paid here)."""
         if self._closed.is_set():
             return
         t = time.perf_counter()
@@ -159,11 +163,12 @@ class HeadStart:
                             cuda_graphs=graphs)
         runner = kind.load(path, art, env)
         t_warm = time.perf_counter()
-        warm_up(runner, art)
+        if self._warm:
+            warm_up(runner, art)
+            self.stats["warm_up_s"] = round(time.perf_counter() - t_warm, 3)
         if not self._closed.is_set():
             self._runner, self._runner_graphs = runner, graphs
-            self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since(),
-                              warm_up_s=round(time.perf_counter() - t_warm, 3))
+            self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since())
 
     def _wait_prepared(self) -> Any:
         """The prepared weights once their thread is done (None: weights inside the package, or not prepared)."""

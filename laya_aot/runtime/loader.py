@@ -225,7 +225,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens, bool(handover))
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs, bool(handover)) \
+    early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs, bool(handover),
+                      warm=not smoke_check) \
         if usable and (probe or thin) else None
     try:
         shipped = _seed_tokenizer(ckpt, Path(bundle), pin) if thin else None

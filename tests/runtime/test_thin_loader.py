@@ -174,7 +174,7 @@ def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_ans
     bo = agent.backend_object
     assert bo.artifact.name == "aoti-cpu" and laya_api.is_thin(agent)
     assert bo.load_stats["constants_prepared"] is True and bo.load_stats["weights_prepared_early_s"] >= 0
-    # loaded and called once beside laya's load, after the probe's verdict
+    # loaded beside laya's load, after the probe's verdict
     assert bo.load_stats["loaded_early"] is True and bo.load_stats["probe"] in ("ran", "cached", "shipped")
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"])
@@ -182,6 +182,19 @@ def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_ans
     whole = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, eager_module="now")
     assert whole.backend_object.artifact.name == "aoti-cpu"
     assert "constants_prepared" not in whole.backend_object.load_stats
+
+
+def test_the_smoke_check_is_the_artifacts_first_call_and_without_it_the_head_start_warms_it_up(demo_ckpt,
+                                                                                               demo_bundle):
+    """Two forwards in a row on a start's critical path (warm-up, then smoke check) where one does: the head start
+    calls the artifact only when no smoke check follows, so the first request never pays the first call's loads."""
+    checked = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True).backend_object
+    assert checked.load_stats["loaded_early"] is True and checked.load_stats["smoke_check_s"] >= 0
+    assert "warm_up_s" not in checked.load_stats
+    unchecked = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True,
+                              smoke_check=False).backend_object
+    assert unchecked.load_stats["loaded_early"] is True and unchecked.load_stats["warm_up_s"] >= 0
+    assert "smoke_check_s" not in unchecked.load_stats
 
 
 def test_prepared_weights_are_the_ones_the_package_would_read(demo_ckpt, demo_bundle):
