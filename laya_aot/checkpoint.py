@@ -12,7 +12,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
 from .files import cached_sha256
@@ -114,19 +114,39 @@ class Weights(Mapping):
     def __len__(self) -> int:
         return len(self._keys)
 
-    def load_to(self, targets: Mapping[str, Any], device: Any) -> Dict[str, Any]:
+    def _header(self) -> Tuple[Dict[str, Any], int]:
+        """The safetensors header (name -> dtype, shape, offsets) and where the tensors' bytes begin."""
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return json.loads(f.read(n).decode("utf-8")), 8 + n
+
+    def allocate(self, targets: Mapping[str, Any], device: Any) -> Dict[str, Any]:
+        """Unwritten tensors shaped as the file stores the ones named in `targets` (name -> torch dtype), in that
+        dtype on `device`: what `load_to(..., into=)` fills."""
+        import torch
+
+        header, _ = self._header()
+        out = {}
+        for key, dtype in targets.items():
+            t = header.get(key)
+            if key not in self._keys or not isinstance(t, dict):
+                raise KeyError(key)
+            out[key] = torch.empty(tuple(t["shape"]), dtype=dtype, device=device)
+        return out
+
+    def load_to(self, targets: Mapping[str, Any], device: Any, into: Optional[Mapping[str, Any]] = None
+                ) -> Dict[str, Any]:
         """The tensors named in `targets` (name -> torch dtype) on `device`, each converted there and owning its
-        storage. The file's bytes cross to the device in a few large copies of consecutive tensors (at most
-        LOAD_CHUNK_BYTES each) instead of one small copy per tensor; a tensor whose bytes cannot be viewed in
-        place (unaligned, an unknown dtype) is read on its own."""
+        storage (written into `into[name]` where given: `allocate`'s tensors). The file's bytes cross to the
+        device in a few large copies of consecutive tensors (at most LOAD_CHUNK_BYTES each) instead of one small
+        copy per tensor; a tensor whose bytes cannot be viewed in place (unaligned, an unknown dtype) is read on
+        its own."""
         import mmap
 
         import torch
 
-        with open(self.path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n).decode("utf-8"))
-        base = 8 + n
+        header, base = self._header()
+        into = into or {}
         spans, out = [], {}
         for key, dtype in targets.items():
             t = header.get(key)
@@ -136,6 +156,8 @@ class Weights(Mapping):
             begin, end = t["data_offsets"]
             if isinstance(stored, torch.dtype) and begin % stored.itemsize == 0 and base % stored.itemsize == 0:
                 spans.append((begin, end, key, stored, tuple(t["shape"]), dtype))
+            elif key in into:
+                out[key] = into[key].copy_(self[key])
             else:
                 out[key] = self[key].to(device=device).to(dtype=dtype).contiguous()
         spans.sort()
@@ -147,23 +169,25 @@ class Weights(Mapping):
                     j, start = i + 1, spans[i][0]
                     while j < len(spans) and spans[j][1] - start <= LOAD_CHUNK_BYTES:
                         j += 1
-                    _convert_chunk(data[base + start:base + spans[j - 1][1]], start, spans[i:j], device, out)
+                    _convert_chunk(data[base + start:base + spans[j - 1][1]], start, spans[i:j], device, out, into)
                     i = j
             finally:
                 data.release()
         return out
 
 
-def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: Dict[str, Any]) -> None:
-    """Copy one run of the file's bytes to `device`, then each tensor in it, converted, into `out` (copies: none
-    of them keeps the run, or the file's mapping, alive)."""
+def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: Dict[str, Any],
+                   into: Mapping[str, Any]) -> None:
+    """Copy one run of the file's bytes to `device`, then each tensor in it, converted, into `out` (into the tensor
+    `into` has for it, if any; copies either way: none of them keeps the run, or the file's mapping, alive)."""
     import torch
 
     with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
         warnings.simplefilter("ignore", UserWarning)
         chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=device)
     for begin, end, key, stored, shape, dtype in spans:
-        out[key] = chunk[begin - start:end - start].view(stored).view(shape).to(dtype=dtype, copy=True).contiguous()
+        view = chunk[begin - start:end - start].view(stored).view(shape)
+        out[key] = into[key].copy_(view) if key in into else view.to(dtype=dtype, copy=True).contiguous()
     raw.release()
 
 

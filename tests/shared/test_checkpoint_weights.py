@@ -39,3 +39,23 @@ def test_load_to_gives_what_a_read_and_convert_per_tensor_gives(weights, chunk, 
 def test_load_to_names_a_tensor_the_checkpoint_lacks(weights):
     with pytest.raises(KeyError, match="missing.weight"):
         weights[0].load_to({"missing.weight": torch.float32}, "cpu")
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 20])
+def test_load_into_allocated_tensors_writes_them_in_place(weights, chunk, monkeypatch):
+    """`allocate` then `load_to(into=)`: the bytes land in the tensors handed out before (what a package given
+    them in place reads), converted as `load_to` alone converts them."""
+    monkeypatch.setattr(checkpoint, "LOAD_CHUNK_BYTES", chunk)
+    w, tensors = weights
+    targets = {"a.weight": torch.bfloat16, "b.bias": torch.float32, "d.idx": torch.int64, "f.odd": torch.float32}
+    shells = w.allocate(targets, "cpu")
+    assert {k: (t.shape, t.dtype) for k, t in shells.items()} == {k: (tensors[k].shape, d) for k, d in targets.items()}
+    ptrs = {k: t.data_ptr() for k, t in shells.items()}
+    for t in shells.values():
+        t.fill_(0)
+    got = w.load_to(targets, "cpu", into=shells)
+    for key, dtype in targets.items():
+        assert got[key] is shells[key] and shells[key].data_ptr() == ptrs[key], key
+        assert torch.equal(shells[key], tensors[key].to(dtype)), key
+    with pytest.raises(KeyError, match="missing.weight"):
+        w.allocate({"missing.weight": torch.float32}, "cpu")
