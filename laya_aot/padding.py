@@ -77,15 +77,21 @@ def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     return ids, att, mpos, mmask, qtype
 
 
+def batch_of_shape(rows: int, tokens: int, markers: int) -> Batch:
+    """`rows` rows of `tokens` tokens and `markers` markers (two of them real) whose values only have to run: token
+    id 5 everywhere. What a start warms an artifact with, where only the shape decides what loads lazily."""
+    import torch
+
+    k = markers - 2
+    return (torch.full((rows, tokens), 5, dtype=torch.long), torch.ones((rows, tokens), dtype=torch.long),
+            torch.tensor([[1, 2] + [0] * k] * rows), torch.tensor([[True, True] + [False] * k] * rows),
+            torch.zeros((rows,), dtype=torch.long))
+
+
 def smallest_batch(ranges: Ranges) -> Batch:
     """One row at the smallest shape an artifact takes (its minimum tokens and markers, two of them real): what a
     probe child and the loader's warm-up call it with. Values do not matter there, only that it runs."""
-    import torch
-
-    t, k = ranges.min_tokens, ranges.min_markers - 2
-    return (torch.full((1, t), 5, dtype=torch.long), torch.ones((1, t), dtype=torch.long),
-            torch.tensor([[1, 2] + [0] * k]), torch.tensor([[True, True] + [False] * k]),
-            torch.zeros((1,), dtype=torch.long))
+    return batch_of_shape(1, ranges.min_tokens, ranges.min_markers)
 
 
 def chunks(n_rows: int, ranges: Ranges, row_tokens: int = 0, budget: int = CHUNK_TOKENS):

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, List
 
 if TYPE_CHECKING:
-    from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner, Skip, model_tensors
+    from .base import BuildContext, Built, Exported, Incoming, Kind, LoadEnv, Runner, Skip, model_tensors
     from .registry import BY_NAME, NAMES, PORTABLE, REGISTRY, RUNTIME_ORDER, get, load, runtime_kinds
 
-_FROM_BASE = ("BuildContext", "Built", "Exported", "Kind", "LoadEnv", "Runner", "Skip", "model_tensors")
+_FROM_BASE = ("BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "Runner", "Skip", "model_tensors")
 _FROM_REGISTRY = ("BY_NAME", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "get", "load", "runtime_kinds")
 
 
@@ -36,5 +36,5 @@ def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Kind", "LoadEnv", "NAMES", "PORTABLE", "REGISTRY",
-           "RUNTIME_ORDER", "Runner", "Skip", "get", "load", "model_tensors", "runtime_kinds"]
+__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "NAMES", "PORTABLE",
+           "REGISTRY", "RUNTIME_ORDER", "Runner", "Skip", "get", "load", "model_tensors", "runtime_kinds"]

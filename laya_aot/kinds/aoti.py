@@ -18,14 +18,17 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.export import ExportedProgram
 
 from ..manifest import Artifact
 from .aoti_compiler import _default_cxx, choose_compiler
-from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
+from .base import BuildContext, Built, Exported, Incoming, Kind, LoadEnv, Outputs, Runner, Skip
+
+if TYPE_CHECKING:
+    from ..checkpoint import Weights
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,8 @@ class AOTIRunner(Runner):
 
     def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu",
                  cuda_graphs: bool = False,
-                 prepared: Optional[Mapping[str, torch.Tensor] | Callable[[], Any]] = None):
+                 prepared: Optional[Mapping[str, torch.Tensor] | Incoming | Callable[[], Any]] = None,
+                 early_calls: Sequence[Sequence[torch.Tensor]] = ()):
         from safetensors.torch import load_file
 
         art_dir = Path(art_dir)
@@ -179,15 +183,48 @@ class AOTIRunner(Runner):
             t_wait = time.perf_counter()
             prepared = prepared()
             self.stats["constants_wait_s"] = round(time.perf_counter() - t_wait, 3)
+        incoming = prepared if isinstance(prepared, Incoming) else None
+        if incoming is not None:  # allocated, maybe still being written: handed over now, read once written
+            prepared = incoming.tensors
         if prepared is not None:  # read beside laya's load (`prepare`): only what this package takes is kept
             consts = {fqn: t for fqn, t in prepared.items() if fqn in wanted}
             self.stats["constants_prepared"] = True
         else:
             extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
             consts = device_constants(spec, extra, tensors, self.device, wanted)
+        # user_managed: the package reads these tensors in place (no copy; bytes written later are what it reads)
         self._compiled.load_constants(consts, check_full_update=True, user_managed=True)
-        self._consts = consts  # user_managed: the package reads these tensors in place; keep them alive
+        self._consts = consts  # keep them alive
         self.stats["constants_s"] = round(time.perf_counter() - t0, 3)
+        if incoming is not None:
+            if not incoming.done:  # written now, after the hand-over (`Incoming`), beside the first call
+                threading.Thread(target=incoming.fill, daemon=True, name="laya-aot-weights-fill").start()
+                if early_calls:
+                    self._early_calls(early_calls, consts)
+            t_wait = time.perf_counter()
+            incoming.wait()
+            self.stats["constants_written_wait_s"] = round(time.perf_counter() - t_wait, 3)
+
+    def _early_calls(self, batches: Sequence[Sequence[torch.Tensor]], consts: Mapping[str, torch.Tensor]) -> None:
+        """Call the package on `batches` while its weights are still being written, outputs thrown away: what a
+        first call loads lazily (kernel modules, cuBLAS) is paid beside the copy. Only where every constant is
+        floating point: unwritten floats cannot make a kernel read out of bounds (integers may index), and the
+        probe child runs the same package on unwritten weights (`synthetic_constants`) before this process
+        loads it. A failure here is left to the smoke check, which calls it again once the weights are in."""
+        if not all(t.is_floating_point() for t in consts.values()):
+            self.stats["early_calls"] = "not made: a constant is not floating point"
+            return
+        t = time.perf_counter()
+        where = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), where:
+                for batch in batches:
+                    self._run(*(x.to(self.device) for x in batch))
+            self.stats["early_calls"] = len(batches)
+        except Exception as e:  # noqa: BLE001 - the smoke check (or the first call) reports a real failure
+            log.debug("early call of the AOTInductor package failed: %s", e)
+            self.stats["early_calls"] = "failed: %s" % type(e).__name__
+        self.stats["early_calls_s"] = round(time.perf_counter() - t, 3)
 
     def _index(self) -> int:
         if self.device.type != "cuda":
@@ -243,12 +280,10 @@ def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[st
     return out
 
 
-def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
-                     device: torch.device, wanted: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
-    """The package's constants on `device` (those in `wanted`; every one that constants.json lists if None),
-    each taken from the checkpoint's `tensors` or the bundle's `extra` file and converted to its dtype there.
-    Checkpoint tensors cross to the device in their stored dtype, once; to a GPU from a `checkpoint.Weights`, in a
-    few large copies (`Weights.load_to`)."""
+def _sources(spec: Dict[str, Any], tensors: Mapping[str, torch.Tensor], wanted: Optional[Iterable[str]]
+             ) -> Tuple[Dict[str, Dict[str, str]], Dict[str, torch.dtype]]:
+    """The constants to make (those in `wanted`; all that constants.json lists if None) and, of the checkpoint's
+    tensors they come from, each one's dtype; a tensor the checkpoint lacks is refused here."""
     keep = None if wanted is None else set(wanted)
     chosen = {fqn: src for fqn, src in spec["constants"].items() if keep is None or fqn in keep}
     from_model = {src["key"]: getattr(torch, src["dtype"]) for src in chosen.values() if src["source"] == "model"}
@@ -256,6 +291,16 @@ def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], te
     if absent:
         raise KeyError("the checkpoint has no tensor %r that this AOTInductor package needs; the bundle was built "
                        "from another model architecture" % absent[0])
+    return chosen, from_model
+
+
+def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
+                     device: torch.device, wanted: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+    """The package's constants on `device` (those in `wanted`; every one that constants.json lists if None),
+    each taken from the checkpoint's `tensors` or the bundle's `extra` file and converted to its dtype there.
+    Checkpoint tensors cross to the device in their stored dtype, once; to a GPU from a `checkpoint.Weights`, in a
+    few large copies (`Weights.load_to`)."""
+    chosen, from_model = _sources(spec, tensors, wanted)
     bulk = getattr(tensors, "load_to", None) if torch.device(device).type == "cuda" else None  # no copy to save
     loaded = bulk(from_model, device) if bulk is not None else {}
     consts: Dict[str, torch.Tensor] = {}
@@ -271,11 +316,41 @@ def device_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], te
     return consts
 
 
-def prepare(art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str) -> Optional[Dict[str, torch.Tensor]]:
+def incoming_constants(spec: Dict[str, Any], extra: Mapping[str, torch.Tensor], tensors: "Weights",
+                       device: torch.device) -> Incoming:
+    """`device_constants`' tensors allocated now, unwritten, and written by the returned `Incoming`'s `fill`:
+    the package can take them (in place) while their bytes are still on their way."""
+    chosen, from_model = _sources(spec, tensors, None)
+    by_key = tensors.allocate(from_model, device)
+    consts: Dict[str, torch.Tensor] = {}
+    others = []  # constants not written by the bulk copy: the bundle's extras, a second dtype of one tensor
+    for fqn, src in chosen.items():
+        dtype = getattr(torch, src["dtype"])
+        own = by_key.get(src["key"]) if src["source"] == "model" else None
+        if own is not None and own.dtype == dtype:
+            consts[fqn] = own
+            continue
+        shape = own.shape if own is not None else extra[fqn].shape
+        consts[fqn] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        others.append((fqn, src))
+
+    def fill() -> None:
+        tensors.load_to(from_model, device, into=by_key)
+        for fqn, src in others:
+            consts[fqn].copy_(tensors[src["key"]] if src["source"] == "model" else extra[fqn])
+        if torch.device(device).type == "cuda":  # written, whichever stream the reading thread then uses
+            torch.cuda.synchronize(device)
+
+    return Incoming(consts, fill)
+
+
+def prepare(art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str
+            ) -> Optional[Dict[str, torch.Tensor] | Incoming]:
     """Every constant the package may take, on `device`, before the package itself is loaded: the loader
     runs this beside laya's load and the probe child (the package is not loaded in the service's process
-    until the probe passed), so the weights' copy to the GPU is off a start's critical path. None for a
-    package with its weights inside."""
+    until the probe passed), so the weights' copy to the GPU is off a start's critical path. On a GPU, from a
+    checkpoint's `Weights`: an `Incoming`, allocated but unwritten, that `AOTIRunner` hands to the package and
+    then writes (`Incoming.fill`). None for a package with its weights inside."""
     from safetensors.torch import load_file
 
     art_dir = Path(art_dir)
@@ -284,6 +359,8 @@ def prepare(art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str) -> 
         return None
     extra = load_file(str(art_dir / EXTRA)) if (art_dir / EXTRA).exists() else {}
     dev = torch.device(device)
+    if dev.type == "cuda" and callable(getattr(tensors, "allocate", None)):
+        return incoming_constants(spec, extra, tensors, dev)
     consts = device_constants(spec, extra, tensors, dev)
     if dev.type == "cuda":  # done when handed over, whichever stream the loading thread then uses
         torch.cuda.synchronize(dev)
@@ -377,7 +454,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs, env.prepared)
+    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs, env.prepared, env.early_calls)
 
 
 def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:

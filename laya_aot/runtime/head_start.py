@@ -6,13 +6,16 @@ its package loaded, its first call). Everything the artifact needs but the agent
 one thread, as long as it makes only the checks `_choose` makes first:
 
 1. the manifest, the checkpoint's small files (configs, tokenizer), this machine's fit, the files' hash;
-2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents);
+2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents; on a GPU
+   only their tensors are made here, written once the artifact has them);
 3. the checkpoint's fingerprint, in a thread of its own (a mismatch kills the child and drops everything);
 4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
    itself: loaded with the prepared weights while the fingerprint is still being computed on a first start
-   (nothing serves before `_choose` has checked it), and called once where the loader runs no smoke check
-   (otherwise the smoke check's call is the first and pays the lazy loading: kernels, CUDA modules). Nothing
-   native is loaded in this process before that verdict.
+   (nothing serves before `_choose` has checked it). On a GPU the weights are handed over allocated but not yet
+   written (`kinds.Incoming`), then written while the artifact makes its first call at the smoke check's shape
+   (`LoadEnv.early_calls`: what a first call loads lazily, kernels and CUDA modules, paid beside the copy);
+   elsewhere it is called once where the loader runs no smoke check (otherwise the smoke check's call is the
+   first and pays that loading). Nothing native is loaded in this process before that verdict.
 
 `_choose` still makes every check in order and takes what was done here for the same artifact on the same
 device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
@@ -23,7 +26,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -31,7 +34,7 @@ from .. import checkpoint as ckpt_mod
 from .. import kinds, usable
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..manifest import Artifact
-from ..padding import smallest_batch
+from ..padding import Batch, batch_of_shape, smallest_batch
 from . import start_costs
 from .select import plan, rank
 
@@ -103,7 +106,7 @@ class HeadStart:
             fingerprint.start()
             try:
                 if ok and prepare is not None:
-                    self._verdict_then_load(kind, art, bundle, ckpt, cuda_graphs)
+                    self._verdict_then_load(kind, art, bundle, ckpt, cuda_graphs, manifest.smoke)
             finally:
                 fingerprint.join()
             if self._mismatch:
@@ -121,7 +124,8 @@ class HeadStart:
         if self._mismatch and pending is not None:
             pending.cancel()
 
-    def _verdict_then_load(self, kind: Any, art: Artifact, bundle: Path, ckpt: Path, cuda_graphs: bool) -> None:
+    def _verdict_then_load(self, kind: Any, art: Artifact, bundle: Path, ckpt: Path, cuda_graphs: bool,
+                           smoke: Any) -> None:
         """The probe's verdict (the artifact is loaded here only once a child loaded and ran it, or an earlier
         start or the build did), then the artifact itself."""
         from ..probe import finish
@@ -139,7 +143,7 @@ class HeadStart:
             return
         self._load(kind, art, artifact_path(bundle, art), ckpt,
                    cuda_graphs and kind.cuda_graphs and torch.device(self.device).type == "cuda"
-                   and graphs_ok is None)
+                   and graphs_ok is None, smoke)
 
     def _prepare(self, prepare: Callable[..., Any], path: Path, ckpt: Path) -> None:
         t = time.perf_counter()
@@ -147,23 +151,26 @@ class HeadStart:
             if torch.device(self.device).type == "cuda":  # the process's CUDA context: part of every GPU start
                 torch.zeros(1, device=self.device)
                 self.stats["cuda_context_s"] = round(time.perf_counter() - t, 3)
+            # on a GPU only allocated here (`kinds.Incoming`): the artifact's load writes them once it has them
             self._prepared = prepare(path, ckpt_mod.Weights(ckpt), self.device)
             self.stats.update(weights_prepared_early_s=round(time.perf_counter() - t, 3),
                               weights_prepared_after_s=self._since())
         except Exception as e:  # noqa: BLE001 - the artifact's own load reads the weights again and reports it
             log.debug("weights not prepared early for %s: %s", self.name, e)
 
-    def _load(self, kind: Any, art: Artifact, path: Path, ckpt: Path, graphs: bool) -> None:
-        """Load the artifact (its package loads while the weights are still on their way, and takes them once
-        there) and, unless the smoke check follows, call it once (its lazy loading paid here)."""
+    def _load(self, kind: Any, art: Artifact, path: Path, ckpt: Path, graphs: bool, smoke: Any) -> None:
+        """Load the artifact (its package loads while the weights are still on their way, takes them once
+        allocated, and makes its first call while they are written where it can: `LoadEnv.early_calls`) and,
+        unless the smoke check follows or that first call was made, call it once (its lazy loading paid here)."""
         if self._closed.is_set():
             return
         t = time.perf_counter()
+        early = warm_batches(art, smoke) if torch.device(self.device).type == "cuda" else ()
         env = kinds.LoadEnv(device=self.device, tensors=ckpt_mod.Weights(ckpt), prepared=self._wait_prepared,
-                            cuda_graphs=graphs)
+                            cuda_graphs=graphs, early_calls=early)
         runner = kind.load(path, art, env)
         t_warm = time.perf_counter()
-        if self._warm:
+        if self._warm and not isinstance(getattr(runner, "stats", {}).get("early_calls"), int):
             warm_up(runner, art)
             self.stats["warm_up_s"] = round(time.perf_counter() - t_warm, 3)
         if not self._closed.is_set():
@@ -171,7 +178,8 @@ class HeadStart:
             self.stats.update(loaded_early_s=round(time.perf_counter() - t, 3), loaded_early_after_s=self._since())
 
     def _wait_prepared(self) -> Any:
-        """The prepared weights once their thread is done (None: weights inside the package, or not prepared)."""
+        """The prepared weights once their tensors exist (on a GPU not yet written: `kinds.Incoming`); None:
+        weights inside the package, or not prepared."""
         if self._weights_thread is not None:
             self._weights_thread.join()
         prepared, self._prepared = self._prepared, None
@@ -226,6 +234,22 @@ class HeadStart:
             self._pending.cancel()
         self._thread.join()
         self._drop()
+
+
+def warm_batches(art: Artifact, smoke: Any) -> List[Batch]:
+    """What a start calls the artifact with before it serves: one batch of the smoke record's padded shape (the
+    call that follows; its values are not the record's, which the smoke check vets first: any ids in range do),
+    or the smallest one the artifact takes."""
+    if art.ranges is None:
+        return []
+    try:
+        rows, tokens, markers = len(smoke.inputs[0]), len(smoke.inputs[0][0]), len(smoke.inputs[2][0])
+        shaped = batch_of_shape(rows, art.ranges.padded_tokens(tokens), art.ranges.padded_markers(markers))
+        if art.ranges.out_of_range(shaped[0].shape[1], markers) is None and rows <= art.ranges.max_rows:
+            return [shaped]
+    except (AttributeError, IndexError, TypeError, ValueError):  # no record, or not a well-formed one
+        pass
+    return [smallest_batch(art.ranges)]
 
 
 def warm_up(runner: Any, art: Artifact) -> None:

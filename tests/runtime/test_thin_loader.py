@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 
 import laya
@@ -237,3 +238,79 @@ def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(de
     assert started[0].cancelled and started[0].proc.poll() is not None
     assert not list((tmp_path / "cache" / "probes").glob("*.json"))   # a cancelled probe says nothing: not cached
     assert hs.take_runner("aoti-cpu", "cpu", False) is None and hs.take_prepared("aoti-cpu", "cpu") is None
+
+
+def _incoming(path, ckpt):
+    import json
+
+    from safetensors.torch import load_file
+
+    from laya_aot.checkpoint import Weights
+    from laya_aot.kinds import aoti
+
+    spec = json.loads((path / aoti.CONSTANTS).read_text())
+    extra = load_file(str(path / aoti.EXTRA)) if (path / aoti.EXTRA).exists() else {}
+    return aoti.incoming_constants(spec, extra, Weights(ckpt), "cpu")
+
+
+def test_weights_handed_over_unwritten_are_read_in_place_once_written(demo_ckpt, demo_bundle):
+    """A GPU start hands the package its constants before their bytes are written (`kinds.Incoming`), then writes
+    them while the package makes its first call: the runner must not come back before the bytes are in, and must
+    then answer with them (read in place), exactly as a runner given written weights does."""
+    import torch
+
+    from laya_aot.checkpoint import Weights
+    from laya_aot.kinds import aoti
+    from laya_aot.padding import batch_of_shape
+
+    path = demo_bundle / "aoti-cpu"
+    incoming = _incoming(path, demo_ckpt)
+    for t in incoming.tensors.values():
+        t.fill_(float("nan"))   # unwritten: a package that copied them at hand-over would answer NaN
+    written = incoming._fill
+
+    def slow_fill():
+        time.sleep(0.3)
+        written()
+    incoming._fill = slow_fill
+    t0 = time.perf_counter()
+    early = aoti.AOTIRunner(path, {}, "cpu", prepared=incoming, early_calls=[batch_of_shape(2, 32, 4)])
+    assert time.perf_counter() - t0 >= 0.3 and incoming.done
+    assert early.stats["early_calls"] == 1 and early.stats["constants_written_wait_s"] >= 0
+    late = aoti.AOTIRunner(path, Weights(demo_ckpt), "cpu")
+    batch = batch_of_shape(3, 48, 4)
+    for a, b in zip(early(*batch), late(*batch)):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_weights_that_could_not_be_written_fail_the_load(demo_ckpt, demo_bundle):
+    from laya_aot.kinds import aoti
+
+    path = demo_bundle / "aoti-cpu"
+    incoming = _incoming(path, demo_ckpt)
+
+    def broken():
+        raise OSError("disk gone")
+    incoming._fill = broken
+    with pytest.raises(RuntimeError, match="could not be copied to the device: OSError: disk gone"):
+        aoti.AOTIRunner(path, {}, "cpu", prepared=incoming)
+    incoming.fill()   # a second fill does not copy again: it waits for the first, and the failure stays
+    with pytest.raises(RuntimeError, match="disk gone"):
+        incoming.wait()
+
+
+def test_a_start_warms_the_artifact_at_the_smoke_checks_shape(demo_bundle):
+    from laya_aot import kinds
+    from laya_aot.bundle_format import read_bundle
+    from laya_aot.padding import smallest_batch
+    from laya_aot.runtime.head_start import warm_batches
+    from laya_aot.verification import smoke_from_record
+
+    manifest = read_bundle(demo_bundle, kinds.BY_NAME)
+    art = next(a for a in manifest.artifacts if a.name == "aoti-cpu")
+    (batch,) = warm_batches(art, manifest.smoke)
+    ids, _, mpos, _, _ = smoke_from_record(manifest.smoke)[0]
+    assert batch[0].shape == (ids.shape[0], art.ranges.padded_tokens(ids.shape[1]))
+    assert batch[2].shape == (ids.shape[0], art.ranges.padded_markers(mpos.shape[1]))
+    (small,) = warm_batches(art, None)   # no record: the smallest batch
+    assert all(a.shape == b.shape for a, b in zip(small, smallest_batch(art.ranges)))
