@@ -6,7 +6,8 @@
 Time it from outside (`/usr/bin/time -v`, hyperfine, or any whole-process timer) to get process start to
 first answer; run the two modes in turn for a ratio. A whole-process timer also counts the interpreter's exit
 (0.4-0.7 s on the CPU with torch loaded): with LAYA_AOT_PRINT_FIRST_ANSWER=1 the process also prints, on stderr,
-the seconds from its creation (the kernel's start time, 10 ms ticks) to its first answer.
+the seconds from its creation (the kernel's start time, 10 ms ticks) to its first answer; with
+LAYA_AOT_LOAD_STATS_TO=FILE a bundle's start appends its `load_stats` to FILE as one JSON line, after the answer.
 """
 import os
 import sys
@@ -33,3 +34,8 @@ if __name__ == "__main__":
             started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
         print("first answer %.3f s after the process started" % (time.clock_gettime(time.CLOCK_BOOTTIME) - started),
               file=sys.stderr)
+    if os.environ.get("LAYA_AOT_LOAD_STATS_TO") and mode != "eager":  # after the answer: not in its time
+        import json
+
+        with open(os.environ["LAYA_AOT_LOAD_STATS_TO"], "a") as f:
+            f.write(json.dumps(agent.backend_object.load_stats, default=str) + "\n")

@@ -1,5 +1,5 @@
 #!/bin/bash
-# For the next device call (written in session 30, not yet run): large-1024 (fp16 on disk), AOTInductor alone, then
+# Session 30 wrote it, session 31 ran it (call 1): large-1024 (fp16 on disk), AOTInductor alone, then
 # start_tail.py three times in fresh processes, then five starts through handover_start.py (one first, four later)
 # with session 30's head start (no warm-up call where the smoke check follows). ~480 s of a 600 s call.
 T0=$(date +%s)
