@@ -2,7 +2,8 @@
 
 A bundle is only right for the weights it was built from: the fingerprint (sha256 of the files that
 decide the model's answers) is stored in the manifest and checked again by the runtime. Hashing a
-1.6 GB safetensors file costs about a second, so per-file digests are cached (`files.cached_sha256`).
+1.6 GB safetensors file costs about a second, so per-file digests are cached (`files.cached_sha256`), and the
+weights are also fingerprinted in pieces that threads hash at once (`files.sha256_parts`), which the runtime checks.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
-from .files import cached_sha256
+from .files import cached_sha256, cached_sha256_parts
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,9 @@ AGENT_CONFIG = "rl_agent_config.json"  # laya's agent settings (max_len, amp_dty
 ENCODER_CONFIG = "encoder/config.json"
 FINGERPRINT_FILES = ("model.safetensors", AGENT_CONFIG, ENCODER_CONFIG)
 TOKENIZER_DIR = "tokenizer"
+# a file this large (the weights) is fingerprinted in pieces too (`fingerprint`), and is not one of the "small
+# files" a start checks first (`small_files_match`)
+LARGE_FILE_BYTES = 64 << 20
 
 
 class CheckpointError(LayaAotError, RuntimeError):
@@ -33,42 +37,61 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """`laya_aot.load`'s checkpoint is not a directory here (still a FileNotFoundError, as it always was)."""
 
 
-def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
-    """Digests of the files that decide the model's answers, and one combined digest."""
-    ckpt = Path(ckpt)
-    files: Dict[str, str] = {}
-    for rel in FINGERPRINT_FILES:
-        p = ckpt / rel
-        if p.exists():
-            files[rel] = cached_sha256(p)
+def _fingerprinted(ckpt: Path) -> Dict[str, Path]:
+    """The files that decide the model's answers, by their path inside the checkpoint."""
+    files = {rel: ckpt / rel for rel in FINGERPRINT_FILES if (ckpt / rel).exists()}
     tok = ckpt / TOKENIZER_DIR
     if tok.is_dir():
-        for p in sorted(x for x in tok.rglob("*") if x.is_file()):
-            files[p.relative_to(ckpt).as_posix()] = cached_sha256(p)
-    combined = hashlib.sha256("".join("%s=%s\n" % kv for kv in sorted(files.items())).encode()).hexdigest()
-    return {"sha256": combined, "files": files}
+        files.update((p.relative_to(ckpt).as_posix(), p) for p in sorted(x for x in tok.rglob("*") if x.is_file()))
+    return files
+
+
+def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
+    """Digests of the files that decide the model's answers, and one combined digest; for every file of
+    LARGE_FILE_BYTES or more (the weights) also its `files.sha256_parts`, which `mismatch` checks instead of
+    its sha256: threads hash its pieces at once, so a start on a machine that never saw it waits less."""
+    files: Dict[str, str] = {}
+    parts: Dict[str, str] = {}
+    for rel, p in _fingerprinted(Path(ckpt)).items():
+        files[rel] = cached_sha256(p)
+        if p.stat().st_size >= LARGE_FILE_BYTES:
+            parts[rel] = cached_sha256_parts(p)
+    return {"sha256": combined_digest(files), "files": files, "parts": parts}
+
+
+def combined_digest(files: Mapping[str, str]) -> str:
+    """The checkpoint's one digest: its files' names and sha256s (what bundles, verdicts and packs are keyed by)."""
+    return hashlib.sha256("".join("%s=%s\n" % kv for kv in sorted(files.items())).encode()).hexdigest()
 
 
 def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
     """Why a bundle was not built from checkpoint `ckpt` (None: it was), the one comparison of fingerprints.
 
     `built` is the bundle's manifest (`manifest.Bundle`) or the fingerprint it records
-    (`manifest.Fingerprint`). The reason names both fingerprints and the files that differ; the caller adds
-    what to do about it."""
+    (`manifest.Fingerprint`). A file the fingerprint records `parts` for is checked by that digest (threads at
+    once), every other by its sha256; the reason names both fingerprints and the files that differ; the caller
+    adds what to do about it."""
     recorded = built.checkpoint.fingerprint if hasattr(built, "checkpoint") else built
-    fp = fingerprint(ckpt)
-    if fp["sha256"] == recorded.sha256:
+    here = _fingerprinted(Path(ckpt))
+    parts = getattr(recorded, "parts", None) or {}
+    if set(here) == set(recorded.files) and all(
+            (cached_sha256_parts(p) == parts[rel]) if rel in parts else (cached_sha256(p) == recorded.files[rel])
+            for rel, p in here.items()):
         return None
-    differ = sorted(k for k in set(recorded.files) | set(fp["files"]) if recorded.files.get(k) != fp["files"].get(k))
+    digests = {rel: cached_sha256(p) for rel, p in here.items()}
+    differ = sorted(k for k in set(recorded.files) | set(digests) if recorded.files.get(k) != digests.get(k))
+    if not differ:  # every sha256 matches the record; a recorded parts digest did not
+        differ = sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel]) != parts[rel])
     return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...; differing: %s)"
-            % (ckpt, recorded.sha256[:12], fp["sha256"][:12], ", ".join(differ[:5]) or "?"))
+            % (ckpt, recorded.sha256[:12], combined_digest(digests)[:12], ", ".join(differ[:5]) or "?"))
 
 
-def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: int = 64 << 20) -> bool:
-    """Whether every fingerprinted file under `limit_bytes` (configs, tokenizer) has the digest `recorded`
-    in a manifest: a check of milliseconds that tells a checkpoint of another architecture or tokenizer
-    apart before the weights' digest (seconds for a large model never seen here) is known."""
+def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: Optional[int] = None) -> bool:
+    """Whether every fingerprinted file under `limit_bytes` (LARGE_FILE_BYTES: configs, tokenizer) has the
+    digest `recorded` in a manifest: a check of milliseconds that tells a checkpoint of another architecture or
+    tokenizer apart before the weights' digest (seconds for a large model never seen here) is known."""
     ckpt = Path(ckpt)
+    limit_bytes = LARGE_FILE_BYTES if limit_bytes is None else limit_bytes
     if not recorded:
         return False
     for rel, digest in recorded.items():

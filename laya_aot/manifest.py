@@ -176,8 +176,13 @@ class Artifact:
 
 @dataclass
 class Fingerprint:
+    """The checkpoint's files by their sha256 and one combined digest (`checkpoint.fingerprint`); `parts`: the
+    large files' `files.sha256_parts`, which the loader checks instead of their sha256 (absent from bundles
+    built before laya-aot recorded it: their files are checked by sha256)."""
+
     sha256: str
     files: Dict[str, str]
+    parts: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,6 +280,10 @@ class Bundle:
             why = unsafe_relpath(rel)
             if why:
                 _fail(source, "checkpoint.fingerprint.files", "file names inside the checkpoint (%s)" % why, rel)
+        for rel, digest in bundle.checkpoint.fingerprint.parts.items():
+            if rel not in bundle.checkpoint.fingerprint.files or not is_sha256(digest):
+                _fail(source, "checkpoint.fingerprint.parts", "digests (64 hex digits) of files the fingerprint lists",
+                      rel)
         _check_tolerance(bundle.tolerance, source)
         context = bundle.checkpoint.max_len
         if not 1 <= context <= _MAX_EXTENT["tokens"]:

@@ -314,3 +314,37 @@ def test_a_start_warms_the_artifact_at_the_smoke_checks_shape(demo_bundle):
     assert batch[2].shape == (ids.shape[0], art.ranges.padded_markers(mpos.shape[1]))
     (small,) = warm_batches(art, None)   # no record: the smallest batch
     assert all(a.shape == b.shape for a, b in zip(small, smallest_batch(art.ranges)))
+
+
+def test_a_first_start_checks_large_weights_by_their_parts_and_a_wrong_record_is_refused(demo_ckpt, bundle_copy,
+                                                                                         reference, tmp_path,
+                                                                                         monkeypatch):
+    """A bundle recording the weights' `sha256_parts` (what a build records for weights of
+    `checkpoint.LARGE_FILE_BYTES` or more): a start on a machine that never saw the checkpoint checks them by
+    that digest, never by their sha256, and serves; a record that is not the file's is refused, with the reason."""
+    import json
+
+    from laya_aot import checkpoint, files
+    from laya_aot.runtime.loader import NoArtifactError
+
+    monkeypatch.setattr(checkpoint, "LARGE_FILE_BYTES", (demo_ckpt / "model.safetensors").stat().st_size)
+
+    def record(parts):
+        m = json.loads((bundle_copy / "bundle.json").read_text())
+        m["checkpoint"]["fingerprint"]["parts"] = {"model.safetensors": parts}
+        (bundle_copy / "bundle.json").write_text(json.dumps(m))
+
+    record(files.sha256_parts(demo_ckpt / "model.safetensors"))
+    hashed = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p: hashed.append(str(p)) or real(p))
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "first-start"))
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
+    assert agent.backend.startswith("aot:") and hashed                  # the small files were hashed...
+    assert not any(p.endswith("model.safetensors") for p in hashed)     # ...the weights only by their parts
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    record("0" * 64)
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "another-first-start"))
+    with pytest.raises(NoArtifactError, match="built from another checkpoint .*differing: model.safetensors"):
+        laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
