@@ -15,9 +15,6 @@ import sys
 import threading
 from typing import Any, Iterator, Optional
 
-from rich.progress import ProgressColumn
-from rich.text import Text
-
 _lock = threading.Lock()
 _quiet = bool(os.environ.get("LAYA_AOT_QUIET"))
 _progress: Any = None  # the shared rich Progress while a task is open
@@ -72,15 +69,21 @@ class Task:
                 _progress = None
 
 
-class _Count(ProgressColumn):
-    """"3/12" when the task is counted ("1.5/40.2 MB" when it counts bytes), nothing when it is not."""
+def _count_column() -> Any:
+    """A rich column: "3/12" when the task is counted ("1.5/40.2 MB" when it counts bytes), nothing when it is
+    not. Made on first use: rich's progress module costs a start 0.1 s to import, and a start shows no lines."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
 
-    def render(self, task: Any) -> Text:
-        if task.total is None:
-            return Text("")
-        if task.fields.get("unit") == "bytes":
-            return Text("%.1f/%.1f MB" % (task.completed / 1e6, task.total / 1e6), style="progress.download")
-        return Text("%d/%d" % (task.completed, task.total), style="progress.download")
+    class Count(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            if task.total is None:
+                return Text("")
+            if task.fields.get("unit") == "bytes":
+                return Text("%.1f/%.1f MB" % (task.completed / 1e6, task.total / 1e6), style="progress.download")
+            return Text("%d/%d" % (task.completed, task.total), style="progress.download")
+
+    return Count()
 
 
 def start(description: str, total: Optional[int] = None, unit: Optional[str] = None) -> Task:
@@ -93,8 +96,8 @@ def start(description: str, total: Optional[int] = None, unit: Optional[str] = N
 
     with _lock:
         if _progress is None:
-            _progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), _Count(), TimeElapsedColumn(),
-                                 console=console(), transient=True)
+            _progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), _count_column(),
+                                 TimeElapsedColumn(), console=console(), transient=True)
             _progress.start()
         _open += 1
         return Task(_progress, _progress.add_task(description, total=total, unit=unit))

@@ -178,6 +178,7 @@ def _starts(ckpt: Path, bundle: Path, cache: Path, n: int = 2) -> list:
             "states = [state_text(np.random.default_rng(3), n) for n in (5, 60, 400)]; "
             "out = a.predict_batch(states, question_suite()); "
             "print(json.dumps({'tok': type(a.tok).__name__, 'transformers': 'transformers' in sys.modules, "
+            "'rich': 'rich' in sys.modules, "
             "'shipped': a.backend_object.load_stats.get('tokenizer_snapshot'), "
             "'answers': [o['answers'] for o in out]}))")
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache),
@@ -194,6 +195,7 @@ def test_the_bundles_snapshot_serves_the_first_start_on_a_machine(demo_ckpt, dem
     assert snap["key"] == ts.key(str(demo_ckpt / "tokenizer")) and len(snap["sha256"]) == 64
     runs = _starts(demo_ckpt, demo_bundle, tmp_path / "cache")
     assert runs[0]["tok"] == "SnapshotTokenizer" and not runs[0]["transformers"]
+    assert not runs[0]["rich"]   # nor rich (0.1 s): a start draws no progress lines (`progress` imports it on use)
     assert runs[0]["shipped"] == "the bundle's, stored in this machine's cache"
     assert runs[1] == dict(runs[0], shipped=None)   # the cache has it now: the manifest is not read for it
 

@@ -98,7 +98,7 @@ def test_pack_and_unpack_count_their_bytes(small_bundle, tmp_path, monkeypatch):
     assert [(name, unit) for name, _, unit, _ in opened] == [("pack", "bytes"), ("unpack", "bytes")]
     for _, total, _, calls in opened:
         assert total > 0 and sum(calls) == total   # every byte counted once
-    with Progress(progress._Count()) as p:
+    with Progress(progress._count_column()) as p:
         tid = p.add_task("x", total=3_500_000, unit="bytes", completed=1_200_000)
         task = next(t for t in p.tasks if t.id == tid)
-        assert progress._Count().render(task).plain == "1.2/3.5 MB"
+        assert progress._count_column().render(task).plain == "1.2/3.5 MB"
