@@ -104,7 +104,7 @@ def sha256_parts(path: str | os.PathLike, part_bytes: int = PART_BYTES, workers:
     times faster (hashlib lets go of the GIL): what a first start checks a large checkpoint with."""
     size = os.path.getsize(path)
     count = max(1, -(-size // part_bytes))
-    workers = max(1, min(workers or 8, os.cpu_count() or 1, count))
+    workers = max(1, min(workers or _spare_cores(), count))
     fd = os.open(path, os.O_RDONLY)
 
     def part(i: int) -> bytes:
@@ -126,6 +126,17 @@ def sha256_parts(path: str | os.PathLike, part_bytes: int = PART_BYTES, workers:
     for d in digests:
         h.update(d)
     return h.hexdigest()
+
+
+def _spare_cores(keep: int = 2, most: int = 8) -> int:
+    """Threads `sha256_parts` hashes with by default: this process's cores less `keep` for the start's other
+    work beside it (laya's agent, the artifact's load), at most `most`. On the project's 2-core CPU machine
+    two hashing threads slowed that work as much as they saved (session 32): one thread there."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(most, cores - keep))
 
 
 def cached_sha256(path: Path) -> str:

@@ -1,7 +1,7 @@
 #!/bin/bash
-# device call of session 32: large-1024 (fp16 on disk), AOTInductor alone. A first start on a machine (no digest
-# cached) waited 0.9-1.3 s for the checkpoint's fingerprint (`load_stats.fingerprint_s`, session 31): one thread
-# hashing the 0.8 GB weights. This tree ("new") records the weights' `sha256_parts` in the manifest and checks that,
+# Written in session 32 for a device call that was not lent (not run yet): large-1024 (fp16 on disk),
+# AOTInductor alone. A first start on a machine (no digest cached) waited 0.9-1.3 s for the checkpoint's
+# fingerprint (`load_stats.fingerprint_s`, session 31): one thread hashing the 0.8 GB weights. This tree ("new") records the weights' `sha256_parts` in the manifest and checks that,
 # its pieces hashed by several threads at once; main 4582be0 ("old", `.ab_old/`, carried) reads the same bundle and
 # checks the weights' sha256 as before.
 # 1. The two digests of the weights file alone, in one process (page cache warm, as after the build).
@@ -10,7 +10,7 @@
 #    (no digest, no verdict, no tokenizer snapshot cached); the new tree's `load_stats` to a JSON-lines file.
 # 3. If time is left, later starts interleaved (caches kept), to see that nothing else moved.
 T0=$(date +%s)
-el() { echo "[call_s32] $(( $(date +%s) - T0 )) s: $*"; }
+el() { echo "[first_start_parts] $(( $(date +%s) - T0 )) s: $*"; }
 left() { echo $(( 575 - ($(date +%s) - T0) )); }
 L=/tmp/s32; mkdir -p $L; C=/tmp/laya-large-1024-fp16; B=/tmp/b-s32
 nproc > $OUT/nproc_s32.txt
