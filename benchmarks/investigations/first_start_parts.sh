@@ -1,9 +1,10 @@
 #!/bin/bash
 # Written in session 32 for a device call that was not lent (not run yet): large-1024 (fp16 on disk),
 # AOTInductor alone. A first start on a machine (no digest cached) waited 0.9-1.3 s for the checkpoint's
-# fingerprint (`load_stats.fingerprint_s`, session 31): one thread hashing the 0.8 GB weights. This tree ("new") records the weights' `sha256_parts` in the manifest and checks that,
-# its pieces hashed by several threads at once; main 4582be0 ("old", `.ab_old/`, carried) reads the same bundle and
-# checks the weights' sha256 as before.
+# fingerprint (`load_stats.fingerprint_s`, session 31): one thread hashing the 0.8 GB weights. This tree
+# ("new") records the weights' `sha256_parts` in the manifest and checks that, its pieces hashed by several
+# threads at once; main 4582be0 ("old", `.ab_old/`, carried) reads the same bundle and checks the weights'
+# sha256 as before.
 # 1. The two digests of the weights file alone, in one process (page cache warm, as after the build).
 # 2. First starts as a user's process runs them (`benchmarks/start_once.py`: seconds from the kernel's process
 #    start to the first answer), new and old interleaved, each start with an empty laya-aot cache of its own
