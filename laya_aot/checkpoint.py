@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
-from .files import cached_sha256, cached_sha256_parts
+from .files import PART_BYTES, cached_sha256, cached_sha256_parts
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def fingerprint(ckpt: str | os.PathLike) -> Dict[str, Any]:
         files[rel] = cached_sha256(p)
         if p.stat().st_size >= LARGE_FILE_BYTES:
             parts[rel] = cached_sha256_parts(p)
-    return {"sha256": combined_digest(files), "files": files, "parts": parts}
+    return {"sha256": combined_digest(files), "files": files, "parts": parts, "part_bytes": PART_BYTES if parts else 0}
 
 
 def combined_digest(files: Mapping[str, str]) -> str:
@@ -74,14 +74,15 @@ def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
     recorded = built.checkpoint.fingerprint if hasattr(built, "checkpoint") else built
     here = _fingerprinted(Path(ckpt))
     parts = getattr(recorded, "parts", None) or {}
+    size = getattr(recorded, "part_bytes", 0)
     if set(here) == set(recorded.files) and all(
-            (cached_sha256_parts(p) == parts[rel]) if rel in parts else (cached_sha256(p) == recorded.files[rel])
+            (cached_sha256_parts(p, size) == parts[rel]) if rel in parts else (cached_sha256(p) == recorded.files[rel])
             for rel, p in here.items()):
         return None
     digests = {rel: cached_sha256(p) for rel, p in here.items()}
     differ = sorted(k for k in set(recorded.files) | set(digests) if recorded.files.get(k) != digests.get(k))
     if not differ:  # every sha256 matches the record; a recorded parts digest did not
-        differ = sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel]) != parts[rel])
+        differ = sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel], size) != parts[rel])
     return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...; differing: %s)"
             % (ckpt, recorded.sha256[:12], combined_digest(digests)[:12], ", ".join(differ[:5]) or "?"))
 

@@ -93,7 +93,7 @@ def _stat_key(path: Path) -> str:
 
 _DIGESTING: Dict[str, threading.Lock] = {}  # one lock per file and digest being computed (`_cached`)
 _DIGESTING_GUARD = threading.Lock()
-# the piece of a file each thread of `sha256_parts` hashes
+# the piece of a file each thread of `sha256_parts` hashes (what a build records; a check uses the recorded size)
 PART_BYTES = 32 << 20
 
 
@@ -146,9 +146,9 @@ def cached_sha256(path: Path) -> str:
     return _cached(path, "sha256", sha256_file)
 
 
-def cached_sha256_parts(path: Path) -> str:
+def cached_sha256_parts(path: Path, part_bytes: int = PART_BYTES) -> str:
     """`sha256_parts` of a file, cached and shared between threads as `cached_sha256` is."""
-    return _cached(path, "sha256-parts", sha256_parts)
+    return _cached(path, "sha256-parts-%d" % part_bytes, lambda p: sha256_parts(p, part_bytes))
 
 
 def _cached(path: Path, name: str, digest_of: Callable[[Path], str]) -> str:

@@ -36,6 +36,7 @@ DEVICES = ("cpu", "cuda")
 STATUSES = ("built", "verified", "unverified", "failed_verification", "build_failed")
 REBUILD = "the manifest was damaged or hand-edited: rebuild the bundle with `laya-aot build`"
 _VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?([a-z0-9.+-]{0,40})")
+_PART_BYTES = (1 << 20, 1 << 30)  # the part sizes `fingerprint.parts` may be recorded in
 _GPU_ARCH = re.compile(r"sm_[0-9]{2,3}a?")
 _PACKAGE = r"[A-Za-z0-9_.-]{1,40}==[A-Za-z0-9_.+-]{1,40}"
 _PACKAGES = re.compile(r"%s( %s){0,7}" % (_PACKAGE, _PACKAGE))
@@ -177,12 +178,13 @@ class Artifact:
 @dataclass
 class Fingerprint:
     """The checkpoint's files by their sha256 and one combined digest (`checkpoint.fingerprint`); `parts`: the
-    large files' `files.sha256_parts`, which the loader checks instead of their sha256 (absent from bundles
-    built before laya-aot recorded it: their files are checked by sha256)."""
+    large files' `files.sha256_parts` in parts of `part_bytes`, which the loader checks instead of their sha256
+    (absent from bundles built before laya-aot recorded it: their files are checked by sha256)."""
 
     sha256: str
     files: Dict[str, str]
     parts: Dict[str, str] = field(default_factory=dict)
+    part_bytes: int = 0
 
 
 @dataclass
@@ -280,7 +282,11 @@ class Bundle:
             why = unsafe_relpath(rel)
             if why:
                 _fail(source, "checkpoint.fingerprint.files", "file names inside the checkpoint (%s)" % why, rel)
-        for rel, digest in bundle.checkpoint.fingerprint.parts.items():
+        fp = bundle.checkpoint.fingerprint
+        if fp.parts and not _PART_BYTES[0] <= fp.part_bytes <= _PART_BYTES[1]:
+            _fail(source, "checkpoint.fingerprint.part_bytes", "a part size of %d to %d bytes" % _PART_BYTES,
+                  fp.part_bytes)
+        for rel, digest in fp.parts.items():
             if rel not in bundle.checkpoint.fingerprint.files or not is_sha256(digest):
                 _fail(source, "checkpoint.fingerprint.parts", "digests (64 hex digits) of files the fingerprint lists",
                       rel)

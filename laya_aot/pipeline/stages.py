@@ -271,7 +271,7 @@ def bundle_of(ctx: BuildContext) -> Bundle:
                                 n_actions=info["n_actions"], option_layout=info["option_layout"],
                                 head_layers=info["head_layers"], amp_dtype=info["amp_dtype"],
                                 fingerprint=Fingerprint(ctx.fingerprint["sha256"], ctx.fingerprint["files"],
-                                                        ctx.fingerprint["parts"]))
+                                                        ctx.fingerprint["parts"], ctx.fingerprint["part_bytes"]))
     return Bundle(
         schema=SCHEMA, schema_version=SCHEMA_VERSION, laya_aot_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -331,7 +331,7 @@ def test_a_first_start_checks_large_weights_by_their_parts_and_a_wrong_record_is
 
     def record(parts):
         m = json.loads((bundle_copy / "bundle.json").read_text())
-        m["checkpoint"]["fingerprint"]["parts"] = {"model.safetensors": parts}
+        m["checkpoint"]["fingerprint"].update(parts={"model.safetensors": parts}, part_bytes=files.PART_BYTES)
         (bundle_copy / "bundle.json").write_text(json.dumps(m))
 
     record(files.sha256_parts(demo_ckpt / "model.safetensors"))

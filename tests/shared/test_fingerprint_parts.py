@@ -55,7 +55,7 @@ def big_ckpt(demo_ckpt, tmp_path, monkeypatch):
 
 
 def _recorded(fp: dict) -> Fingerprint:
-    return Fingerprint(fp["sha256"], fp["files"], fp["parts"])
+    return Fingerprint(fp["sha256"], fp["files"], fp["parts"], fp["part_bytes"])
 
 
 def test_fingerprint_records_parts_of_large_files_only_and_keeps_the_combined_digest(big_ckpt):
@@ -65,6 +65,17 @@ def test_fingerprint_records_parts_of_large_files_only_and_keeps_the_combined_di
     # the combined digest (what bundles, verdicts and packs are keyed by) is still the files' sha256s alone
     assert fp["sha256"] == checkpoint.combined_digest(fp["files"])
     assert fp["files"]["model.safetensors"] == files.sha256_file(big_ckpt / "model.safetensors")
+    assert fp["part_bytes"] == files.PART_BYTES
+
+
+def test_parts_recorded_in_another_part_size_are_checked_in_that_size(big_ckpt):
+    """A bundle built by a laya-aot that hashed other parts still matches: the check uses the recorded size."""
+    fp = checkpoint.fingerprint(big_ckpt)
+    w = big_ckpt / "model.safetensors"
+    other = Fingerprint(fp["sha256"], fp["files"], {"model.safetensors": files.sha256_parts(w, 1 << 20)}, 1 << 20)
+    assert other.parts != fp["parts"] and checkpoint.mismatch(other, big_ckpt) is None
+    assert "built from another checkpoint" in checkpoint.mismatch(
+        Fingerprint(fp["sha256"], fp["files"], other.parts, files.PART_BYTES), big_ckpt)
 
 
 def test_mismatch_checks_large_files_by_parts_without_their_sha256(big_ckpt, monkeypatch):
@@ -91,7 +102,7 @@ def test_mismatch_refuses_a_recorded_parts_digest_that_is_not_the_files(big_ckpt
     """A manifest whose parts digest was edited is refused even where every sha256 still matches: the loader
     trusts only what it checked."""
     fp = checkpoint.fingerprint(big_ckpt)
-    edited = Fingerprint(fp["sha256"], fp["files"], {"model.safetensors": "0" * 64})
+    edited = Fingerprint(fp["sha256"], fp["files"], {"model.safetensors": "0" * 64}, fp["part_bytes"])
     assert "built from another checkpoint" in checkpoint.mismatch(edited, big_ckpt)
 
 
@@ -113,9 +124,15 @@ def test_manifest_reads_parts_and_refuses_parts_of_unlisted_files(manifest):
     m = json.loads(json.dumps(manifest))
     m["checkpoint"]["fingerprint"].pop("parts", None)       # an older build's manifest
     assert Bundle.from_dict(m, kinds.BY_NAME).checkpoint.fingerprint.parts == {}
-    m["checkpoint"]["fingerprint"]["parts"] = {"model.safetensors": "a" * 64}
-    assert Bundle.from_dict(m, kinds.BY_NAME).checkpoint.fingerprint.parts == {"model.safetensors": "a" * 64}
+    m["checkpoint"]["fingerprint"].update(parts={"model.safetensors": "a" * 64}, part_bytes=32 << 20)
+    fp = Bundle.from_dict(m, kinds.BY_NAME).checkpoint.fingerprint
+    assert fp.parts == {"model.safetensors": "a" * 64} and fp.part_bytes == 32 << 20
     for bad in ({"other.bin": "a" * 64}, {"model.safetensors": "xyz"}):
         m["checkpoint"]["fingerprint"]["parts"] = bad
         with pytest.raises(BundleError, match="checkpoint.fingerprint.parts"):
+            Bundle.from_dict(m, kinds.BY_NAME)
+    m["checkpoint"]["fingerprint"]["parts"] = {"model.safetensors": "a" * 64}
+    for bad in (0, 1, 2 << 30):   # none recorded, one-byte parts (a billion hashes), larger than any weights file
+        m["checkpoint"]["fingerprint"]["part_bytes"] = bad
+        with pytest.raises(BundleError, match="checkpoint.fingerprint.part_bytes"):
             Bundle.from_dict(m, kinds.BY_NAME)
