@@ -73,8 +73,8 @@ def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
     adds what to do about it."""
     recorded = built.checkpoint.fingerprint if hasattr(built, "checkpoint") else built
     here = _fingerprinted(Path(ckpt))
-    parts = getattr(recorded, "parts", None) or {}
     size = getattr(recorded, "part_bytes", 0)
+    parts = (getattr(recorded, "parts", None) or {}) if size > 0 else {}
     if set(here) == set(recorded.files) and all(
             (cached_sha256_parts(p, size) == parts[rel]) if rel in parts else (cached_sha256(p) == recorded.files[rel])
             for rel, p in here.items()):

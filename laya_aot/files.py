@@ -100,8 +100,8 @@ PART_BYTES = 32 << 20
 def sha256_parts(path: str | os.PathLike, part_bytes: int = PART_BYTES, workers: Optional[int] = None) -> str:
     """A digest of a file that several threads compute at once: sha256 over the file's size, `part_bytes` and
     the sha256 of each `part_bytes` piece in order. It binds the file's bytes as its sha256 does (any other
-    file changes some piece's digest, hence this one), and on a machine with cores to spare it is several
-    times faster (hashlib lets go of the GIL): what a first start checks a large checkpoint with."""
+    file changes some piece's digest, hence this one), and with cores to spare it is faster in proportion to
+    its threads (hashlib lets go of the GIL): what a first start checks a large checkpoint with."""
     size = os.path.getsize(path)
     count = max(1, -(-size // part_bytes))
     workers = max(1, min(workers or _spare_cores(), count))
@@ -130,8 +130,8 @@ def sha256_parts(path: str | os.PathLike, part_bytes: int = PART_BYTES, workers:
 
 def _spare_cores(keep: int = 2, most: int = 8) -> int:
     """Threads `sha256_parts` hashes with by default: this process's cores less `keep` for the start's other
-    work beside it (laya's agent, the artifact's load), at most `most`. On the project's 2-core CPU machine
-    two hashing threads slowed that work as much as they saved (session 32): one thread there."""
+    work beside it (laya's agent, the artifact's load), at most `most`: on a 2-core machine a second hashing
+    thread slowed that work as much as it saved (`benchmarks/results/cpu_first_start_s32.md`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
