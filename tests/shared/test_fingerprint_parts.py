@@ -106,6 +106,16 @@ def test_mismatch_refuses_a_recorded_parts_digest_that_is_not_the_files(big_ckpt
     assert "built from another checkpoint" in checkpoint.mismatch(edited, big_ckpt)
 
 
+def test_a_record_whose_combined_digest_is_not_its_files_is_refused(big_ckpt):
+    """Verdicts and packs are keyed by the combined digest: a record whose combined digest was edited is another
+    checkpoint's, even where every file matches its recorded digest."""
+    fp = checkpoint.fingerprint(big_ckpt)
+    for parts in (fp["parts"], {}):
+        edited = Fingerprint("0" * 64, fp["files"], parts, fp["part_bytes"])
+        why = checkpoint.mismatch(edited, big_ckpt)
+        assert "built from another checkpoint" in why and "differing: the recorded combined digest" in why
+
+
 def test_mismatch_of_a_fingerprint_without_parts_checks_sha256(big_ckpt, monkeypatch):
     """Bundles built before parts were recorded: their weights are checked by sha256, as before."""
     fp = checkpoint.fingerprint(big_ckpt)
