@@ -287,7 +287,7 @@ class Bundle:
             _fail(source, "checkpoint.fingerprint.part_bytes", "a part size of %d to %d bytes" % _PART_BYTES,
                   fp.part_bytes)
         for rel, digest in fp.parts.items():
-            if rel not in bundle.checkpoint.fingerprint.files or not is_sha256(digest):
+            if rel not in fp.files or not is_sha256(digest):
                 _fail(source, "checkpoint.fingerprint.parts", "digests (64 hex digits) of files the fingerprint lists",
                       rel)
         _check_tolerance(bundle.tolerance, source)
