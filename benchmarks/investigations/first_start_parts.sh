@@ -10,18 +10,20 @@
 #    start to the first answer), new and old interleaved, each start with an empty laya-aot cache of its own
 #    (no digest, no verdict, no tokenizer snapshot cached); the new tree's `load_stats` to a JSON-lines file.
 # 3. If time is left, later starts interleaved (caches kept), to see that nothing else moved.
+# A dry run on the CPU (the shell's logic, not the figures): SHAPE=tiny TARGET=cpu DEVICE=cpu OUT=DIR bash THIS
+SHAPE=${SHAPE:-large-1024}; TARGET=${TARGET:-sm_90}; DEVICE=${DEVICE:-cuda}
 T0=$(date +%s)
 el() { echo "[first_start_parts] $(( $(date +%s) - T0 )) s: $*"; }
 left() { echo $(( 575 - ($(date +%s) - T0) )); }
-L=/tmp/s32; mkdir -p $L; C=/tmp/laya-large-1024-fp16; B=/tmp/b-s32
+L=/tmp/s32; mkdir -p $L; C=/tmp/laya-$SHAPE-fp16; B=/tmp/b-s32
 nproc > $OUT/nproc_s32.txt
-python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','large-1024',seed=0)" > $L/ckpt.log 2>&1
+python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','$SHAPE',seed=0)" > $L/ckpt.log 2>&1
 el checkpoint
 if [ -f .gpu_bundle/b-s32.tgz ]; then  # an earlier call's bundle, carried: no build (the checkpoint above is
   tar -xzf .gpu_bundle/b-s32.tgz -C /tmp  # the same bytes from the same seed; the loader's fingerprint check says so)
   el "bundle carried, not built"
 else
-  python3 -m laya_aot.cli build checkpoint.path=$C target=sm_90 stages.onnx=false stages.tilelang=false \
+  python3 -m laya_aot.cli build checkpoint.path=$C target=$TARGET stages.onnx=false stages.tilelang=false \
     stages.inductor_cache=false verify.tolerance.decisions=256 output_dir=$B > $L/build_s32.log 2>&1
   el "build rc $?"; grep -E "^(ok|failed|skipped) |bundle written" $L/build_s32.log; cp $L/build_s32.log $OUT/
   # for the next calls (carry `.gpu_bundle` with this file in it): everything but the exported program (0.8 GB of
@@ -45,8 +47,8 @@ one() {  # label cache command...
     | grep -o 'first answer [0-9.]*' | grep -o '[0-9.]*$')
   echo "$1 ${t:-failed}" | tee -a $OUT/starts_s32.txt
 }
-NEW="env LAYA_AOT_LOAD_STATS_TO=$OUT/load_stats_s32.jsonl python3 benchmarks/start_once.py bundle $C $B cuda"
-OLD="env LAYA_AOT_LOAD_STATS_TO=$OUT/load_stats_old_s32.jsonl PYTHONPATH=/tmp/site:$PWD/.ab_old python3 .ab_old/benchmarks/start_once.py bundle $C $B cuda"
+NEW="env LAYA_AOT_LOAD_STATS_TO=$OUT/load_stats_s32.jsonl python3 benchmarks/start_once.py bundle $C $B $DEVICE"
+OLD="env LAYA_AOT_LOAD_STATS_TO=$OUT/load_stats_old_s32.jsonl PYTHONPATH=/tmp/site:$PWD/.ab_old python3 .ab_old/benchmarks/start_once.py bundle $C $B $DEVICE"
 for r in 1 2 3 4 5 6 7 8; do
   [ $(left) -lt 40 ] && break
   if [ $((r % 2)) = 1 ]; then one new_first /tmp/cn$r $NEW; one old_first /tmp/co$r $OLD
