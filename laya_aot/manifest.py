@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Uni
 
 from .dtypes import NAMES as DTYPES
 from .errors import LayaAotError
-from .padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges
+from .padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
 from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
@@ -439,8 +439,8 @@ def _check_tolerance(t: Tolerance, source: str) -> None:
 
 
 def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = None) -> None:
-    """Sane extents; within a bundle also no more tokens than the checkpoint's context (laya sends no
-    longer row, the build never exports one, and verification builds cases up to max_tokens)."""
+    """Sane extents; within a bundle also no more tokens than the checkpoint's context rounded up to the token
+    multiple (`padding.context_tokens`: laya sends no longer row, padded, and the build never exports one)."""
     for what, limit in _MAX_EXTENT.items():
         lo, hi = getattr(r, "min_" + what), getattr(r, "max_" + what)
         if not 1 <= lo <= hi <= limit:
@@ -455,9 +455,9 @@ def _check_ranges(r: Ranges, where: str, source: str, context: Optional[int] = N
         if getattr(r, what) % r.token_multiple:
             _fail(source, "%s.%s" % (where, what), "a multiple of token_multiple (%d)" % r.token_multiple,
                   getattr(r, what))
-    if context is not None and r.max_tokens > context:
-        _fail(source, where + ".max_tokens", "at most checkpoint.max_len (%d), the checkpoint's context" % context,
-              r.max_tokens)
+    if context is not None and r.max_tokens > context_tokens(context):
+        _fail(source, where + ".max_tokens", "at most %d, checkpoint.max_len (%d, the checkpoint's context) rounded up "
+              "to token_multiple" % (context_tokens(context), context), r.max_tokens)
 
 
 def _shape(value: Any, depth: int, leaf: Any, where: str, source: str) -> tuple:

@@ -25,6 +25,14 @@ MAX_ROWS = 1024
 CHUNK_TOKENS = 24576
 
 
+def context_tokens(max_len: int) -> int:
+    """The most tokens an export takes for a checkpoint whose rows hold at most `max_len` tokens (laya's context):
+    that context rounded up to TOKEN_MULTIPLE, so that every row laya sends, padded, is the artifact's. A context
+    of 200 exports 208 tokens: 200 itself cannot be exported (tokens are 16 x Dim), and 192 would leave rows of
+    193-200 tokens to laya's eager forward. The build's default and the manifest reader's bound."""
+    return -(-int(max_len) // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+
+
 @dataclass(frozen=True)
 class Ranges:
     """Dynamic ranges of an exported program (read back from its range constraints)."""

@@ -17,7 +17,7 @@ class ExportConfig:
 
     max_rows: int = 64
     max_markers: int = 64
-    # null = the checkpoint's context length (max_len)
+    # null = the checkpoint's context length (max_len) rounded up to a multiple of 16 (`padding.context_tokens`)
     max_tokens: Optional[int] = None
     # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
     action_head_dtype: str = "fp32"

@@ -271,6 +271,34 @@ def test_max_tokens_beyond_context_is_refused(demo_ckpt, tmp_path):
         build_bundle(demo_ckpt, tmp_path / "b", "export.max_tokens=512")
 
 
+@pytest.mark.slow  # makes a checkpoint and builds its bundle
+def test_a_context_that_is_not_a_multiple_of_16_builds_by_default_and_the_artifact_serves_it(tmp_path):
+    """A checkpoint of context 200 (not 16 x n) built with no export setting: exported to 208 tokens, every artifact
+    verified, and the artifact (not laya's eager forward) answers states longer than the context as laya does.
+    Before, the default export took 200 as it was and the build failed in torch.export."""
+    import laya
+    import numpy as np
+
+    import laya_aot
+    from laya_aot.demo import demo_shape, make_checkpoint, question_suite, state_text
+    from tests.conftest import SMALL
+    from tests.questions import assert_same_answers
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", demo_shape("tiny", max_len=200), seed=4)
+    made = build_bundle(ckpt, tmp_path / "b", *SMALL)
+    assert {a["ranges"]["max_tokens"] for a in made["artifacts"]} == {208}
+    assert {a["status"] for a in made["artifacts"]} == {"verified"}
+    agent = laya_aot.load(ckpt, bundle=tmp_path / "b", device="cpu", strict=True)
+    eager = laya.load(str(ckpt), device="cpu")
+    rng = np.random.default_rng(4)
+    states = [state_text(rng, n) for n in (5, 90, 180, 400)]
+    qs = dict(list(question_suite().items())[::6])
+    for got, ref in zip(agent.predict_batch(states, qs), eager.predict_batch(states, qs)):
+        assert_same_answers(got["answers"], ref["answers"])
+    stats = agent.backend_object.stats
+    assert stats["artifact_calls"] >= 1 and stats.get("eager_calls", 0) == 0, stats
+
+
 def _start_build(ckpt: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                              "output_dir=%s" % out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -210,3 +210,16 @@ def test_inspect_reports_a_bad_manifest_without_a_traceback(bundle_copy, capsys)
         assert inspect([str(bundle_copy)], 0.0) == 2
     err = capsys.readouterr().err
     assert "artifacts[0].needs" in err and "Traceback" not in err
+
+
+def test_an_export_of_the_context_rounded_up_to_the_token_step_reads_and_one_beyond_it_does_not(manifest):
+    """A checkpoint of context 200 is exported to 208 tokens (`padding.context_tokens`, the build's default): its
+    manifest reads; 224 tokens for that context is more than the build ever exports, and is refused."""
+    m = copy.deepcopy(manifest)
+    m["checkpoint"]["max_len"] = 200
+    for ranges in [m["ranges"]] + [art["ranges"] for art in m["artifacts"]]:
+        ranges["max_tokens"] = 208
+    assert Bundle.from_dict(m, kinds.BY_NAME).checkpoint.max_len == 200
+    m["artifacts"][0]["ranges"]["max_tokens"] = 224
+    with pytest.raises(BundleError, match=re.escape("artifacts[0].ranges.max_tokens") + ".*at most 208"):
+        Bundle.from_dict(m, kinds.BY_NAME)
