@@ -66,16 +66,17 @@ def cases(seed: int, ranges: Ranges, vocab: int, pad_id: int, context: Optional[
     def r(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
-    odd = lambda hi: (r(20, hi) | 1)  # noqa: E731 - an odd count is never a multiple of 16
+    # an odd count is never a multiple of 16; at most hi (r(20, 64) | 1 was 65 for a context of 64 tokens)
+    odd = lambda hi: (r(min(20, hi - 1), hi - 1) | 1)  # noqa: E731
     out = [
         Case("one_row", random_rows(g, [odd(min(tmax, 120))], [4], vocab, pad_id)),
         Case("many_rows", random_rows(g, [odd(min(tmax, 200)) for _ in range(8)], [r(2, 6) for _ in range(8)],
                                 vocab, pad_id)),
         Case("one_option", random_rows(g, [odd(min(tmax, 90)) for _ in range(3)], [1, 1, 1], vocab, pad_id)),
         Case("max_markers", random_rows(g, [tmax - 3, tmax // 2 + 1], [min(kmax, tmax - 8), 3], vocab, pad_id)),
-        Case("odd_tokens", random_rows(g, [17, 33, 45], [2, 3, 2], vocab, pad_id)),
+        Case("odd_tokens", random_rows(g, [min(t, tmax) for t in (17, 33, 45)], [2, 3, 2], vocab, pad_id)),
         Case("longest", random_rows(g, [tmax, tmax - 16], [3, 5], vocab, pad_id)),
-        Case("max_rows", random_rows(g, [r(24, 40) for _ in range(ranges.max_rows)], [3] * ranges.max_rows,
+        Case("max_rows", random_rows(g, [min(r(24, 40), tmax) for _ in range(ranges.max_rows)], [3] * ranges.max_rows,
                                vocab, pad_id)),
     ]
     real = random_rows(g, [odd(min(tmax, 100)) for _ in range(3)], [3, 2, 4], vocab, pad_id)

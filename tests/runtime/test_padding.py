@@ -222,3 +222,28 @@ def test_verification_cases_stay_inside_the_checkpoints_context():
     bounded = cases(3, wide, 100, 0, context=256)
     assert max(c.batch[0].shape[1] for c in bounded) == 256
     assert [c.name for c in bounded] == [c.name for c in cases(3, R, 100, 0)]   # the same cases, only shorter
+
+
+@pytest.mark.parametrize("context", [32, 40, 64, 100, 200, 256, 510])
+def test_verification_cases_fit_a_context_that_is_not_a_multiple_of_the_token_step(context):
+    """A checkpoint of any context gets cases no longer than it: with a context of 64, `r(20, 64) | 1` once drew
+    65 tokens and odd_tokens' fixed 45 and max_rows' 24-40 overran a context of 32, and every artifact of such a
+    checkpoint failed verification (benchmarks/investigations/config_fuzz.py)."""
+    from laya_aot.padding import context_tokens
+    from laya_aot.verification import cases, decision_cases
+
+    exported = Ranges(1, 8, 32, context_tokens(context), 2, 8)
+    for seed in range(40):
+        made = cases(seed, exported, 100, 0, context=context) + decision_cases(seed, exported, 100, 0, context, 48)
+        assert max(c.batch[0].shape[1] for c in made) <= context, seed
+        assert all(int(c.batch[1].sum(1).max()) <= context for c in made), seed
+
+
+def test_the_export_reaches_the_context_rounded_up_to_the_token_step():
+    """Tokens are exported as 16 x Dim: a context of 200 exports 208 (200 cannot be exported, and 192 would leave
+    rows of 193-200 tokens to laya's eager forward)."""
+    from laya_aot.padding import TOKEN_MULTIPLE, context_tokens
+
+    assert [context_tokens(n) for n in (32, 33, 48, 200, 208, 512, 8190)] == [32, 48, 48, 208, 208, 512, 8192]
+    assert all(context_tokens(n) % TOKEN_MULTIPLE == 0 and 0 <= context_tokens(n) - n < TOKEN_MULTIPLE
+               for n in range(1, 3000))
