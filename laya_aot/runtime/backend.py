@@ -214,3 +214,9 @@ class EagerFallback(Backend):
         self.artifact = None
         self.variant = None
         self.stats: Dict[str, Any] = {}
+
+    def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False, **extra):
+        """laya's forward as laya calls it, the parallel option layout's `position_ids`/`option_ids` included
+        (laya's base `Backend.forward` takes the five sequential inputs only: a checkpoint with
+        option_layout='parallel', which no artifact serves, failed every call with a TypeError)."""
+        return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder, **extra)

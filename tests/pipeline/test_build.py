@@ -299,6 +299,34 @@ def test_a_context_that_is_not_a_multiple_of_16_builds_by_default_and_the_artifa
     assert stats["artifact_calls"] >= 1 and stats.get("eager_calls", 0) == 0, stats
 
 
+def test_a_parallel_layout_checkpoint_is_refused_by_the_build_and_served_by_laya_eager(demo_ckpt, small_bundle,
+                                                                                        tmp_path):
+    """option_layout='parallel' (laya's trainer can write it): its masks are laya's eager forward's alone. The build
+    refuses it with that reason and leaves no bundle; a bundle of the same weights loads it as laya eager, saying
+    why, and answers as laya does."""
+    import shutil
+
+    import laya
+
+    import laya_aot
+    from tests.questions import assert_same_answers
+
+    ckpt = tmp_path / "parallel"
+    shutil.copytree(demo_ckpt, ckpt)
+    cfg = json.loads((ckpt / "rl_agent_config.json").read_text())
+    (ckpt / "rl_agent_config.json").write_text(json.dumps(dict(cfg, option_layout="parallel")))
+    with pytest.raises(BuildError, match="option_layout='parallel'.*only laya's eager forward"):
+        build_bundle(ckpt, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    with pytest.warns(RuntimeWarning, match="option_layout='parallel', which only laya's eager forward runs"):
+        agent = laya_aot.load(ckpt, bundle=small_bundle, device="cpu")
+    assert agent.backend == "eager"
+    q = {"t": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "pay", "tech": "errors"}}}
+    states = ["I was charged twice", "the server is down since this morning"]
+    for got, ref in zip(agent.predict_batch(states, q), laya.load(str(ckpt), device="cpu").predict_batch(states, q)):
+        assert_same_answers(got["answers"], ref["answers"])
+
+
 def _start_build(ckpt: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                              "output_dir=%s" % out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
