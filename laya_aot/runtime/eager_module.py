@@ -9,11 +9,12 @@ the module once, says why in the log, and records it in `stats`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -72,6 +73,24 @@ class EagerModule:
             self.model, self._thread = None, None
             self.stats.update(eager_module="discarded", eager_module_discarded_why=why)
         log.info("laya-aot: laya's eager module for %s discarded (%s)", self.checkpoint, why)
+
+    def guard_laya_switches(self) -> None:
+        """laya's `set_backend` and `accelerate` run laya's own module once the artifact's backend is gone: on a
+        thin agent each first gives the agent that module (built now if nothing built it), so that
+        `agent.set_backend("eager")` serves laya's eager forward instead of failing on the shell of meta tensors
+        ("Module [Module] is missing the required 'forward' function")."""
+        agent = self.agent
+        for name in ("set_backend", "accelerate"):
+            agent.__dict__[name] = self._before(name, getattr(agent, name))
+
+    def _before(self, name: str, stock: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(stock)
+        def with_laya_module(*args: Any, **kwargs: Any) -> Any:
+            if laya_api.is_thin(self.agent):
+                self.install("laya's %s was called" % name)
+            return stock(*args, **kwargs)
+
+        return with_laya_module
 
     def install(self, why: str) -> None:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);

@@ -349,7 +349,9 @@ def _agent(ckpt: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str
     """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
     if thin:
         agent = laya_api.thin_agent(str(ckpt), device=device, **agent_kwargs)
-        return agent, EagerModule(agent, ckpt)
+        eager = EagerModule(agent, ckpt)
+        eager.guard_laya_switches()
+        return agent, eager
     import laya
 
     return laya.load(str(ckpt), device=device, **agent_kwargs), None

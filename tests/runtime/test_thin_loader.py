@@ -46,6 +46,21 @@ def test_a_request_beyond_the_export_builds_laya_eagers_module_and_answers_corre
     assert laya_api.is_thin(agent)   # the agent's own module stays a shell; the backend holds the real one
 
 
+def test_layas_own_set_backend_on_a_thin_agent_serves_lavas_eager_forward(demo_ckpt, demo_bundle, reference):
+    """`agent.set_backend("eager")` (laya's API for switching backends) replaces the artifact with laya's forward, on
+    laya's module: built then, since the thin agent had none. Before, every later call failed ("Module [Module] is
+    missing the required 'forward' function": the shell of meta tensors)."""
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    eager = agent.backend_object.eager_module
+    assert laya_api.is_thin(agent) and eager.model is None
+    assert agent.set_backend("eager") == "eager" and agent.backend == "eager"
+    assert not laya_api.is_thin(agent) and agent.model is eager.model
+    assert eager.stats["eager_module_why"] == "laya's set_backend was called"
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert agent.accelerate() is False   # laya's own answer on a CPU, on laya's module as for any laya agent
+
+
 def test_eager_module_modes(demo_ckpt, demo_bundle):
     now = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", eager_module="now")
     assert not laya_api.is_thin(now) and now.backend_object.eager_module is None
