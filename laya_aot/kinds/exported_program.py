@@ -139,11 +139,11 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     """torch.export with explicit dtypes; the program is saved as the portable artifact and handed back
     (`Built.exported`) for the kinds compiled from it."""
     e = ctx.cfg.export
-    max_tokens = int(e.max_tokens or context_tokens(ctx.info["max_len"]))
-    if max_tokens > context_tokens(ctx.info["max_len"]):
+    reach = context_tokens(ctx.info["max_len"])
+    max_tokens = int(e.max_tokens or reach)
+    if max_tokens > reach:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d tokens, %d as a multiple of %d); "
-                         "lower it" % (max_tokens, ctx.info["max_len"], context_tokens(ctx.info["max_len"]),
-                                       TOKEN_MULTIPLE))
+                         "lower it" % (max_tokens, ctx.info["max_len"], reach, TOKEN_MULTIPLE))
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
     if e.rotary not in ROTARY:
         raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
