@@ -140,7 +140,7 @@ def install_backend(agent: Any, backend: Backend) -> None:
     built while another artifact served) brings that module along: the agent takes it in the same locked step,
     so no call sees the new module without its backend."""
     with agent._gate.write_lock():
-        agent.deaccelerate()
+        type(agent).deaccelerate(agent)  # laya's own: a thin agent's guard (EagerModule) would build laya's module
         if backend.model is not agent.model:
             agent.model = backend.model
         backend.install()
@@ -556,7 +556,7 @@ def is_thin(agent: Any) -> bool:
     return p is not None and p.device.type == "meta"
 
 
-def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
+def build_eager_module(agent: Any, checkpoint: str, device: Optional[torch.device] = None) -> torch.nn.Module:
     """laya's eager DecisionModel for `agent`, bitwise what `Agent.__init__` builds and places, without its copies.
 
     laya's own `build_model` makes the module: its classes, its config, and its non-persistent buffers (such as
@@ -566,7 +566,7 @@ def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
     the fp16 or bf16 the file holds; `checkpoint.Weights.load_to`, the artifacts' own reader), and are assigned to
     the module by laya's strict load (`load_state_dict(strict=True, assign=True)`, its errors included), instead
     of being copied into fp32 CPU tensors that `.to(device)` copies again. That `.to` now moves the buffers only,
-    as laya's moves them."""
+    as laya's moves them. `device`: where the module goes (None: the agent's device)."""
     import os
 
     from laya.common import build_model
@@ -575,7 +575,7 @@ def build_eager_module(agent: Any, checkpoint: str) -> torch.nn.Module:
 
     enc_dir = os.path.join(checkpoint, "encoder")
     model = build_model(agent.cfg, encoder_dir=enc_dir if os.path.exists(enc_dir) else None, pretrained=False)
-    device = torch.device(agent.device)
+    device = torch.device(agent.device if device is None else device)
     like = model.state_dict()
     file = Weights(checkpoint)
     weights: Dict[str, Any] = file.load_to({k: like[k].dtype for k in file if k in like}, device)

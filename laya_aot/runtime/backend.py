@@ -9,6 +9,7 @@ only those rows. Every eager path goes through `stock_forward`, which builds the
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
@@ -21,6 +22,8 @@ from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
 from ..padding import CHUNK_TOKENS, Ranges, chunks, near_tie_rows, pad_batch
+
+log = logging.getLogger(__name__)
 
 NEAR_TIE_MODES = ("call", "rows", "off")
 
@@ -36,6 +39,26 @@ def near_tie_mode(value: Any) -> str:
         return value
     raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
                      % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
+
+
+def out_of_memory(error: BaseException, device: torch.device) -> bool:
+    """Whether `error` is the device running out of memory: torch's OutOfMemoryError, a message that says so
+    (laya's own rule), or an AOTInductor package's bare RuntimeError raised while the CUDA allocator counted a
+    new out-of-memory (the package prints the cause to stderr and raises "run_func_(...) API call failed")."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return True
+    if device.type != "cuda":
+        return False
+    seen = _OOMS_SEEN.get(device.index, 0)
+    ooms = _OOMS_SEEN[device.index] = _oom_count(device)
+    return ooms > seen
+
+
+def _oom_count(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0)) if device.type == "cuda" else 0
+
+
+_OOMS_SEEN: Dict[Optional[int], int] = {}  # the CUDA allocator's out-of-memory count per device, when last read
 
 
 class TokenIdError(LayaAotError, IndexError):
@@ -72,6 +95,9 @@ class AOTBackend(Backend):
         # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
         # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)
         self.embedding_rows = laya_api.embedding_rows_short(agent)
+        dev = torch.device(runner.device)
+        if dev.type == "cuda":  # out-of-memory errors counted from here on (`out_of_memory`)
+            _OOMS_SEEN.setdefault(dev.index, _oom_count(dev))
 
     @property
     def near_ties(self) -> str:
@@ -171,24 +197,67 @@ class AOTBackend(Backend):
         batch = pad_batch((input_ids, attention_mask, marker_pos, marker_mask, qtype), self.ranges, self.pad_id)
         dev = self.runner.device
         pieces = list(chunks(n, self.ranges, batch[0].shape[1], self.chunk_tokens))
+        outs: List[Any] = []
         if len(pieces) == 1:  # the whole batch in one call (the common case): no row slices, one count
             # a runner that takes host inputs moves them itself (a CUDA graph copies them straight into its
             # buffers); pieces below go to the device first, so that their outputs stay there until the last
             one = input_ids.device if getattr(self.runner, "takes_host_inputs", False) else dev
-            lo, ac = self.runner(*(x.to(one) for x in batch))
-            with self._lock:
-                self._counts["artifact_calls"] += 1
-                self._counts["chunks"] += 1
-            out_dev = input_ids.device
-            return (lo[:, :k].to(out_dev), ac.to(out_dev)), True
-        logits, acts = [], []
-        for rows in pieces:
-            lo, ac = self.runner(*(x[rows].to(dev) for x in batch))
-            logits.append(lo[:, :k])
-            acts.append(ac)
-        self._count(artifact_calls=1, chunks=len(pieces))
+            try:
+                lo, ac = self.runner(*(x.to(one) for x in batch))
+            except RuntimeError as e:
+                outs = self._halves_after(e, batch, slice(0, batch[0].shape[0]), dev)
+            else:
+                with self._lock:
+                    self._counts["artifact_calls"] += 1
+                    self._counts["chunks"] += 1
+                out_dev = input_ids.device
+                return (lo[:, :k].to(out_dev), ac.to(out_dev)), True
+        else:
+            for rows in pieces:
+                outs += self._rows(batch, rows, dev)
+        logits = [lo[:, :k] for lo, _ in outs]
+        acts = [ac for _, ac in outs]
+        self._count(artifact_calls=1, chunks=len(outs))
         out_dev = input_ids.device
         return (torch.cat(logits).to(out_dev), torch.cat(acts).to(out_dev)), True
+
+    def _rows(self, batch: Tuple[torch.Tensor, ...], rows: slice, dev: torch.device) -> List[Any]:
+        """The runner's outputs for `rows` of the padded batch, in one piece or, after running out of memory,
+        in halves (`_halves_after`)."""
+        try:
+            return [self.runner(*(x[rows].to(dev) for x in batch))]
+        except RuntimeError as e:
+            return self._halves_after(e, batch, rows, dev)
+
+    def _halves_after(self, error: RuntimeError, batch: Tuple[torch.Tensor, ...], rows: slice,
+                      dev: torch.device) -> List[Any]:
+        """After the device ran out of memory on `rows`, their outputs computed in two halves (each halved again
+        if need be): every row is still the artifact's answer, the rows computed alone as they are in any batch
+        that is not the last (rows do not see one another). One row that does not fit raises torch's
+        OutOfMemoryError, which laya's own retry on the CPU catches (an AOTInductor package reports the
+        allocator's out-of-memory as a bare RuntimeError, which laya would pass to the caller). Any other
+        error is raised as it came."""
+        if not out_of_memory(error, dev):
+            raise error
+        n = rows.stop - rows.start
+        if n < 2:
+            raise torch.cuda.OutOfMemoryError("%s ran out of memory on %s for one row: %s"
+                                              % (self.artifact.name, dev, error)) from error
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        self._count(out_of_memory_halvings=1)
+        log.warning("laya-aot: %s ran out of memory on %s for %d rows; running them in two halves",
+                    self.artifact.name, dev, n)
+        mid = rows.start + n // 2
+        return self._rows(batch, slice(rows.start, mid), dev) + self._rows(batch, slice(mid, rows.stop), dev)
+
+    def install(self) -> None:
+        """laya's install, on the agent's module as it is now: laya's retry of a request on the CPU after the GPU
+        ran out of memory gives a thin agent laya's module (`EagerModule.guard_laya_switches`) and then installs
+        this backend again; on the thin shell it replaced, laya's eager forward would have kept serving."""
+        if self.model is not self.agent.model and not laya_api.is_thin(self.agent):
+            self.model = self.agent.model
+        super().install()
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         top = int(input_ids.max()) if input_ids.numel() else -1

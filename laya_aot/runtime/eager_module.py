@@ -34,8 +34,8 @@ class EagerModule:
         self._thread: Optional[threading.Thread] = None
         self.stats: Dict[str, Any] = {"eager_module": "not built"}
 
-    def ensure(self, why: str) -> torch.nn.Module:
-        """The module, built now (blocking the caller) if nothing built it yet."""
+    def ensure(self, why: str, device: Optional[torch.device] = None) -> torch.nn.Module:
+        """The module, built now (blocking the caller) if nothing built it yet, on `device` (None: the agent's)."""
         model = self.model
         if model is not None:
             return model
@@ -43,7 +43,7 @@ class EagerModule:
             if self.model is None:
                 t0 = time.perf_counter()
                 log.info("laya-aot: building laya's eager module for %s (%s)", self.checkpoint, why)
-                self.model = laya_api.build_eager_module(self.agent, str(self.checkpoint))
+                self.model = laya_api.build_eager_module(self.agent, str(self.checkpoint), device)
                 self.stats.update(eager_module="built", eager_module_why=why,
                                   eager_module_s=round(time.perf_counter() - t0, 3))
             return self.model
@@ -75,28 +75,47 @@ class EagerModule:
         log.info("laya-aot: laya's eager module for %s discarded (%s)", self.checkpoint, why)
 
     def guard_laya_switches(self) -> None:
-        """laya's `set_backend` and `accelerate` run laya's own module once the artifact's backend is gone: on a
-        thin agent each first gives the agent that module (built now if nothing built it), so that
+        """laya's `set_backend`, `accelerate` and `deaccelerate` run laya's own module once the artifact's backend
+        is gone: on a thin agent each first gives the agent that module (built now if nothing built it), so that
         `agent.set_backend("eager")` serves laya's eager forward instead of failing on the shell of meta tensors
-        ("Module [Module] is missing the required 'forward' function")."""
+        ("Module [Module] is missing the required 'forward' function"). laya's retry of a request on the CPU after
+        the GPU ran out of memory calls `deaccelerate` and moves the module to the CPU: on the shell that raised
+        inside laya's retry and left the agent on the CPU with no backend, failing every later call. There the
+        module is built on the CPU if the GPU has no room for it. (laya-aot's own backend swaps,
+        `laya_internals.install_backend`, call laya's `deaccelerate` itself, not this one.)"""
         agent = self.agent
-        for name in ("set_backend", "accelerate"):
+        for name in ("set_backend", "accelerate", "deaccelerate"):
             agent.__dict__[name] = self._before(name, getattr(agent, name))
 
     def _before(self, name: str, stock: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(stock)
         def with_laya_module(*args: Any, **kwargs: Any) -> Any:
             if laya_api.is_thin(self.agent):
-                self.install("laya's %s was called" % name)
+                # laya calls deaccelerate holding its write lock (not re-entrant), which guards the swap already
+                deacc = name == "deaccelerate"
+                self.install("laya's %s was called" % name, in_laya_lock=deacc, cpu_if_short=deacc)
             return stock(*args, **kwargs)
 
         return with_laya_module
 
-    def install(self, why: str) -> None:
+    def install(self, why: str, in_laya_lock: bool = False, cpu_if_short: bool = False) -> None:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
-        before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`)."""
+        before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`).
+        `in_laya_lock`: the caller may hold laya's write lock, so it is not taken here; `cpu_if_short`: a device out
+        of memory for the module gets it on the CPU (for laya's retry there)."""
         t0 = time.perf_counter()
-        model = self.ensure(why)
+        try:
+            model = self.ensure(why)
+        except torch.OutOfMemoryError:
+            if not cpu_if_short:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            model = self.ensure(why + "; built on the CPU, %s being out of memory" % self.agent.device,
+                                device=torch.device("cpu"))
         if self._thread is not None:
             self.stats["eager_module_wait_s"] = round(time.perf_counter() - t0, 3)
-        laya_api.set_model(self.agent, model)
+        if in_laya_lock:
+            self.agent.model = model
+        else:
+            laya_api.set_model(self.agent, model)

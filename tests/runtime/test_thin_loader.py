@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 
 import laya
 import numpy as np
 import pytest
+import torch
 
 import laya_aot
 from laya_aot import laya_internals as laya_api
@@ -363,3 +365,84 @@ def test_a_first_start_checks_large_weights_by_their_parts_and_a_wrong_record_is
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "another-first-start"))
     with pytest.raises(NoArtifactError, match="built from another checkpoint .*differing: model.safetensors"):
         laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
+
+
+class _ShortOfMemory:
+    """The artifact's runner, out of memory for more than `fits` rows at once (as a GPU with little room left)."""
+
+    def __init__(self, runner, fits: int, error=torch.OutOfMemoryError):
+        self.runner, self.fits, self.error = runner, fits, error
+        self.device, self.takes_host_inputs = runner.device, getattr(runner, "takes_host_inputs", False)
+        self.rows_run: list = []
+
+    def __call__(self, *batch):
+        if batch[0].shape[0] > self.fits:
+            raise self.error("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.rows_run.append(batch[0].shape[0])
+        return self.runner(*batch)
+
+
+def test_a_call_out_of_memory_runs_in_halves_and_every_answer_is_the_artifacts(demo_ckpt, demo_bundle, reference):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    bo.runner = short = _ShortOfMemory(bo.runner, fits=2)
+    got = agent.predict_batch(STATES, question_suite())
+    for g, ref in zip(got, reference):
+        assert_same_answers(g["answers"], ref["answers"])
+    assert short.rows_run and max(short.rows_run) <= 2
+    assert bo.stats["out_of_memory_halvings"] >= 1 and bo.stats.get("eager_calls", 0) == 0
+    assert laya_api.is_thin(agent) and bo.eager_module.model is None   # laya's module was never needed
+
+
+def test_one_row_out_of_memory_is_torchs_error_and_other_errors_pass_unchanged(demo_ckpt, demo_bundle):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    runner = bo.runner
+    bo.runner = _ShortOfMemory(runner, fits=0)
+    with pytest.raises(torch.OutOfMemoryError, match="ran out of memory on cpu for one row"):
+        agent.predict_batch(STATES[:1], dict(list(question_suite().items())[:1]))
+    bo.reset_stats()
+    bo.runner = _ShortOfMemory(runner, fits=0, error=ValueError)   # not an out-of-memory: raised once, as it came
+    with pytest.raises(ValueError, match="Tried to allocate"):
+        agent.predict_batch(STATES, question_suite())
+    assert "out_of_memory_halvings" not in bo.stats
+
+
+def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_served_by_the_artifact(
+        demo_ckpt, demo_bundle, reference):
+    """laya's `_infer`, after the GPU ran out of memory, takes its write lock, calls `deaccelerate()`, moves the agent's
+    module to the CPU, answers there, moves it back and installs the backend again. On the shell of meta tensors the
+    move raised inside laya's retry and left the agent on the CPU with no backend: every later call failed. Those
+    steps, as laya runs them (a CPU agent cannot run out of GPU memory; benchmarks/investigations/oom_thin_agent.py
+    runs laya's own retry on a GPU)."""
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo, eager = agent.backend_object, agent.backend_object.eager_module
+    done = threading.Event()
+
+    def laya_retry() -> None:
+        with agent._gate.write_lock():   # held by laya around all of it (not re-entrant: the guard must not take it)
+            agent.deaccelerate()
+            agent.model.to("cpu")
+            agent._restore_runtime(agent.device, agent.dtype, agent.amp_enabled, False)
+            bo.install()
+            agent._backend = bo
+        done.set()
+
+    worker = threading.Thread(target=laya_retry, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert done.is_set(), "laya's retry did not finish (a lock taken twice?)"
+    assert not laya_api.is_thin(agent) and agent.model is eager.model
+    assert eager.stats["eager_module_why"] == "laya's deaccelerate was called"
+    before = bo.stats.get("artifact_calls", 0)
+    for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
+        assert_same_answers(got["answers"], ref["answers"])
+    assert bo.stats["artifact_calls"] > before and bo.stats.get("eager_calls", 0) == 0   # the artifact again
+    assert agent.model.forward == bo.forward
+
+
+def test_laya_aots_own_backend_swaps_build_no_eager_module(demo_ckpt, demo_bundle):
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    bo = agent.backend_object
+    laya_api.install_backend(agent, bo)   # as a hand-over swaps artifacts: laya's deaccelerate, not the guard
+    assert laya_api.is_thin(agent) and bo.eager_module.model is None and agent.backend_object is bo
