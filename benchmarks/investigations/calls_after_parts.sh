@@ -13,11 +13,12 @@
 SHAPE=${SHAPE:-large-1024}; TARGET=${TARGET:-sm_90}; DEVICE=${DEVICE:-cuda}
 T0=$(date +%s)
 el() { echo "[calls_after_parts] $(( $(date +%s) - T0 )) s: $*"; }
-left() { echo $(( 580 - ($(date +%s) - T0) )); }
+left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }  # BUDGET: seconds this script may take
 C=/tmp/laya-$SHAPE-fp16; B=/tmp/b-s32
 git log --oneline -1 2>/dev/null; nproc; uptime
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
-python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','$SHAPE',seed=0)" > $OUT/ckpt.log 2>&1
+[ -f $C/model.safetensors ] || \
+  python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','$SHAPE',seed=0)" > $OUT/ckpt.log 2>&1
 el checkpoint
 if [ -f .gpu_bundle/b-s32.tgz ]; then
   tar -xzf .gpu_bundle/b-s32.tgz -C /tmp; el "bundle carried, not built"

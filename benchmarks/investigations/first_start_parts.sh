@@ -17,7 +17,8 @@ el() { echo "[first_start_parts] $(( $(date +%s) - T0 )) s: $*"; }
 left() { echo $(( 575 - ($(date +%s) - T0) )); }
 L=/tmp/s32; mkdir -p $L; C=/tmp/laya-$SHAPE-fp16; B=/tmp/b-s32
 nproc > $OUT/nproc_s32.txt
-python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','$SHAPE',seed=0)" > $L/ckpt.log 2>&1
+[ -f $C/model.safetensors ] || \
+  python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('$C','$SHAPE',seed=0)" > $L/ckpt.log 2>&1
 el checkpoint
 if [ -f .gpu_bundle/b-s32.tgz ]; then  # an earlier call's bundle, carried: no build (the checkpoint above is
   tar -xzf .gpu_bundle/b-s32.tgz -C /tmp  # the same bytes from the same seed; the loader's fingerprint check says so)
