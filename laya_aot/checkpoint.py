@@ -206,16 +206,23 @@ class Weights(Mapping):
 def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: Dict[str, Any],
                    into: Mapping[str, Any]) -> None:
     """Copy one run of the file's bytes to `device`, then each tensor in it, converted, into `out` (into the tensor
-    `into` has for it, if any; copies either way: none of them keeps the run, or the file's mapping, alive)."""
+    `into` has for it, if any; copies either way: none of them keeps the run, or the file's mapping, alive).
+    A failure (the device out of memory, a tensor of another shape in `into`) drops this frame's views of the
+    mapping before it propagates: its traceback keeps the frame, and a view alive there made closing the mapping
+    raise BufferError ("cannot close exported pointers exist") in place of the error itself."""
     import torch
 
-    with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
-        warnings.simplefilter("ignore", UserWarning)
-        chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=device)
-    for begin, end, key, stored, shape, dtype in spans:
-        view = chunk[begin - start:end - start].view(stored).view(shape)
-        out[key] = into[key].copy_(view) if key in into else view.to(dtype=dtype, copy=True).contiguous()
-    raw.release()
+    chunk = view = None
+    try:
+        with warnings.catch_warnings():  # read-only bytes: only ever copied from, never written
+            warnings.simplefilter("ignore", UserWarning)
+            chunk = torch.frombuffer(raw, dtype=torch.uint8).to(device=device)
+        for begin, end, key, stored, shape, dtype in spans:
+            view = chunk[begin - start:end - start].view(stored).view(shape)
+            out[key] = into[key].copy_(view) if key in into else view.to(dtype=dtype, copy=True).contiguous()
+    finally:
+        del chunk, view
+        raw.release()
 
 
 _LAYOUT = "a Laya checkpoint directory (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)"

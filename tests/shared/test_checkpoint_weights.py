@@ -59,3 +59,27 @@ def test_load_into_allocated_tensors_writes_them_in_place(weights, chunk, monkey
         assert torch.equal(shells[key], tensors[key].to(dtype)), key
     with pytest.raises(KeyError, match="missing.weight"):
         w.allocate({"missing.weight": torch.float32}, "cpu")
+
+
+@pytest.mark.parametrize("fails_at", ["copy", "device"])
+def test_a_failed_load_raises_its_own_error_not_the_mappings(weights, fails_at, monkeypatch):
+    """A copy that fails (another shape in `into`; the device out of memory, as on an H200 filled to a few MB in
+    session 34) raised BufferError "cannot close exported pointers exist" in its place: the traceback kept a
+    view of the file's mapping alive while the mapping was closed."""
+    w, tensors = weights
+    if fails_at == "copy":
+        with pytest.raises(RuntimeError, match="must match the size") as got:
+            w.load_to({"a.weight": torch.float32}, "cpu", into={"a.weight": torch.empty(3, 2)})
+    else:
+        real_to = torch.Tensor.to
+
+        def out_of_memory(self, *args, **kwargs):
+            if kwargs.get("device") == "cuda-short":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB")
+            return real_to(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError) as got:
+            w.load_to({"a.weight": torch.float32}, "cuda-short")
+    assert not isinstance(got.value.__context__, BufferError)
+    assert torch.equal(w.load_to({"a.weight": torch.float32}, "cpu")["a.weight"], tensors["a.weight"].float())
