@@ -58,7 +58,7 @@ def state(agent) -> dict:
     bo = agent.backend_object
     return {"backend": agent.backend, "device": str(agent.device), "thin": laya_api.is_thin(agent),
             "stats": {k: v for k, v in (getattr(bo, "stats", {}) or {}).items() if not isinstance(v, dict)},
-            "eager_module": getattr(getattr(bo, "eager_module", None), "stats", None),
+            "eager_module": dict(getattr(getattr(bo, "eager_module", None), "stats", None) or {}),
             "laya_cpu_fallbacks": getattr(agent, "cpu_fallback_count", None)}
 
 
