@@ -16,10 +16,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..out_of_memory import out_of_memory
+
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 8192
 MAX_GRAPHS = 16
+CAPTURE_TRIES_SHORT_OF_MEMORY = 3  # captures of one shape that may run out of memory before it runs plain for good
 # replay vs plain call on the same inputs: the same kernels on the same data, so this is generous
 ATOL = RTOL = 1e-3
 
@@ -103,6 +106,7 @@ class GraphedCalls:
         self._graphs: "OrderedDict[Key, Any]" = OrderedDict()
         self._seen: Counter = Counter()
         self._refused: Dict[Key, str] = {}
+        self._short: Counter = Counter()  # captures per shape that ran out of memory
         self._pool: Any = None  # one memory pool for all graphs: calls are serialised, outputs cloned
         self._counts: Counter = Counter()
 
@@ -134,6 +138,17 @@ class GraphedCalls:
             why = _disagreement(plain, graph.replay(inputs))
         except Exception as e:  # noqa: BLE001 - any capture failure: this shape runs plain calls
             graph, why = None, "capture failed: %s: %s" % (type(e).__name__, e)
+            device = inputs[0].device
+            if out_of_memory(e, device) and self._short[key] < CAPTURE_TRIES_SHORT_OF_MEMORY - 1:
+                # memory short now, perhaps not later: this shape is captured again from its next two calls
+                self._short[key] += 1
+                self._counts["capture_out_of_memory"] += 1
+                self._seen[key] = 0
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("laya-aot: no CUDA graph for inputs %s yet (%s); they run as plain calls until a "
+                            "later capture fits", [s for s, _ in key], why)
+                return
         if why is not None:
             self._refused[key] = why
             self._counts["refusals"] += 1

@@ -21,6 +21,7 @@ from ..errors import LayaAotError
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
+from ..out_of_memory import count_from_now, out_of_memory
 from ..padding import CHUNK_TOKENS, Ranges, chunks, near_tie_rows, pad_batch
 
 log = logging.getLogger(__name__)
@@ -39,26 +40,6 @@ def near_tie_mode(value: Any) -> str:
         return value
     raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
                      % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
-
-
-def out_of_memory(error: BaseException, device: torch.device) -> bool:
-    """Whether `error` is the device running out of memory: torch's OutOfMemoryError, a message that says so
-    (laya's own rule), or an AOTInductor package's bare RuntimeError raised while the CUDA allocator counted a
-    new out-of-memory (the package prints the cause to stderr and raises "run_func_(...) API call failed")."""
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
-        return True
-    if device.type != "cuda":
-        return False
-    seen = _OOMS_SEEN.get(device.index, 0)
-    ooms = _OOMS_SEEN[device.index] = _oom_count(device)
-    return ooms > seen
-
-
-def _oom_count(device: torch.device) -> int:
-    return int(torch.cuda.memory_stats(device).get("num_ooms", 0)) if device.type == "cuda" else 0
-
-
-_OOMS_SEEN: Dict[Optional[int], int] = {}  # the CUDA allocator's out-of-memory count per device, when last read
 
 
 class TokenIdError(LayaAotError, IndexError):
@@ -95,9 +76,7 @@ class AOTBackend(Backend):
         # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
         # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)
         self.embedding_rows = laya_api.embedding_rows_short(agent)
-        dev = torch.device(runner.device)
-        if dev.type == "cuda":  # out-of-memory errors counted from here on (`out_of_memory`)
-            _OOMS_SEEN.setdefault(dev.index, _oom_count(dev))
+        count_from_now(torch.device(runner.device))
 
     @property
     def near_ties(self) -> str:

@@ -69,6 +69,36 @@ def test_a_failing_capture_leaves_plain_calls_and_says_why():
     assert g.stats["refusals"] == 1                               # tried once, not on every call
 
 
+def test_a_capture_out_of_memory_is_tried_again_later_then_given_up():
+    """Memory short at a capture (a GPU shared with another process; session 34's H200 runs filled it) may be
+    short only for now: the shape is captured again after two more calls, up to three captures in all, instead
+    of running plain calls for the rest of the process."""
+    tries = []
+
+    def short_twice(fn, inputs, pool):
+        tries.append(1)
+        if len(tries) <= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 86.00 MiB")
+        return FakeGraph(fn, inputs, pool)
+
+    g = GraphedCalls(_fn([]), graph_factory=short_twice)
+    for _ in range(2):
+        g(*_inputs(2, 16))
+    assert len(tries) == 1 and "refused" not in g.stats and g.stats["capture_out_of_memory"] == 1
+    for _ in range(4):
+        g(*_inputs(2, 16))
+    assert len(tries) == 3 and g.stats["captured"] == 1 and g.stats["graphs"] == 1   # the third capture fitted
+    g(*_inputs(2, 16))
+    assert g.stats["replays"] == 1
+
+    always_short = GraphedCalls(_fn([]), graph_factory=lambda fn, x, pool: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory")))
+    for _ in range(12):
+        always_short(*_inputs(2, 16))
+    assert always_short.stats["capture_out_of_memory"] == 2 and always_short.stats["refusals"] == 1
+    assert "OutOfMemoryError" in always_short.stats["refused"]["2x16"]
+
+
 def test_a_capture_whose_replay_disagrees_is_refused():
     g = GraphedCalls(_fn([]), graph_factory=lambda fn, x, pool: FakeGraph(fn, x, pool, offset=0.5))
     for _ in range(3):

@@ -1,0 +1,32 @@
+"""What counts as the device running out of memory: one rule for the backend (which runs rows again in halves)
+and the CUDA graph policy (which tries a capture again later)."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+_OOMS_SEEN: Dict[Optional[int], int] = {}  # the CUDA allocator's out-of-memory count per device, when last read
+
+
+def out_of_memory(error: BaseException, device: torch.device) -> bool:
+    """Whether `error` is the device running out of memory: torch's OutOfMemoryError, a message that says so
+    (laya's own rule), or an AOTInductor package's bare RuntimeError raised while the CUDA allocator counted a
+    new out-of-memory (the package prints the cause to stderr and raises "run_func_(...) API call failed")."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return True
+    if device.type != "cuda":
+        return False
+    seen = _OOMS_SEEN.get(device.index, 0)
+    ooms = _OOMS_SEEN[device.index] = _count(device)
+    return ooms > seen
+
+
+def count_from_now(device: torch.device) -> None:
+    """Count the allocator's out-of-memory errors on `device` from here on (those before are not this code's)."""
+    if device.type == "cuda":
+        _OOMS_SEEN.setdefault(device.index, _count(device))
+
+
+def _count(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
