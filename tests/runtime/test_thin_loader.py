@@ -446,3 +446,29 @@ def test_laya_aots_own_backend_swaps_build_no_eager_module(demo_ckpt, demo_bundl
     bo = agent.backend_object
     laya_api.install_backend(agent, bo)   # as a hand-over swaps artifacts: laya's deaccelerate, not the guard
     assert laya_api.is_thin(agent) and bo.eager_module.model is None and agent.backend_object is bo
+
+
+def test_laya_module_for_layas_retry_is_built_on_the_cpu_when_the_device_has_no_room(demo_ckpt, demo_bundle,
+                                                                                    monkeypatch):
+    """laya's retry after an out-of-memory calls `deaccelerate`: a device with no room for laya's module gets it built
+    on the CPU, where laya's retry runs it (on the H200 filled to 3 MB, session 34, the build on the GPU ran out)."""
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    eager = agent.backend_object.eager_module
+    real = laya_api.build_eager_module
+    asked = []
+
+    def short(agent_, checkpoint, device=None):
+        asked.append(device)
+        if device is None:   # the agent's device: out of memory
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.56 GiB")
+        return real(agent_, checkpoint, device)
+
+    monkeypatch.setattr(laya_api, "build_eager_module", short)
+    with agent._gate.write_lock():   # as laya holds it
+        agent.deaccelerate()
+    assert asked == [None, torch.device("cpu")] and agent.model is eager.model
+    assert "built on the CPU, cpu being out of memory" in eager.stats["eager_module_why"]
+    eager.model = None
+    monkeypatch.setattr(laya_api, "build_eager_module", short)
+    with pytest.raises(torch.OutOfMemoryError):   # anywhere else, the error is the caller's
+        eager.install("a test")
