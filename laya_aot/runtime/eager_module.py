@@ -91,23 +91,22 @@ class EagerModule:
         @functools.wraps(stock)
         def with_laya_module(*args: Any, **kwargs: Any) -> Any:
             if laya_api.is_thin(self.agent):
-                # laya calls deaccelerate holding its write lock (not re-entrant), which guards the swap already
-                deacc = name == "deaccelerate"
-                self.install("laya's %s was called" % name, in_laya_lock=deacc, cpu_if_short=deacc)
+                self.install("laya's %s was called" % name, for_layas_retry=name == "deaccelerate")
             return stock(*args, **kwargs)
 
         return with_laya_module
 
-    def install(self, why: str, in_laya_lock: bool = False, cpu_if_short: bool = False) -> None:
+    def install(self, why: str, for_layas_retry: bool = False) -> None:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
         before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`).
-        `in_laya_lock`: the caller may hold laya's write lock, so it is not taken here; `cpu_if_short`: a device out
-        of memory for the module gets it on the CPU (for laya's retry there)."""
+        `for_layas_retry` (laya's `deaccelerate`, which laya's retry after an out-of-memory calls holding its write
+        lock, not re-entrant): the lock is not taken here, and a device out of memory for the module gets it on the
+        CPU, where laya's retry runs it."""
         t0 = time.perf_counter()
         try:
             model = self.ensure(why)
         except torch.OutOfMemoryError:
-            if not cpu_if_short:
+            if not for_layas_retry:
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -115,7 +114,7 @@ class EagerModule:
                                 device=torch.device("cpu"))
         if self._thread is not None:
             self.stats["eager_module_wait_s"] = round(time.perf_counter() - t0, 3)
-        if in_laya_lock:
+        if for_layas_retry:
             self.agent.model = model
         else:
             laya_api.set_model(self.agent, model)
