@@ -4,6 +4,7 @@
 # (tilelang/onnx/inductor_cache stages off to fit the build in the call; the loader picks AOTInductor on the H200
 # in a full default build too). In order of priority, each step only if the call has time left for it:
 # 1. build (or unpack a carried `.gpu_bundle/b-s32.tgz`), returned as `$OUT/b-s32.tgz` for a later call;
+# 1b. `graph_copies_ab.py`: the CUDA graph replay's packed, pinned copies against main 59d6b7b's per-tensor ones;
 # 2. `http_bench.py --modes bundle`: requests/s, p50/p99 at 1 / 8 / 32 clients, reload after idle unload;
 # 3. `oom_thin_agent.py --phases full`: a three-row call with the GPU filled to a few MB (laya's CPU retry);
 # 4. `gpu_profile.py --paths bundle`: the calls' forward/host split and the forward-only shapes.
@@ -31,6 +32,11 @@ else
 fi
 [ -f $B/bundle.json ] || exit 1
 python3 -m laya_aot.cli inspect $B > $OUT/inspect.txt 2>&1
+if [ "$DEVICE" = cuda ] && [ $(left) -gt 90 ]; then
+  timeout 80 python3 benchmarks/investigations/graph_copies_ab.py $C $B $OUT/graph_copies_ab_s35.json \
+    > $OUT/graph_copies_ab.log 2>&1
+  el "graph copies A/B rc $?"; tail -30 $OUT/graph_copies_ab.log
+fi
 if [ $(left) -gt 60 ]; then
   timeout $(( $(left) - 10 )) python3 benchmarks/http_bench.py --device $DEVICE --checkpoint $C --bundle $B \
     --modes bundle --rounds ${ROUNDS:-1} --requests 300 --timeout 60 --out $OUT --tag s35 > $OUT/http.log 2>&1
