@@ -1,15 +1,15 @@
-"""A CUDA graph's replay with packed, pinned copies against the per-tensor copies it replaced (session 35).
+"""A CUDA graph's replay with packed, pinned copies against the per-tensor copies (session 35; not yet run).
 
-Before: each of the five host inputs copied from pageable memory into its static buffer, the two outputs copied
-back the same way (seven synchronous copies). Now (`kinds/graphs._Graph`): the static inputs are views of one
-device buffer with a pinned host twin, filled on the host and sent in one asynchronous copy, the outputs copied
-to pinned memory with one wait. This loads the bundle once and times, interleaved in alternating blocks, the same
-captured graphs with each replay (the old one restored here by patching `_Graph.replay`):
+Per-tensor (the default): each of the five host inputs copied from pageable memory into its static buffer, the
+two outputs copied back the same way (seven synchronous copies). Pinned (`kinds/graphs._Graph.pinned_copies`):
+the static inputs are views of one device buffer with a pinned host twin, filled on the host and sent in one
+asynchronous copy, the outputs copied to pinned memory with one wait. This loads the bundle once, captures every
+shape under each setting (two sets of graphs in one runner), and times them interleaved in alternating blocks:
 
 - the agent's 1x1 call and a 4x1 call (`predict_batch`, wall clock: each returns answers on the host);
 - the runner alone at 1x128x4 and 8x256x4 (host inputs, as the backend passes them).
 
-Outputs of the two replays on the same inputs must be equal (the same graph on the same values).
+Outputs of the two graphs of a shape on the same inputs must be equal (the same kernels on the same values).
 
 Usage (after the site unpack line):
     python3 benchmarks/investigations/graph_copies_ab.py CKPT BUNDLE OUT.json [--rounds 8] [--calls 60]
@@ -31,18 +31,7 @@ from gpu_start import ONE, states  # noqa: E402  (a sibling benchmark script)
 from laya_aot.kinds import graphs  # noqa: E402
 from laya_aot.padding import batch_of_shape  # noqa: E402
 
-NEW = graphs._Graph.replay
-
-
-def old_replay(self, inputs, out_device=None):
-    """main 59d6b7b's replay: each input copied into its static buffer, each output copied back."""
-    with torch.cuda.device(self.device):
-        for dst, src in zip(self.inputs, inputs):
-            dst.copy_(src)
-        self.graph.replay()
-        if out_device is None or torch.device(out_device) == self.device:
-            return [o.clone() for o in self.outputs]
-        return [o.to(out_device) for o in self.outputs]
+MODES = {"per_tensor": False, "pinned": True}
 
 
 def timed(fn, n: int) -> list:
@@ -71,30 +60,38 @@ def main() -> None:
     work = {"call_1x1": lambda: agent.predict_batch(one, ONE), "call_4x1": lambda: agent.predict_batch(four, ONE)}
     for name, b in shapes.items():
         work[name] = (lambda b=b: runner(*b))
-    for fn in work.values():  # capture every shape (a graph on the second call), then warm
-        for _ in range(5):
-            fn()
-    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "graphs": runner.graphs.stats,
-           "equal_outputs": {}}
+    calls = runner.graphs
+    sets = {}
+    for mode, pinned in MODES.items():  # each setting's graphs, captured on a shape's second call, then warmed
+        graphs._Graph.pinned_copies = pinned
+        calls._graphs.clear()
+        calls._seen.clear()
+        for fn in work.values():
+            for _ in range(5):
+                fn()
+        sets[mode] = calls._graphs.copy()
+    graphs._Graph.pinned_copies = False
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "graphs": calls.stats,
+           "graphs_per_setting": {m: len(g) for m, g in sets.items()}, "equal_outputs": {}}
     for name, b in shapes.items():
-        graphs._Graph.replay = old_replay
-        before = [o.clone() for o in runner(*b)]
-        graphs._Graph.replay = NEW
-        after = runner(*b)
-        res["equal_outputs"][name] = all(torch.equal(x, y) for x, y in zip(before, after))
-    times = {m: {k: [] for k in work} for m in ("old", "new")}
+        outs = {}
+        for mode in MODES:
+            calls._graphs = sets[mode].copy()
+            outs[mode] = [o.clone() for o in runner(*b)]
+        res["equal_outputs"][name] = all(torch.equal(x, y) for x, y in zip(*outs.values()))
+    times = {m: {k: [] for k in work} for m in MODES}
     for r in range(a.rounds):
-        for m in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            graphs._Graph.replay = old_replay if m == "old" else NEW
+        for m in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
+            calls._graphs = sets[m].copy()
             for k, fn in work.items():
                 times[m][k] += timed(fn, a.calls)
-    graphs._Graph.replay = NEW
     res["median_ms"] = {m: {k: round(statistics.median(v), 4) for k, v in d.items()} for m, d in times.items()}
-    res["new_over_old"] = {k: round(res["median_ms"]["new"][k] / res["median_ms"]["old"][k], 3) for k in work}
+    res["pinned_over_per_tensor"] = {k: round(res["median_ms"]["pinned"][k] / res["median_ms"]["per_tensor"][k], 3)
+                                     for k in work}
     res["graphs_after"] = runner.graphs.stats
     res["rounds"], res["calls_per_block"] = a.rounds, a.calls
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res[k] for k in ("equal_outputs", "median_ms", "new_over_old")}, indent=1))
+    print(json.dumps({k: res[k] for k in ("equal_outputs", "median_ms", "pinned_over_per_tensor")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 #!/bin/bash
-# Session 35, one device call on main 59d6b7b: what issue 24 asks of the default bundle over HTTP and what session
+# Written in session 35 for one device call (not run: six machine starts failed that session): what issue 24 asks of the default bundle over HTTP and what session
 # 34 could not re-run after its BufferError fix. large-1024 (fp16 on disk, served bf16), AOTInductor only
 # (tilelang/onnx/inductor_cache stages off to fit the build in the call; the loader picks AOTInductor on the H200
 # in a full default build too). In order of priority, each step only if the call has time left for it:
 # 1. build (or unpack a carried `.gpu_bundle/b-s32.tgz`), returned as `$OUT/b-s32.tgz` for a later call;
-# 1b. `graph_copies_ab.py`: the CUDA graph replay's packed, pinned copies against main 59d6b7b's per-tensor ones;
+# 1b. `graph_copies_ab.py`: the CUDA graph replay's packed, pinned copies (opt-in) against the per-tensor ones;
 # 2. `http_bench.py --modes bundle`: requests/s, p50/p99 at 1 / 8 / 32 clients, reload after idle unload;
 # 3. `oom_thin_agent.py --phases full`: a three-row call with the GPU filled to a few MB (laya's CPU retry);
 # 4. `gpu_profile.py --paths bundle`: the calls' forward/host split and the forward-only shapes.

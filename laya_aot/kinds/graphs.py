@@ -47,37 +47,46 @@ class _Graph:
     stream of the current device, so an agent on cuda:1 in a process whose current device is cuda:0
     would otherwise capture on the wrong GPU (and every GPU but the first would lose its graphs).
 
-    The static inputs are views of one device buffer with a pinned host twin (`_packed_views`): host inputs
-    reach the GPU in one asynchronous copy, and the outputs come back to pinned memory with one wait, where
-    copying each tensor from and to pageable memory cost five synchronous copies in and two out per call."""
+    `pinned_copies` (off: not yet measured on a GPU, `benchmarks/investigations/graph_copies_ab.py` measures it):
+    the static inputs become views of one device buffer with a pinned host twin (`_packed_views`), so host
+    inputs reach the GPU in one asynchronous copy and the outputs come back to pinned memory with one wait,
+    where each tensor is otherwise copied from and to pageable memory (five synchronous copies in, two out)."""
+
+    pinned_copies = False
 
     def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
         self.device = inputs[0].device
-        offsets, total = _packed_layout(inputs)
+        self._host_in: Optional[torch.Tensor] = None
+        self._host_outputs: Optional[List[torch.Tensor]] = None
+        self._copied: Optional[Any] = None  # the last host-to-device copy, before _host_in is written again
         # one capture at a time in the process (torch.cuda.graph synchronizes and empties the allocator's
         # cache on entry), each on a side stream of its own GPU: torch.cuda.graph's default capture stream
         # is made once per process, on the GPU current at the first capture, so a second GPU's capture
         # failed with "invalid resource handle" (two-GPU run)
         with _CAPTURE_LOCK, torch.cuda.device(self.device):
-            self._device_in = torch.empty(total, dtype=torch.uint8, device=self.device)
-            self.inputs = _packed_views(self._device_in, inputs, offsets)
-            for dst, src in zip(self.inputs, inputs):
-                dst.copy_(src)
-            self._host_in = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            self._host_inputs = _packed_views(self._host_in, inputs, offsets)
-            self._copied: Optional[Any] = None  # the last host-to-device copy, before _host_in is written again
+            if self.pinned_copies:
+                offsets, total = _packed_layout(inputs)
+                self._device_in = torch.empty(total, dtype=torch.uint8, device=self.device)
+                self.inputs = _packed_views(self._device_in, inputs, offsets)
+                for dst, src in zip(self.inputs, inputs):
+                    dst.copy_(src)
+                self._host_in = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                self._host_inputs = _packed_views(self._host_in, inputs, offsets)
+            else:
+                self.inputs = [x.clone() for x in inputs]
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: another thread of the service using CUDA meanwhile does not break the capture
             with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream(self.device),
                                   capture_error_mode="thread_local"):
                 self.outputs = list(fn(*self.inputs))
-            self._host_outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in self.outputs]
+            if self.pinned_copies:
+                self._host_outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in self.outputs]
 
     def replay(self, inputs: Sequence[torch.Tensor], out_device: Optional[torch.device] = None) -> List[torch.Tensor]:
-        """Copies `inputs` (from any device) into the static buffers and replays; the outputs are copies on
-        `out_device` (None: this GPU), since the next replay overwrites the static ones."""
+        """Copies `inputs` (from any device: host tensors go straight into the static buffers) and replays; the
+        outputs are copies on `out_device` (None: this GPU), since the next replay overwrites the static ones."""
         with torch.cuda.device(self.device):
-            if all(x.device.type == "cpu" for x in inputs):
+            if self._host_in is not None and all(x.device.type == "cpu" for x in inputs):
                 if self._copied is not None:
                     self._copied.synchronize()
                 for dst, src in zip(self._host_inputs, inputs):
@@ -91,7 +100,7 @@ class _Graph:
             self.graph.replay()
             if out_device is None or torch.device(out_device) == self.device:
                 return [o.clone() for o in self.outputs]
-            if torch.device(out_device).type == "cpu":
+            if self._host_outputs is not None and torch.device(out_device).type == "cpu":
                 for dst, src in zip(self._host_outputs, self.outputs):
                     dst.copy_(src, non_blocking=True)
                 torch.cuda.current_stream(self.device).synchronize()
@@ -179,7 +188,7 @@ class GraphedCalls:
     def _capture(self, key: Key, inputs: Sequence[torch.Tensor], plain: Sequence[torch.Tensor],
                  given: Optional[Sequence[torch.Tensor]] = None, out_device: Optional[torch.device] = None) -> None:
         """Captures `inputs`' shape and checks one replay against the plain call's outputs, the replay taking the
-        inputs as the caller gave them (`given`, host ones through the pinned copies) and giving its outputs where
+        inputs as the caller gave them (`given`: host ones as every later call passes them) and giving its outputs where
         the caller wants them (`out_device`)."""
         try:
             graph = self._factory(self._fn, inputs, self._pool)
