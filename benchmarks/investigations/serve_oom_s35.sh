@@ -1,5 +1,5 @@
 #!/bin/bash
-# Written in session 35 for one device call (not run: seven machine starts failed that session): what issue 24 asks of the default bundle over HTTP and what session
+# Written in session 35 for one device call (not run: eight machine starts failed that session): what issue 24 asks of the default bundle over HTTP and what session
 # 34 could not re-run after its BufferError fix. large-1024 (fp16 on disk, served bf16), AOTInductor only
 # (tilelang/onnx/inductor_cache stages off to fit the build in the call; the loader picks AOTInductor on the H200
 # in a full default build too). In order of priority, each step only if the call has time left for it:
