@@ -186,13 +186,13 @@ class GraphedCalls:
         return out if out_device is None else [o.to(out_device) for o in out]
 
     def _capture(self, key: Key, inputs: Sequence[torch.Tensor], plain: Sequence[torch.Tensor],
-                 given: Optional[Sequence[torch.Tensor]] = None, out_device: Optional[torch.device] = None) -> None:
+                 given: Sequence[torch.Tensor], out_device: Optional[torch.device]) -> None:
         """Captures `inputs`' shape and checks one replay against the plain call's outputs, the replay taking the
         inputs as the caller gave them (`given`: host ones as every later call passes them) and giving its outputs where
         the caller wants them (`out_device`)."""
         try:
             graph = self._factory(self._fn, inputs, self._pool)
-            replayed = graph.replay(inputs if given is None else given, out_device)
+            replayed = graph.replay(given, out_device)
             why = _disagreement([p.to(r.device) for p, r in zip(plain, replayed)], replayed)
         except Exception as e:  # noqa: BLE001 - any capture failure: this shape runs plain calls
             graph, why = None, "capture failed: %s: %s" % (type(e).__name__, e)

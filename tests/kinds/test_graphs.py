@@ -146,17 +146,18 @@ def test_inputs_move_to_the_functions_device_and_outputs_come_back_where_asked()
 
 def test_a_capture_is_checked_by_a_replay_that_takes_the_callers_inputs_and_gives_back_where_asked():
     """The replay a capture is checked with is the one later calls make: host inputs straight in (the pinned
-    copy on a GPU), outputs on `out_device`; a replay that is only right from device inputs must not pass."""
+    copy on a GPU), outputs on `out_device`; a replay that is right only when its outputs stay on the GPU (the
+    check before session 35) must not pass."""
     seen = []
 
-    class HostOnlyWrong(FakeGraph):
+    class WrongOnCallersPath(FakeGraph):
         def replay(self, inputs, out_device=None):
             seen.append((inputs[0].device.type, out_device))
             out = [o.to(out_device or o.device) for o in self.fn(*inputs)]
             return [o + 1 for o in out] if out_device is not None else out  # wrong only on the callers' path
 
     g = GraphedCalls(lambda ids, att: (ids.float().sum(1, keepdim=True), att.float().mean(1)),
-                     graph_factory=HostOnlyWrong, device=torch.device("cpu"))
+                     graph_factory=WrongOnCallersPath, device=torch.device("cpu"))
     cpu = torch.device("cpu")
     for _ in range(2):
         g(*_inputs(1, 16), out_device=cpu)
