@@ -24,6 +24,7 @@ from .errors import LayaAotError
 CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every backend
     ("laya", "load"),
     ("laya.agent", "Agent.deaccelerate"),
+    ("laya.agent", "Agent._restore_runtime"),   # the end of laya's retry on the CPU (EagerModule)
     ("laya.backends.base", "Backend.install"),
     ("laya.backends.base", "Backend.stock_forward"),
     ("laya.backends.base", "BackendUnavailable"),

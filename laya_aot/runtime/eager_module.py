@@ -33,6 +33,8 @@ class EagerModule:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self.stats: Dict[str, Any] = {"eager_module": "not built"}
+        self._shell_in_retry: Optional[torch.nn.Module] = None   # the shell laya's retry replaced, until it ends
+        self.retry_module: Optional[torch.nn.Module] = None      # laya's module on the CPU, for its next retry
 
     def ensure(self, why: str, device: Optional[torch.device] = None) -> torch.nn.Module:
         """The module, built now (blocking the caller) if nothing built it yet, on `device` (None: the agent's)."""
@@ -81,11 +83,13 @@ class EagerModule:
         ("Module [Module] is missing the required 'forward' function"). laya's retry of a request on the CPU after
         the GPU ran out of memory calls `deaccelerate` and moves the module to the CPU: on the shell that raised
         inside laya's retry and left the agent on the CPU with no backend, failing every later call. There the
-        module is built on the CPU if the GPU has no room for it. (laya-aot's own backend swaps,
-        `laya_internals.install_backend`, call laya's `deaccelerate` itself, not this one.)"""
+        module is built on the CPU if the GPU has no room for it, and when laya's retry ends the agent is thin
+        again (`_after_layas_retry`). (laya-aot's own backend swaps, `laya_internals.install_backend`, call
+        laya's `deaccelerate` itself, not this one.)"""
         agent = self.agent
         for name in ("set_backend", "accelerate", "deaccelerate"):
             agent.__dict__[name] = self._before(name, getattr(agent, name))
+        agent.__dict__["_restore_runtime"] = self._after_layas_retry(agent._restore_runtime)
 
     def _before(self, name: str, stock: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(stock)
@@ -100,21 +104,50 @@ class EagerModule:
         """Make the built module the agent's own (for an artifact kind that runs it, or a fallback to eager);
         before any backend is installed. A module building in the background is waited for (`eager_module_wait_s`).
         `for_layas_retry` (laya's `deaccelerate`, which laya's retry after an out-of-memory calls holding its write
-        lock, not re-entrant): the lock is not taken here, and a device out of memory for the module gets it on the
-        CPU, where laya's retry runs it."""
+        lock, not re-entrant): the lock is not taken here, and the module is the one laya's retry runs on the CPU
+        (`_for_layas_retry`) until the retry ends (`_after_layas_retry`)."""
+        if for_layas_retry:
+            self._shell_in_retry, self.agent.model = self.agent.model, self._for_layas_retry(why)
+            return
         t0 = time.perf_counter()
-        try:
-            model = self.ensure(why)
-        except torch.OutOfMemoryError:
-            if not for_layas_retry:
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            model = self.ensure(why + "; built on the CPU, %s being out of memory" % self.agent.device,
-                                device=torch.device("cpu"))
+        model = self.ensure(why)
         if self._thread is not None:
             self.stats["eager_module_wait_s"] = round(time.perf_counter() - t0, 3)
-        if for_layas_retry:
-            self.agent.model = model
-        else:
-            laya_api.set_model(self.agent, model)
+        laya_api.set_model(self.agent, model)
+
+    def _for_layas_retry(self, why: str) -> torch.nn.Module:
+        """laya's module for its retry on the CPU: the one an earlier retry left there, the one already built for
+        the device (laya moves it), or one built on the CPU, where the retry runs it (a GPU that ran out of memory
+        may have no room for it: on the H200 filled to 3 MB, session 34, its build there ran out)."""
+        if self.retry_module is None:
+            self.retry_module = self.model if self.model is not None else self.ensure(
+                why + "; built on the CPU for laya's retry there", device=torch.device("cpu"))
+        return self.retry_module
+
+    def _after_layas_retry(self, stock: Callable[..., Any]) -> Callable[..., Any]:
+        """laya's `_restore_runtime`, which ends its retry on the CPU by moving the agent's module back to the
+        device: for a thin agent, the shell goes back instead and laya then installs the artifact's backend again,
+        which needs none of laya's module. laya's move of its fp32 module would fail on a GPU still full (and
+        leave the agent on the CPU, laya's eager forward serving every later call; H200, session 36) or, with
+        room, hold a second copy of the weights beside the artifact's for the life of the process. The module,
+        on the CPU after the retry, is kept for laya's next retry (`retry_module`), so a GPU that stays full
+        costs each call laya's CPU forward, not a new build."""
+        @functools.wraps(stock)
+        def restore(device: Any, dtype: Any, amp_enabled: bool, had_fast: bool) -> Any:
+            shell, self._shell_in_retry = self._shell_in_retry, None
+            if shell is None:   # the agent had laya's module when the retry began: laya's own restore
+                return stock(device, dtype, amp_enabled, had_fast)
+            module, agent = self.agent.model, self.agent
+            agent.model = shell
+            agent.device, agent.dtype, agent.amp_enabled = device, dtype, amp_enabled
+            with self._lock:
+                if self.model is module:   # laya moved it to the CPU: whoever needs it on the device builds it again
+                    self.model = None
+            self.retry_module = module
+            self.stats.update(eager_module_kept_for_layas_retry=True,
+                              layas_retries_ended=self.stats.get("layas_retries_ended", 0) + 1)
+            log.warning("laya-aot: laya's retry on the CPU after an out-of-memory is over; the artifact serves %s "
+                        "again on %s (laya's module kept on the CPU for its next retry)", self.checkpoint, device)
+            return None
+
+        return restore

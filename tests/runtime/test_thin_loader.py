@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 import warnings
 
@@ -408,37 +407,40 @@ def test_one_row_out_of_memory_is_torchs_error_and_other_errors_pass_unchanged(d
     assert "out_of_memory_halvings" not in bo.stats
 
 
+def _out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_served_by_the_artifact(
         demo_ckpt, demo_bundle, reference):
-    """laya's `_infer`, after the GPU ran out of memory, takes its write lock, calls `deaccelerate()`, moves the agent's
-    module to the CPU, answers there, moves it back and installs the backend again. On the shell of meta tensors the
-    move raised inside laya's retry and left the agent on the CPU with no backend: every later call failed. Those
-    steps, as laya runs them (a CPU agent cannot run out of GPU memory; benchmarks/investigations/oom_thin_agent.py
-    runs laya's own retry on a GPU)."""
+    """laya's own retry (`Agent._infer`): after the forward ran out of memory on an accelerator it takes its write
+    lock, calls `deaccelerate()`, moves the agent's module to the CPU, answers there and moves the module back. On
+    the shell of meta tensors that move raised inside the retry (session 34); with laya's module given for the retry,
+    a GPU still full refused the move back and left the agent on the CPU, laya's eager forward serving every later
+    call (H200, session 36). Here the agent's device is `meta`, which laya treats as an accelerator: the forward
+    runs out of memory there and laya's retry answers on the CPU; laya's move of its module back to `meta` (raising
+    here, refused by a full GPU there) must not be made: the shell goes back and the artifact serves again."""
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
-    bo, eager = agent.backend_object, agent.backend_object.eager_module
-    done = threading.Event()
-
-    def laya_retry() -> None:
-        with agent._gate.write_lock():   # held by laya around all of it (not re-entrant: the guard must not take it)
-            agent.deaccelerate()
-            agent.model.to("cpu")
-            agent._restore_runtime(agent.device, agent.dtype, agent.amp_enabled, False)
-            bo.install()
-            agent._backend = bo
-        done.set()
-
-    worker = threading.Thread(target=laya_retry, daemon=True)
-    worker.start()
-    worker.join(120)
-    assert done.is_set(), "laya's retry did not finish (a lock taken twice?)"
-    assert not laya_api.is_thin(agent) and agent.model is eager.model
-    assert eager.stats["eager_module_why"] == "laya's deaccelerate was called"
+    bo, eager, shell = agent.backend_object, agent.backend_object.eager_module, agent.model
+    for retry in (1, 2):
+        agent.model.forward = _out_of_memory   # the artifact's call on the accelerator
+        agent.device = torch.device("meta")
+        with pytest.warns(RuntimeWarning, match="Retrying this request on CPU"):
+            got = agent.predict_batch(STATES, question_suite())
+        for g, ref in zip(got, reference):   # laya's fp32 forward on the CPU answered
+            assert_same_answers(g["answers"], ref["answers"])
+        assert agent.cpu_fallback_count == retry
+        assert agent.device == torch.device("meta") and agent.model is shell and laya_api.is_thin(agent)
+        assert agent.backend_object is bo and agent.model.forward == bo.forward   # laya installed it again
+        assert eager.model is None and eager.retry_module is not None   # kept on the CPU for the next retry
+        assert next(eager.retry_module.parameters()).device.type == "cpu"
+        assert eager.stats["layas_retries_ended"] == retry
+    assert "built on the CPU for laya's retry" in eager.stats["eager_module_why"]   # built once, for both retries
+    agent.device = torch.device("cpu")
     before = bo.stats.get("artifact_calls", 0)
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
         assert_same_answers(got["answers"], ref["answers"])
     assert bo.stats["artifact_calls"] > before and bo.stats.get("eager_calls", 0) == 0   # the artifact again
-    assert agent.model.forward == bo.forward
 
 
 def test_laya_aots_own_backend_swaps_build_no_eager_module(demo_ckpt, demo_bundle):
@@ -448,10 +450,11 @@ def test_laya_aots_own_backend_swaps_build_no_eager_module(demo_ckpt, demo_bundl
     assert laya_api.is_thin(agent) and bo.eager_module.model is None and agent.backend_object is bo
 
 
-def test_laya_module_for_layas_retry_is_built_on_the_cpu_when_the_device_has_no_room(demo_ckpt, demo_bundle,
-                                                                                    monkeypatch):
-    """laya's retry after an out-of-memory calls `deaccelerate`: a device with no room for laya's module gets it built
-    on the CPU, where laya's retry runs it (on the H200 filled to 3 MB, session 34, the build on the GPU ran out)."""
+def test_laya_module_for_layas_retry_is_built_on_the_cpu_and_a_device_out_of_memory_elsewhere_raises(
+        demo_ckpt, demo_bundle, monkeypatch):
+    """laya's retry runs laya's module on the CPU, so it is built there, never on the device that just ran out of
+    memory (on the H200 filled to 3 MB, session 34, the build there ran out too). Anywhere else the device's
+    out-of-memory is the caller's."""
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
     eager = agent.backend_object.eager_module
     real = laya_api.build_eager_module
@@ -464,11 +467,11 @@ def test_laya_module_for_layas_retry_is_built_on_the_cpu_when_the_device_has_no_
         return real(agent_, checkpoint, device)
 
     monkeypatch.setattr(laya_api, "build_eager_module", short)
+    shell = agent.model
     with agent._gate.write_lock():   # as laya holds it
         agent.deaccelerate()
-    assert asked == [None, torch.device("cpu")] and agent.model is eager.model
-    assert "built on the CPU, cpu being out of memory" in eager.stats["eager_module_why"]
-    eager.model = None
-    monkeypatch.setattr(laya_api, "build_eager_module", short)
-    with pytest.raises(torch.OutOfMemoryError):   # anywhere else, the error is the caller's
+    assert asked == [torch.device("cpu")] and agent.model is eager.retry_module is eager.model
+    agent._restore_runtime(agent.device, agent.dtype, agent.amp_enabled, False)
+    assert agent.model is shell and eager.model is None
+    with pytest.raises(torch.OutOfMemoryError):
         eager.install("a test")
