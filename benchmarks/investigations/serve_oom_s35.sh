@@ -1,10 +1,11 @@
 #!/bin/bash
-# Written in session 35 for one device call (not run: eight machine starts failed that session): what issue 24 asks of the default bundle over HTTP and what session
+# Written in session 35 for one device call (eight machine starts failed that session; run in session 36, `benchmarks/results/gpu_h200_profile/s36/`): what issue 24 asks of the default bundle over HTTP and what session
 # 34 could not re-run after its BufferError fix. large-1024 (fp16 on disk, served bf16), AOTInductor only
 # (tilelang/onnx/inductor_cache stages off to fit the build in the call; the loader picks AOTInductor on the H200
 # in a full default build too). In order of priority, each step only if the call has time left for it:
 # 1. build (or unpack a carried `.gpu_bundle/b-s32.tgz`), returned as `$OUT/b-s32.tgz` for a later call;
-# 1b. `graph_copies_ab.py`: the CUDA graph replay's packed, pinned copies (opt-in) against the per-tensor ones;
+# 1b. `graph_copies_ab.py`: the CUDA graph replay's packed, pinned copies (opt-in) against the per-tensor ones
+#     (run in session 36: no faster; the script and the path it measured removed then, kept in git at 53b7925);
 # 2. `http_bench.py --modes bundle`: requests/s, p50/p99 at 1 / 8 / 32 clients, reload after idle unload;
 # 3. `oom_thin_agent.py --phases full`: a three-row call with the GPU filled to a few MB (laya's CPU retry);
 # 4. `gpu_profile.py --paths bundle`: the calls' forward/host split and the forward-only shapes.
@@ -32,7 +33,7 @@ else
 fi
 [ -f $B/bundle.json ] || exit 1
 python3 -m laya_aot.cli inspect $B > $OUT/inspect.txt 2>&1
-if [ "$DEVICE" = cuda ] && [ $(left) -gt 90 ]; then
+if [ "$DEVICE" = cuda ] && [ $(left) -gt 90 ] && [ -f benchmarks/investigations/graph_copies_ab.py ]; then
   timeout 80 python3 benchmarks/investigations/graph_copies_ab.py $C $B $OUT/graph_copies_ab_s35.json \
     > $OUT/graph_copies_ab.log 2>&1
   el "graph copies A/B rc $?"; tail -30 $OUT/graph_copies_ab.log

@@ -47,85 +47,37 @@ class _Graph:
     stream of the current device, so an agent on cuda:1 in a process whose current device is cuda:0
     would otherwise capture on the wrong GPU (and every GPU but the first would lose its graphs).
 
-    `pinned_copies` (off: not yet measured on a GPU, `benchmarks/investigations/graph_copies_ab.py` measures it):
-    the static inputs become views of one device buffer with a pinned host twin (`_packed_views`), so host
-    inputs reach the GPU in one asynchronous copy and the outputs come back to pinned memory with one wait,
-    where each tensor is otherwise copied from and to pageable memory (five synchronous copies in, two out)."""
-
-    pinned_copies = False
+    Inputs and outputs are copied tensor by tensor from and to pageable memory: packed into one pinned buffer
+    with one asynchronous copy each way they were no faster (0.96-1.02x on an H200 and 0.99-1.00x on an H100,
+    session 36, `benchmarks/results/gpu_h200_profile.md`)."""
 
     def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
         self.device = inputs[0].device
-        self._host_in: Optional[torch.Tensor] = None
-        self._host_outputs: Optional[List[torch.Tensor]] = None
-        self._copied: Optional[Any] = None  # the last host-to-device copy, before _host_in is written again
         # one capture at a time in the process (torch.cuda.graph synchronizes and empties the allocator's
         # cache on entry), each on a side stream of its own GPU: torch.cuda.graph's default capture stream
         # is made once per process, on the GPU current at the first capture, so a second GPU's capture
         # failed with "invalid resource handle" (two-GPU run)
         with _CAPTURE_LOCK, torch.cuda.device(self.device):
-            if self.pinned_copies:
-                offsets, total = _packed_layout(inputs)
-                self._device_in = torch.empty(total, dtype=torch.uint8, device=self.device)
-                self.inputs = _packed_views(self._device_in, inputs, offsets)
-                for dst, src in zip(self.inputs, inputs):
-                    dst.copy_(src)
-                self._host_in = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-                self._host_inputs = _packed_views(self._host_in, inputs, offsets)
-            else:
-                self.inputs = [x.clone() for x in inputs]
+            self.inputs = [x.clone() for x in inputs]
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: another thread of the service using CUDA meanwhile does not break the capture
             with torch.cuda.graph(self.graph, pool=pool, stream=_capture_stream(self.device),
                                   capture_error_mode="thread_local"):
                 self.outputs = list(fn(*self.inputs))
-            if self.pinned_copies:
-                self._host_outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in self.outputs]
 
     def replay(self, inputs: Sequence[torch.Tensor], out_device: Optional[torch.device] = None) -> List[torch.Tensor]:
         """Copies `inputs` (from any device: host tensors go straight into the static buffers) and replays; the
         outputs are copies on `out_device` (None: this GPU), since the next replay overwrites the static ones."""
         with torch.cuda.device(self.device):
-            if self._host_in is not None and all(x.device.type == "cpu" for x in inputs):
-                if self._copied is not None:
-                    self._copied.synchronize()
-                for dst, src in zip(self._host_inputs, inputs):
-                    dst.copy_(src)
-                self._device_in.copy_(self._host_in, non_blocking=True)
-                self._copied = torch.cuda.Event()
-                self._copied.record()
-            else:
-                for dst, src in zip(self.inputs, inputs):
-                    dst.copy_(src)
+            for dst, src in zip(self.inputs, inputs):
+                dst.copy_(src)
             self.graph.replay()
             if out_device is None or torch.device(out_device) == self.device:
                 return [o.clone() for o in self.outputs]
-            if self._host_outputs is not None and torch.device(out_device).type == "cpu":
-                for dst, src in zip(self._host_outputs, self.outputs):
-                    dst.copy_(src, non_blocking=True)
-                torch.cuda.current_stream(self.device).synchronize()
-                return [h.clone() for h in self._host_outputs]
             return [o.to(out_device) for o in self.outputs]
 
     def pool(self) -> Any:
         return self.graph.pool()
-
-
-ALIGN = 64  # bytes between packed tensors: every dtype's alignment, and whole cache lines
-
-
-def _packed_layout(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], int]:
-    """Byte offsets of `tensors` packed one after another in one buffer (each at a multiple of ALIGN), and its size."""
-    offsets, end = [], 0
-    for x in tensors:
-        offsets.append(end)
-        end += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
-    return offsets, max(end, ALIGN)
-
-
-def _packed_views(buffer: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> List[torch.Tensor]:
-    """Views of the uint8 `buffer` at `offsets` with the shapes and dtypes of `like`."""
-    return [buffer[o:o + x.numel() * x.element_size()].view(x.dtype).view(x.shape) for x, o in zip(like, offsets)]
 
 
 def _key(inputs: Sequence[torch.Tensor]) -> Key:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from laya_aot.kinds.graphs import ALIGN, GraphedCalls, _packed_layout, _packed_views
+from laya_aot.kinds.graphs import GraphedCalls
 
 
 class FakeGraph:
@@ -145,8 +145,8 @@ def test_inputs_move_to_the_functions_device_and_outputs_come_back_where_asked()
 
 
 def test_a_capture_is_checked_by_a_replay_that_takes_the_callers_inputs_and_gives_back_where_asked():
-    """The replay a capture is checked with is the one later calls make: host inputs straight in (the pinned
-    copy on a GPU), outputs on `out_device`; a replay that is right only when its outputs stay on the GPU (the
+    """The replay a capture is checked with is the one later calls make: host inputs straight in, outputs on
+    `out_device`; a replay that is right only when its outputs stay on the GPU (the
     check before session 35) must not pass."""
     seen = []
 
@@ -163,21 +163,3 @@ def test_a_capture_is_checked_by_a_replay_that_takes_the_callers_inputs_and_give
         g(*_inputs(1, 16), out_device=cpu)
     assert seen == [("cpu", cpu)] and g.stats.get("refusals") == 1 and not g._graphs
 
-
-def test_packed_views_share_one_buffer_and_keep_each_tensors_values():
-    """The static inputs of a graph are views of one buffer (one host-to-device copy per replay): every dtype the
-    runner passes keeps its values and shape there, at aligned offsets, and the views do not overlap."""
-    like = [torch.arange(6).reshape(2, 3), torch.ones((2, 3), dtype=torch.long), torch.tensor([[1, 2, 0]] * 2),
-            torch.tensor([[True, True, False]] * 2), torch.zeros((2,), dtype=torch.long), torch.rand(2, 5),
-            torch.rand(3).to(torch.bfloat16)]
-    offsets, total = _packed_layout(like)
-    assert all(o % ALIGN == 0 for o in offsets) and total >= sum(x.numel() * x.element_size() for x in like)
-    buffer = torch.zeros(total, dtype=torch.uint8)
-    views = _packed_views(buffer, like, offsets)
-    for v, x in zip(views, like):
-        v.copy_(x)
-    for v, x in zip(views, like):
-        assert v.dtype == x.dtype and v.shape == x.shape and torch.equal(v, x)
-        assert v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    copy = buffer.clone()  # one copy of the buffer carries every tensor
-    assert all(torch.equal(a, b) for a, b in zip(_packed_views(copy, like, offsets), like))
