@@ -54,4 +54,7 @@ if [ $(left) -gt 60 ]; then
     > $OUT/profile.log 2>&1
   el "profile rc $?"
 fi
+# the device tool returns at most 8 files (session 36 lost its OOM and profile outputs): the rest in one archive
 ls -la $OUT; uptime
+(cd $OUT && tar -czf results.tgz --exclude=b-s32.tgz --exclude=results.tgz -- * \
+  && find . -maxdepth 1 -type f ! -name '*.tgz' -delete)
