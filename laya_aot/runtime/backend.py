@@ -33,6 +33,7 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     ("Input 3 was compiled as 16-bytes aligned, but it is not aligned at run time"; H100, session 36)."""
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
+
 NEAR_TIE_MODES = ("call", "rows", "off")
 
 

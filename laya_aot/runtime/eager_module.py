@@ -83,9 +83,9 @@ class EagerModule:
         ("Module [Module] is missing the required 'forward' function"). laya's retry of a request on the CPU after
         the GPU ran out of memory calls `deaccelerate` and moves the module to the CPU: on the shell that raised
         inside laya's retry and left the agent on the CPU with no backend, failing every later call. There the
-        module is built on the CPU if the GPU has no room for it, and when laya's retry ends the agent is thin
-        again (`_after_layas_retry`). (laya-aot's own backend swaps, `laya_internals.install_backend`, call
-        laya's `deaccelerate` itself, not this one.)"""
+        module is the one built on the CPU for laya's retries (`_for_layas_retry`), and when laya's retry ends the
+        agent is thin again (`_after_layas_retry`). (laya-aot's own backend swaps, `laya_internals.install_backend`,
+        call laya's `deaccelerate` itself, not this one.)"""
         agent = self.agent
         for name in ("set_backend", "accelerate", "deaccelerate"):
             agent.__dict__[name] = self._before(name, getattr(agent, name))
