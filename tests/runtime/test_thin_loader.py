@@ -424,6 +424,7 @@ def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_
     here, refused by a full GPU there) must not be made: the shell goes back and the artifact serves again."""
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
     bo, eager, shell = agent.backend_object, agent.backend_object.eager_module, agent.model
+    kept = []
     for retry in (1, 2):
         agent.model.forward = _out_of_memory   # the artifact's call on the accelerator
         agent.device = torch.device("meta")
@@ -437,7 +438,9 @@ def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_
         assert eager.model is None and eager.retry_module is not None   # kept on the CPU for the next retry
         assert next(eager.retry_module.parameters()).device.type == "cpu"
         assert eager.stats["layas_retries_ended"] == retry
-    assert "built on the CPU for laya's retry" in eager.stats["eager_module_why"]   # built once, for both retries
+        kept.append(eager.retry_module)
+    assert kept[0] is kept[1]   # built once, for both retries
+    assert "built on the CPU for laya's retry" in eager.stats["eager_module_why"]
     agent.device = torch.device("cpu")
     before = bo.stats.get("artifact_calls", 0)
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
