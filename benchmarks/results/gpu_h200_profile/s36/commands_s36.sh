@@ -18,3 +18,7 @@ python3 benchmarks/investigations/oom_thin_agent.py $C $B ../gpu_h200_oom/call_s
 python3 benchmarks/investigations/graph_copies_ab.py $C $B ../gpu_h100_s36/graph_copies_ab_s36.json   # at 53b7925
 python3 benchmarks/http_bench.py --device cuda --checkpoint $C --bundle $B --modes bundle --rounds 3 --requests 300 \
   --timeout 60 --out ../gpu_h100_s36 --tag s36
+
+# call 4 (an H100 came, fresh machine; main b08464a's tree), call 1's bundle carried as in call 3, the checkpoint
+# made again: starts and the three calls as a service times them, laya eager in the same run
+python3 benchmarks/gpu_start.py --out ../gpu_h100_s36 --ckpt $C --bundle $B --starts 2 --bytecode /tmp/pyc --tag _s36
