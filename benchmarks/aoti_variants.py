@@ -16,7 +16,10 @@ A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally 
 (`aoti.max_autotune=true`), `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`) and
 `+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`), `+hintRxT` (the export's example batch
 R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
-kernels' launch settings at the example's sizes) and `+cdt` (Inductor's coordinate-descent tuning of those settings).
+kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings)
+and `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only).
+Session 19 measured `+autotune` when the example was 3 x 48 (144 tokens: tiles tuned there lost at real sizes);
+since session 22 the GPU example is 8 x 1024, so Inductor tunes at 8,192 tokens (session 37).
 Session 22's call C ran before the GPU default became 8 x 1024: its `table` was traced at 3 x 48, its
 `table+hint8x1024` is today's `table`.
 Session 19's `table` and `computed` ran before `export.head` existed: they are `table+fullhead` and
@@ -58,6 +61,10 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
+    if "tma" in extras:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.enable_persistent_tma_matmul = True
     head = "full" if "fullhead" in extras else e.head
     t0 = time.perf_counter()
     agent = laya.load(ckpt, device="cpu")
@@ -84,6 +91,26 @@ def forward_args(rows: int, length: int, seed: int, vocab: int):
     ids = torch.randint(5, min(4000, vocab), (rows, length), generator=g)
     return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows), torch.ones((rows, 4), dtype=torch.bool),
             torch.zeros((rows,), dtype=torch.long))
+
+
+def smoke_child(variant: str, ckpt: str, workdir: Path, graphs: bool, device: str, shapes) -> None:
+    """Run one package once at every shape; prints one SMOKE line per shape. In a child of its own: a device-side
+    assert (session 37's first max-autotune package) ends the CUDA context and would end the timing with it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from laya_aot.kinds.aoti import AOTIRunner
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
+    runner = AOTIRunner(workdir / variant, tensors, device, cuda_graphs=graphs)
+    for rows, length in shapes:
+        args = [x.to(device) for x in forward_args(rows, length, rows * 10000 + length, vocab)]
+        logits, _ = runner(*args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        print("SMOKE %s %dx%d ok finite=%s" % (variant, rows, length, bool(torch.isfinite(logits.float()).all())),
+              flush=True)
 
 
 def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shapes=SHAPES) -> dict:
@@ -146,8 +173,11 @@ def markdown(res: dict) -> str:
         fo = res.get("timed", {}).get("forward_ms", {}).get(v, {})
         dp = res.get("timed", {}).get("max_dp_vs_first", {}).get(v, {})
         lines.append("| %s | %s | %s | %s | %s |" % (
-            v, c.get("export_s", "-"), c.get("package_s", "failed: %s" % c.get("rc")),
+            v, c.get("export_s", "-"),
+            c.get("package_s", "prebuilt" if "prebuilt" in c else "failed: %s" % c.get("rc")),
             " | ".join(str(fo.get(s, "-")) for s in shapes), max(dp.values()) if dp else "-"))
+    lines += ["%s: failed its smoke run (exit %s): `%s`" % (v, c["smoke"]["rc"], c["smoke"]["error"][-300:])
+              for v, c in res["compiled"].items() if c.get("smoke", {}).get("rc")]
     lines += ["", "Forward only, ms: median of 20 after 3 warm-ups, synchronised, the variants alternating; CUDA "
               "graphs %s." % ("on (as served)" if res.get("graphs") else "off")]
     paired = res.get("timed", {}).get("ratio_vs_first", {})
@@ -174,22 +204,41 @@ def main() -> None:
     ap.add_argument("--compile-timeout", type=float, default=420)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run on a CPU machine (stock attention)")
     ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES))
+    ap.add_argument("--prebuilt", action="append", default=[], metavar="VARIANT=DIR",
+                    help="a package already built (a bundle's aoti-sm_90 folder): linked in, not compiled")
+    ap.add_argument("--smoke", action="store_true",
+                    help="before timing, run each package once per shape in a child of its own; time only those "
+                         "that pass")
+    ap.add_argument("--smoke-child")
     a = ap.parse_args()
     workdir = Path(a.workdir)
+    shapes = tuple(tuple(int(n) for n in s.split("x")) for s in a.shapes.split(","))
     if a.compile_child:
         compile_child(a.compile_child, a.ckpt, workdir, a.dtype, a.device)
+        return
+    if a.smoke_child:
+        smoke_child(a.smoke_child, a.ckpt, workdir, not a.no_graphs, a.device, shapes)
         return
     variants = a.variants.split(",")
     res: dict = {"command": " ".join(sys.argv), "graphs": not a.no_graphs, "compiled": {}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    prebuilt = dict(item.split("=", 1) for item in a.prebuilt)
+    for v, src in prebuilt.items():
+        link = workdir / v
+        if link.is_symlink() or not link.exists():
+            link.unlink(missing_ok=True)
+            link.symlink_to(Path(src).resolve())
+        res["compiled"][v] = {"prebuilt": src, "package_bytes": (link / "model.pt2").stat().st_size}
     child = [sys.executable, __file__, "--ckpt", a.ckpt, "--workdir", str(workdir), "--dtype", a.dtype,
              "--device", a.device, "--compile-child"]
     procs = {v: subprocess.Popen(child + [v], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for v in variants}
+             for v in variants if v not in prebuilt}
+    deadline = time.monotonic() + a.compile_timeout  # one limit for all: the children compile side by side
     for v, p in procs.items():
         try:
-            stdout, stderr = p.communicate(timeout=a.compile_timeout)
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             stdout, stderr = p.communicate()
@@ -198,8 +247,19 @@ def main() -> None:
         (out / ("aoti_variants%s_%s.log" % (a.tag, v.replace("+", "_")))).write_text(stdout[-20000:] + stderr[-20000:])
         print(v, json.dumps(res["compiled"][v], default=str)[:400], flush=True)
     ok = [v for v in variants if "package_bytes" in res["compiled"][v]]
+    if a.smoke:
+        smoke = [sys.executable, __file__, "--ckpt", a.ckpt, "--workdir", str(workdir), "--device", a.device,
+                 "--shapes", a.shapes] + (["--no-graphs"] if a.no_graphs else []) + ["--smoke-child"]
+        for v in list(ok):
+            p = subprocess.run(smoke + [v], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+            lines = [line for line in p.stdout.splitlines() if line.startswith("SMOKE ")]
+            res["compiled"][v]["smoke"] = {"rc": p.returncode, "passed": lines,
+                                           "error": "" if p.returncode == 0 else p.stderr[-1500:]}
+            print(v, "smoke rc", p.returncode, lines, p.stderr[-600:] if p.returncode else "", flush=True)
+            if p.returncode != 0:
+                ok.remove(v)
     if ok:
-        shapes = tuple(tuple(int(n) for n in s.split("x")) for s in a.shapes.split(","))
         res["timed"] = time_all(ok, a.ckpt, workdir, not a.no_graphs, a.device, shapes)
     (out / ("aoti_variants%s.json" % a.tag)).write_text(json.dumps(res, indent=1, default=str))
     (out / ("aoti_variants%s.md" % a.tag)).write_text(markdown(res))
