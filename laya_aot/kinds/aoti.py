@@ -89,9 +89,9 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
     larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
     `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in. Not a build setting:
-    measured 1.3-1.9x slower on the H200 (Inductor tunes at the export's example shape, 144 tokens, and the Triton
-    tiles that win there lose to cuBLAS at real sizes; gpu_h200_profile.md, session 19); `benchmarks/aoti_variants.py`
-    keeps it measurable.
+    at either example batch the forward was no faster where its time goes and slower at one row, and Inductor's
+    Triton GEMM templates lose to cuBLAS on this model's shapes (gpu_h200_profile.md, sessions 19 and 37);
+    `benchmarks/aoti_variants.py` keeps it measurable.
     """
     from safetensors.torch import save_file
 
