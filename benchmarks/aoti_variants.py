@@ -176,8 +176,9 @@ def markdown(res: dict) -> str:
             v, c.get("export_s", "-"),
             c.get("package_s", "prebuilt" if "prebuilt" in c else "failed: %s" % c.get("rc")),
             " | ".join(str(fo.get(s, "-")) for s in shapes), max(dp.values()) if dp else "-"))
-    lines += ["%s: failed its smoke run (exit %s): `%s`" % (v, c["smoke"]["rc"], c["smoke"]["error"][-300:])
+    failed = ["%s: failed its smoke run (exit %s): `%s`" % (v, c["smoke"]["rc"], c["smoke"]["error"][-300:])
               for v, c in res["compiled"].items() if c.get("smoke", {}).get("rc")]
+    lines += [""] + failed if failed else []
     lines += ["", "Forward only, ms: median of 20 after 3 warm-ups, synchronised, the variants alternating; CUDA "
               "graphs %s." % ("on (as served)" if res.get("graphs") else "off")]
     paired = res.get("timed", {}).get("ratio_vs_first", {})

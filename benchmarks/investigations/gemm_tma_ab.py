@@ -1,9 +1,9 @@
 """The encoder's four GEMMs: cuBLAS against Inductor's Triton templates, with and without persistent TMA (Hopper).
 
-Why: session 37's `aoti_variants.py` run of `table+autotune+tma` (max-autotune at the 8 x 1024 example, Inductor's
-persistent TMA templates allowed) picked TMA kernels 5-20% faster than the plain Triton templates at 8,192 tokens,
-but three packages were compiling and tuning on one GPU at once, and one of them hit a device-side assert at run
-time. This times the GEMMs alone, one compile at a time, to say whether a TMA package is worth a full build.
+Why: in session 37's first `aoti_variants.py` call, `table+autotune+tma` (max-autotune at the 8 x 1024 example,
+Inductor's persistent TMA templates allowed) picked TMA kernels for the head's GEMMs that timed 3-16% under the plain
+templates' picks, but three packages were compiling and tuning on one GPU at once, and one of them hit a
+device-side assert at run time. This times the GEMMs alone, one compile at a time, to say whether a TMA package is worth a full build.
 
 Each GEMM is `F.linear(x, w)` in bf16 (x: tokens x K, w: N x K, no bias, as the encoder's Wqkv, Wo, Wi and the
 MLP's Wo for large-1024), compiled with `mode="max-autotune-no-cudagraphs"`, `dynamic=False`, and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def main() -> None:
     a = ap.parse_args()
     t_start = time.monotonic()
     out = Path(a.out)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    res = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "rows": []}
     for m in [int(t) for t in a.tokens.split(",")]:
         for n, k in SHAPES:
             g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
@@ -82,7 +84,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             (out / ("gemm_tma_ab%s.json" % a.tag)).write_text(json.dumps(res, indent=1))
     lines = ["# The encoder's GEMMs: cuBLAS against Inductor's Triton templates (%s, torch %s)"
-             % (res["gpu"], res["torch"]), "",
+             % (res["gpu"], res["torch"]), "", "Command: `%s`" % res["command"], "",
              "| tokens | N x K | cuBLAS ms (TFLOP/s) | Triton ms (TFLOP/s) | Triton TMA ms (TFLOP/s) |",
              "|---|---|---|---|---|"]
     for r in res["rows"]:
