@@ -16,8 +16,10 @@ A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally 
 (`aoti.max_autotune=true`), `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`) and
 `+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`), `+hintRxT` (the export's example batch
 R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
-kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings)
-and `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only).
+kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
+`+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only) and `+splitmlp` (the
+GeGLU's halves as two GEMMs, so that with `+autotune` Inductor can fuse `gelu(a) * g` into the second's epilogue;
+session 37, not yet run on a GPU).
 Session 19 measured `+autotune` when the example was 3 x 48 (144 tokens: tiles tuned there lost at real sizes);
 since session 22 the GPU example is 8 x 1024, so Inductor tunes at 8,192 tokens (session 37).
 Session 22's call C ran before the GPU default became 8 x 1024: its `table` was traced at 3 x 48, its
@@ -72,6 +74,8 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     module = ExplicitDtypeModel(agent.model, torch_dtype(dtype), torch_dtype(e.action_head_dtype), device,
                                 attention=e.attention, rope_table=max_tokens if rotary == "table" else 0,
                                 head=head)
+    if "splitmlp" in extras:
+        _split_mlp(module)
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, laya_api.pad_id(agent), device, example)
     t1 = time.perf_counter()
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
@@ -82,6 +86,30 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
            "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
            "max_tokens": max_tokens}
     print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+def _split_mlp(module) -> int:
+    """Every ModernBERT MLP of `module` computes its GeGLU's two halves as two GEMMs on slices of Wi's weight,
+    so that `gelu(a) * g` is a pointwise epilogue of the second (an Inductor GEMM template can fuse it there; one
+    GEMM's output split in two columns halves cannot). The same products, summed in the same order per element.
+    Returns how many MLPs were changed."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, hidden_states):
+        n = self.Wi.out_features // 2
+        w, b = self.Wi.weight, self.Wi.bias
+        a = F.linear(hidden_states, w[:n], None if b is None else b[:n])
+        g = F.linear(hidden_states, w[n:], None if b is None else b[n:])
+        return self.Wo(self.drop(self.act(a) * g))
+
+    mlps = [m for m in module.modules() if type(m).__name__ == "ModernBertMLP"]
+    for m in mlps:
+        m.forward = types.MethodType(forward, m)
+    if not mlps:
+        raise SystemExit("+splitmlp: no ModernBertMLP in the model")
+    return len(mlps)
 
 
 def forward_args(rows: int, length: int, seed: int, vocab: int):
