@@ -84,8 +84,21 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
                          frozen="frozen" in extras)
     res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "head": module.head,
            "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
-           "max_tokens": max_tokens}
+           "max_tokens": max_tokens, "template_kernels": template_kernels(workdir / variant / "model.pt2")}
     print("RESULT " + json.dumps(res, default=str), flush=True)
+
+
+def template_kernels(package: Path) -> list:
+    """The Inductor GEMM-template kernels the package's wrapper launches (`triton_tem_...`), by name: a name with
+    `gelu`/`erf` or `mul` after `mm` says an epilogue was fused into the GEMM (what `+splitmlp` is for)."""
+    import re
+    import zipfile
+
+    if not package.exists():
+        return []
+    with zipfile.ZipFile(package) as z:
+        text = "".join(z.read(n).decode("utf-8", "replace") for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    return sorted(set(re.findall(r"triton_tem_fused_\w+", text)))
 
 
 def _split_mlp(module) -> int:
