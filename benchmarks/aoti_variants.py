@@ -19,8 +19,8 @@ R rows x T tokens instead of the build's default, `export.example_rows`/`example
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
 `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only) and `+splitmlp` (the
 GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue;
-session 38: untuned, 9% slower at one row and even on 8-32 rows; tuned, the package did not compile within a device
-call, and the block alone fused only at 512 tokens, slower there: `investigations/geglu_epilogue_ab.py`).
+session 38: untuned, 9% slower at one row and 0.98-1.01x on 8-32 rows; tuned, the package did not compile within a
+device call, and the block alone fused only at 512 tokens, slower there: `investigations/geglu_epilogue_ab.py`).
 Session 19 measured `+autotune` when the example was 3 x 48 (144 tokens: tiles tuned there lost at real sizes);
 since session 22 the GPU example is 8 x 1024, so Inductor tunes at 8,192 tokens (session 37).
 Session 22's call C ran before the GPU default became 8 x 1024: its `table` was traced at 3 x 48, its

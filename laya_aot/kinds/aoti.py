@@ -90,9 +90,9 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
     `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in. Not a build setting:
     at either example batch the forward was no faster where its time goes and slower at one row, and Inductor's
-    Triton GEMM templates lose to cuBLAS on this model's shapes, with or without the GeGLU or the residual add
-    in their epilogue (gpu_h200_profile.md, sessions 19, 37 and 38); `benchmarks/aoti_variants.py` keeps it
-    measurable.
+    Triton GEMM templates lose to cuBLAS on this model's shapes and take neither the GeGLU nor the residual add
+    into their epilogue where the time is (gpu_h200_profile.md, sessions 19, 37 and 38);
+    `benchmarks/aoti_variants.py` keeps it measurable.
     """
     from safetensors.torch import save_file
 
