@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 38's device calls (three, each on a fresh H100 machine), each after the slim site's unpack line
+# Session 38's device calls (three on fresh H100 machines, the fourth on an H200), each after the slim site's unpack line
 # (benchmarks/make_slim_site.sh):
 #   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -24,3 +24,9 @@ timeout 470 python3 benchmarks/investigations/geglu_epilogue_ab.py --out $OUT --
 # call 3: the residual add after the MLP's Wo and the next layer norm, without and with max-autotune (call3_*)
 timeout 400 python3 benchmarks/investigations/geglu_epilogue_ab.py --block residual --out $OUT --tag _s38 \
   --budget-s 300 > $OUT/residual_s38.log 2>&1
+
+# call 4 (an H200): calls 2 and 3 again on the GPU issue 24 names (call4_*)
+timeout 280 python3 benchmarks/investigations/geglu_epilogue_ab.py --out $OUT --tag _s38h200 --budget-s 220 \
+  > $OUT/geglu_s38h200.log 2>&1
+timeout 200 python3 benchmarks/investigations/geglu_epilogue_ab.py --block residual --out $OUT --tag _s38h200 \
+  --budget-s 150 > $OUT/residual_s38h200.log 2>&1
