@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 38's device calls (three on fresh H100 machines, the fourth on an H200), each after the slim site's unpack line
+# Session 38's device calls (seven: calls 1-3 and 5-7 on H100s, call 4 on an H200), each after the slim site's unpack line
 # (benchmarks/make_slim_site.sh):
 #   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -30,3 +30,14 @@ timeout 280 python3 benchmarks/investigations/geglu_epilogue_ab.py --out $OUT --
   > $OUT/geglu_s38h200.log 2>&1
 timeout 200 python3 benchmarks/investigations/geglu_epilogue_ab.py --block residual --out $OUT --tag _s38h200 \
   --budget-s 150 > $OUT/residual_s38h200.log 2>&1
+
+# calls 5-7 (H100s; call 5 asked for an H200 and got an H100, its files renamed from _s38h200 to _s38a): a
+# hand-written persistent TMA kernel for Wi with the GeGLU in its epilogue, three sets of tile settings (call5-7_*)
+python3 benchmarks/investigations/geglu_tma.py --check
+timeout 300 python3 benchmarks/investigations/geglu_tma.py --out $OUT --tag _s38h200 --budget-s 220 \
+  > $OUT/geglu_tma_s38h200.log 2>&1
+timeout 200 python3 benchmarks/investigations/geglu_tma.py --set b --tokens 16384,4096 --out $OUT --tag _s38b \
+  --budget-s 150 > $OUT/geglu_tma_s38b.log 2>&1
+python3 benchmarks/investigations/geglu_tma.py --check
+timeout 200 python3 benchmarks/investigations/geglu_tma.py --set c --tokens 16384,4096 --out $OUT --tag _s38c \
+  --budget-s 150 > $OUT/geglu_tma_s38c.log 2>&1
