@@ -74,12 +74,9 @@ def main() -> None:
                     "comma-separated (16 heads of 64, ModernBERT-large's)")
     ap.add_argument("--graph", action="store_true",
                     help="time the kernel alone replayed from a CUDA graph (what times a short shape)")
-    ap.add_argument("--warp-specialised", action="store_true",
-                    help="also the shipped tiles with Triton's warp-specialised key loop (session 38)")
     a = ap.parse_args()
     res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-    res["kernel"] = [kernel_bench(rows=int(r), length=int(L), graphed=a.graph, warp_specialised=a.warp_specialised)
-                     for r, L in
+    res["kernel"] = [kernel_bench(rows=int(r), length=int(L), graphed=a.graph) for r, L in
                      (shape.split("x") for shape in a.kernel_shapes.split(","))]
     if a.kernel_only:
         write(a, res)
@@ -168,11 +165,10 @@ def graph_ms(fn, calls: int = 20) -> float:
     return round(gpu_ms(graph.replay) / calls, 4)
 
 
-def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64, graphed: bool = False,
-                 warp_specialised: bool = False) -> dict:
+def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int = 64, graphed: bool = False) -> dict:
     """The kernel alone per tile configuration (`window_attention._launch` with each; `blocks` picks the shipped
     one), and SDPA with transformers-style dense boolean masks; GPU time per call (`gpu_ms`, or `graph_ms` when
-    `graphed`). `warp_specialised`: also the shipped tiles with Triton's warp-specialised key loop (4 and 8 warps)."""
+    `graphed`)."""
     import torch.nn.functional as F
 
     from laya_aot import attention
@@ -198,10 +194,8 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
         row: dict = {"shipped": wa.blocks(dim, window),
                      "sdpa_dense_mask_ms": bench(lambda m=allowed: F.scaled_dot_product_attention(q, k, v,
                                                                                                   attn_mask=m))}
-        shipped = wa.blocks(dim, window)
-        for c in CONFIGS + ([dict(shipped, WS=True), dict(shipped, WS=True, num_warps=8)] if warp_specialised else []):
-            name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) + (
-                "_ws" if c.get("WS") else "")
+        for c in CONFIGS:
+            name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
             try:
                 ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
                                                                    cfg=c))

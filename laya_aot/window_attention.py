@@ -60,7 +60,7 @@ def _rotated(X, base, offs_l, sl, offs_d, d_ok, l_ok, COS, SIN, cb, scl, HALF: t
 def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, smb, sob, sol, soh, scb, scl,
             WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, WS: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass the scale as an fp64 constant
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -87,7 +87,7 @@ def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
     else:
         lo = 0
         hi = L
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):  # WS: Triton's warp specialisation, measured only
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_j
         n_ok = offs_n < L
         keep = tl.load(KEEP + b * smb + offs_n, mask=n_ok, other=0) != 0
@@ -148,7 +148,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tenso
     which times the kernel with other tiles."""
     rows, heads, length, dim = q.shape
     out = torch.empty((rows, length, heads, dim), dtype=q.dtype, device=q.device)
-    cfg = {"WS": False, **(cfg or blocks(dim, window))}
+    cfg = cfg or blocks(dim, window)
     rope = cos is not None
     if rope:  # one row of tables serves every row (stride 0), as transformers computes them for arange positions
         cos, sin = cos.expand(rows, length, dim), sin.expand(rows, length, dim)

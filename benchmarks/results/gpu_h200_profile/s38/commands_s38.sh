@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 38's device calls (seven: calls 1-3 and 5-7 on H100s, call 4 on an H200), each after the slim site's unpack line
+# Session 38's device calls (eight: calls 1-3 and 5-8 on H100s, call 4 on an H200), each after the slim site's unpack line
 # (benchmarks/make_slim_site.sh):
 #   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -41,3 +41,8 @@ timeout 200 python3 benchmarks/investigations/geglu_tma.py --set b --tokens 1638
 python3 benchmarks/investigations/geglu_tma.py --check
 timeout 200 python3 benchmarks/investigations/geglu_tma.py --set c --tokens 16384,4096 --out $OUT --tag _s38c \
   --budget-s 150 > $OUT/geglu_tma_s38c.log 2>&1
+
+# call 8 (an H100), at commit dc25d2d (the kernel's WS switch and --warp-specialised existed only there; the next
+# commit took them out): the attention kernel alone, the shipped tiles with Triton's warp-specialised key loop
+timeout 170 python3 benchmarks/attention_ab.py --kernel-only --graph --warp-specialised \
+  --kernel-shapes 32x1024,8x256,1x128 --out $OUT --tag _s38ws > $OUT/attention_ws_s38.log 2>&1
