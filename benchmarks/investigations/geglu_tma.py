@@ -2,7 +2,7 @@
 
 Why: session 38 found that Inductor never folds the GeGLU into a GEMM where the time is, and put the ceiling of
 doing so at the GeGLU kernel's own time (~62 µs of ~347 per 16-row chunk and layer on the H200, ~3.5 ms of a
-32 x 1024 forward). Session 21's hand-written Triton kernel (pointer loads, two 128 x 128 accumulators) lost by
+32 x 1024 forward). Session 21's hand-written Triton kernel (pointer loads, two accumulators) lost by
 1.13x at 16,384 rows. This one is built like Triton's persistent TMA matmul: tensor-descriptor (TMA) loads, one
 program per SM walking the tiles in grouped order, two accumulators of BLOCK_M x BLOCK_N (Wi's `a` and `g` rows
 for the same output columns), and the epilogue rounding both to bf16 first (as cuBLAS's bf16 product is rounded
