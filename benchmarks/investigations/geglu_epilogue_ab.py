@@ -1,6 +1,6 @@
 """The encoder's GeGLU as a GEMM epilogue: does Inductor fuse `gelu(a) * g` into a GEMM template, and is it faster?
 
-Why: session 37's kernel list puts the GeGLU's own kernel at ~4.3 ms of a 32 x 1024 forward (the 2I-wide product
+Why: session 22's kernel list (session 37's analysis) puts the GeGLU's own kernel at ~4.3 ms of a 32 x 1024 forward (the 2I-wide product
 of Wi written by cuBLAS, then read back), and `aoti_variants.py +splitmlp+autotune+tma` (the whole model with the
 GeGLU's halves as two GEMMs, tuned) could not be compiled inside one device call (session 38: killed at 400 s,
 still tuning). This times the one block the split is for, alone, so the question costs minutes:
@@ -12,8 +12,9 @@ still tuning). This times the one block the split is for, alone, so the question
 - `split_triton`: the same with Triton templates only, so the fused template is timed even where it loses.
 
 bf16, no bias (ModernBERT's `mlp_bias=False`), exact gelu, large-1024's sizes (K 1024, I 2624), each replayed
-from a CUDA graph (`do_bench_cudagraph`). `fused_templates` lists the template kernels in each compiled graph's
-code: a `triton_tem_fused_..._mul...` name is a GEMM that computes the GeGLU in its epilogue.
+from a CUDA graph (`do_bench_cudagraph`). `<variant>_kernels` lists the GEMM kernels in each compiled graph's code
+(Inductor's templates and cuBLAS calls): a `triton_tem_fused_..._mul...` name is a GEMM that computes the GeGLU in
+its epilogue.
 
 `--block residual` asks the same of the residual add that follows the MLP's Wo (K 2624, N 1024): `today` is
 `res + F.linear(h, Wo)` in fp32 and the next layer norm (Inductor fuses the add into the norm's kernel; cuBLAS's

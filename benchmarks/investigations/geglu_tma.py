@@ -28,7 +28,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-K, INTER = 1024, 2624
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from geglu_epilogue_ab import INTER, K, today  # noqa: E402  (the block as the package computes it, a sibling script)
 # (BLOCK_M, BLOCK_N per half, BLOCK_K, stages, warps, warp-specialised tile loop[, GROUP_M (8), epilogue in two
 # column halves (False)]); set "a" ran first (session 38, H100), set "b" around its best with Triton's warp
 # specialisation of the persistent loop, set "c" around b's best
@@ -108,11 +110,6 @@ def geglu_tma(x: torch.Tensor, wi: torch.Tensor, cfg=CONFIGS[0]) -> torch.Tensor
     _geglu_kernel[grid](x_desc, w_desc, out_desc, m, n_half, kdim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                         GROUP_M=group_m, NUM_SMS=grid[0], WS=ws, SUBTILE=subtile, num_stages=stages, num_warps=warps)
     return out
-
-
-def today(x: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-    a, g = F.linear(x, wi).chunk(2, dim=-1)
-    return F.gelu(a) * g
 
 
 def check() -> None:
