@@ -3,13 +3,14 @@
 Issue 24 asks the forward for 1.0 / 3.0 / 24 / 50 ms at 1x128 / 8x256 / 32x512 / 32x1024 (x4 markers) and for 1.5x
 of a limit taken at a nominal 790 TFLOP/s. Both are paper figures. This script measures, on the GPU it runs on, a
 *skeleton* of the encoder: per layer the four linears with cuBLAS (`F.linear`, bf16), attention with torch's own
-SDPA (flash or cuDNN, whichever is faster here; a local layer as 64-query blocks over the 192 keys the window
-reaches, the work a block-sparse window kernel does), and the two layer norms as one kernel each. No rotary, GeGLU,
-residual add, embedding or decision head; the GeGLU's second GEMM reads a column view of the first's output, so
-no copy either. All layers are captured in one CUDA graph and replayed (the gaps between kernels are real ones).
-Any forward built from cuBLAS GEMMs, a library-class attention kernel and one kernel per norm, however fused
-otherwise, takes at least this long; today's default package (`--package`, the bundle's `aoti-sm_90` folder) is
-timed in the same process, as served (CUDA graphs on), for the ratio. Outputs of the skeleton mean nothing.
+SDPA (flash or cuDNN; a local layer as 64-query blocks over the 192 keys its window reaches) or the package's own
+attention kernel, whichever is fastest here for each kind of layer, and the two layer norms as one kernel each.
+No rotary, GeGLU, residual add, embedding or decision head; the GeGLU's second GEMM reads a column view of the
+first's output, so no copy either. All layers are captured in one CUDA graph and replayed (the gaps between
+kernels are real ones). Any forward built from cuBLAS GEMMs, attention no faster than these kernels and one kernel
+per norm, however fused otherwise, takes at least this long; today's default package (`--package`, the bundle's
+`aoti-sm_90` folder) is timed in the same process, as served (CUDA graphs on), for the ratio.
+Outputs of the skeleton mean nothing.
 
     python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 \
         --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39
@@ -78,30 +79,53 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / ms
 
 
-def fastest_sdpa(q, k, v) -> tuple:
-    """(backend name, ms) of the fastest SDPA backend for these inputs, each timed in a graph of its own."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def fastest(candidates: dict) -> tuple:
+    """(name, ms, call) of the fastest of `candidates` (name -> call), each timed in a graph of its own."""
     best = None
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, call in candidates.items():
         try:
-            with sdpa_kernel([backend]):
-                ms = graph_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            ms = graph_ms(call)
         except RuntimeError as e:  # a backend that does not take these inputs on this GPU
-            print("sdpa %s: %s" % (name, str(e).splitlines()[0][:200]), flush=True)
+            print("attention %s: %s" % (name, str(e).splitlines()[0][:200]), flush=True)
             continue
         if best is None or ms < best[1]:
-            best = (name, ms)
+            best = (name, ms, call)
     if best is None:
-        raise SystemExit("no SDPA backend ran: neither flash nor cuDNN attention is available here")
+        raise SystemExit("no attention kernel ran here: %s" % ", ".join(candidates))
     return best
 
 
+def sdpa(backend: str, q, k, v):
+    """SDPA on one backend, as a call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def call():
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return call
+
+
+def shipped(q, k, v, window: int):
+    """The package's own attention kernel (`laya_aot.window_attention`, every key a token), as a call; None where
+    it cannot be imported."""
+    try:
+        from laya_aot import window_attention  # noqa: F401 - registers the op
+    except ImportError:
+        return None
+    keep = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    return lambda: torch.ops.laya_aot.window_attention(q, k, v, keep, window, q.shape[-1] ** -0.5)
+
+
 def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
-    """The skeleton's parts and whole at one shape, ms (see the module docstring). `ideal_local_ms` is computed,
-    not measured: the skeleton with each local layer's attention at its own floor, the larger of the global
-    kernel's time scaled by the keys a query block reaches and q, k, v and the output moved once at `bandwidth`
-    (library kernels take the blocked form at several times that)."""
+    """The skeleton's parts and whole at one shape, ms (see the module docstring). Each kind of layer's attention
+    is the fastest here of SDPA's flash and cuDNN backends (a local layer as 64-query blocks over the keys its
+    window reaches) and the package's own kernel (a local layer on the whole rows, visiting only those blocks).
+    `ideal_local_ms` is computed, not measured: the skeleton with each local layer's attention at its own floor,
+    the larger of the global kernel's time scaled by the keys a query block reaches and q, k, v and the output
+    moved once at `bandwidth`."""
     dev, dt = "cuda", torch.bfloat16
     t = rows * length
     h, heads = d["hidden"], d["heads"]
@@ -116,19 +140,21 @@ def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
     half = d["window"] // 2  # ModernBERT's local layers: query i attends key j iff |i - j| <= window / 2
     keys = min(length, LOCAL_BLOCK * (1 + 2 * -(-half // LOCAL_BLOCK)))  # the key blocks a query block reaches
     local_is_global = keys >= length
-    if not local_is_global:
+    glob = {"flash": sdpa("flash", q, k, v), "cudnn": sdpa("cudnn", q, k, v), "shipped": shipped(q, k, v, -1)}
+    g_name, g_ms, g_call = fastest({n: c for n, c in glob.items() if c is not None})
+    if local_is_global:
+        l_name, l_ms, l_call = g_name, g_ms, g_call
+    else:
         blocks = rows * (length // LOCAL_BLOCK)
         lq = torch.randn(blocks, heads, LOCAL_BLOCK, hd, device=dev, dtype=dt)
         lk, lv = (torch.randn(blocks, heads, keys, hd, device=dev, dtype=dt) for _ in range(2))
+        local = {"flash": sdpa("flash", lq, lk, lv), "cudnn": sdpa("cudnn", lq, lk, lv),
+                 "shipped": shipped(q, k, v, half)}
+        l_name, l_ms, l_call = fastest({n: c for n, c in local.items() if c is not None})
     n_global = len([i for i in range(d["layers"]) if i % d["global_every"] == 0])
     n_local = d["layers"] - n_global
-    g_backend, g_ms = fastest_sdpa(q, k, v)
-    l_backend, l_ms = (g_backend, g_ms) if local_is_global else fastest_sdpa(lq, lk, lv)
-    out: dict = {"tokens": t, "global_attention": [g_backend, round(g_ms, 4)],
-                 "local_attention": [l_backend, round(l_ms, 4), "keys per query block %d" % keys]}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    out: dict = {"tokens": t, "global_attention": [g_name, round(g_ms, 4)],
+                 "local_attention": [l_name, round(l_ms, 4), "keys per query block %d" % keys]}
 
     def gemms():
         for _ in range(d["layers"]):
@@ -140,12 +166,7 @@ def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
     def layer_stack():
         for i in range(d["layers"]):
             F.linear(x, w["attn.Wqkv"])
-            if i % d["global_every"] == 0 or local_is_global:
-                with sdpa_kernel([backend[g_backend]]):
-                    F.scaled_dot_product_attention(q, k, v)
-            else:
-                with sdpa_kernel([backend[l_backend]]):
-                    F.scaled_dot_product_attention(lq, lk, lv)
+            (g_call if i % d["global_every"] == 0 else l_call)()
             F.linear(x, w["attn.Wo"])
             F.layer_norm(x, (h,), norm_w)
             F.linear(x, w["mlp.Wi"])
@@ -155,9 +176,9 @@ def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
     out["gemms_ms"] = round(graph_ms(gemms), 4)
     out["attention_ms"] = round(n_global * g_ms + n_local * l_ms, 4)
     out["skeleton_ms"] = round(graph_ms(layer_stack), 4)
-    local_floor = max(g_ms * keys / length, 4 * q.numel() * q.element_size() / bandwidth)
+    local_floor = min(l_ms, max(g_ms * keys / length, 4 * q.numel() * q.element_size() / bandwidth))
     out["local_floor_ms"] = round(local_floor, 4)
-    out["ideal_local_ms"] = round(out["skeleton_ms"] - (0 if local_is_global else n_local * (l_ms - local_floor)), 4)
+    out["ideal_local_ms"] = round(out["skeleton_ms"] - n_local * (l_ms - local_floor), 4)
     gemm_flop = 2 * t * sum(a * b for a, b in d["linears"].values()) * d["layers"]
     out["gemm_tflops"] = round(gemm_flop / out["gemms_ms"] / 1e9, 1)
     return out
@@ -208,8 +229,9 @@ def markdown(res: dict) -> str:
             "-" if pkg is None else "%.2f" % (pkg / s["skeleton_ms"]), tgt, tgt / s["skeleton_ms"],
             s["nominal_limit_ms"]))
     lines += ["", "ms; the skeleton is every layer's four cuBLAS linears, its SDPA and two layer norms, replayed "
-              "from one CUDA graph (median of 20). Attention alone: global layers dense, local layers as %d-query "
-              "blocks over the keys their window reaches, each timed alone. The local layers' floor (computed, not "
+              "from one CUDA graph (median of 20). Attention alone: per kind of layer the fastest of SDPA's flash "
+              "and cuDNN backends (global layers dense, local layers as %d-query blocks over the keys their window "
+              "reaches) and the package's own kernel, each timed alone. The local layers' floor (computed, not "
               "measured): the larger of the global kernel's time scaled by the keys reached and q, k, v and the "
               "output moved once at the measured copy rate (%.2f TB/s). The nominal limit is issue 24's: "
               "2 x %.0fM parameters x tokens at %.0f TFLOP/s." % (LOCAL_BLOCK, res["bandwidth_bytes_per_ms"] / 1e9,
