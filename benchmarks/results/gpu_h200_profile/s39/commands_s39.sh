@@ -1,0 +1,30 @@
+#!/bin/bash
+# Session 39's device calls (four, all on H100s though each asked for nvidia-h200; the fourth found an H100 and ran
+# nothing), each after the slim site's unpack line (benchmarks/make_slim_site.sh):
+#   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
+#     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Not meant to be run as one script. The package timed is session 36's bundle's aoti-sm_90 (built at 53b7925 on an
+# H200; the export code is unchanged since), carried as .gpu_bundle/b-s32.tgz.
+tar -xzf .gpu_bundle/b-s32.tgz -C /tmp
+python3 -c "from laya_aot.demo import make_checkpoint; make_checkpoint('/tmp/laya-large-1024-fp16','large-1024',seed=0)"
+
+# call 1 (forward_floor.py as of 7582191: attention from SDPA's backends only, no local-floor column): call1_*
+python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 --package /tmp/b-s32/aoti-sm_90 \
+  --out $OUT --tag _s39a
+
+# call 2 (as of e0f65fe: plus the local layers' computed floor), twice, then the shipped attention kernel alone
+# against SDPA with transformers' dense masks at three shapes, seven tilings (call2_*)
+for t in b c; do
+  python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 \
+    --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39$t
+done
+python3 benchmarks/attention_ab.py --out $OUT --tag _s39 --kernel-only --kernel-shapes 8x256,32x512,32x1024 --graph
+
+# call 3 (as of 5ad754f, the script as committed: each kind of layer's attention the fastest of SDPA's flash and
+# cuDNN backends and the package's own kernel), twice (call3_*)
+for t in d e; do
+  python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 \
+    --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39$t
+done
+
+# call 4: the same as call 3 if the card is an H200; it was the same warm H100, so nothing ran
