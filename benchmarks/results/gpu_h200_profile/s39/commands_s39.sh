@@ -1,6 +1,6 @@
 #!/bin/bash
-# Session 39's device calls (four, all on H100s though each asked for nvidia-h200; the fourth found an H100 and ran
-# nothing), each after the slim site's unpack line (benchmarks/make_slim_site.sh):
+# Session 39's device calls (five, all on H100s though each asked for nvidia-h200; the fourth and fifth found an H100
+# and ran nothing), each after the slim site's unpack line (benchmarks/make_slim_site.sh):
 #   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Not meant to be run as one script. The package timed is session 36's bundle's aoti-sm_90 (built at 53b7925 on an
@@ -27,4 +27,5 @@ for t in d e; do
     --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39$t
 done
 
-# call 4: the same as call 3 if the card is an H200; it was the same warm H100, so nothing ran
+# calls 4 and 5: the same as call 3 if the card is an H200; call 4 found the same warm H100, call 5 a fresh H100,
+# so nothing ran
