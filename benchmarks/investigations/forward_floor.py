@@ -1,9 +1,10 @@
-"""The forward's measured floor on this GPU: the kernels no AOTInductor-built forward of the checkpoint can avoid.
+"""The forward's measured floor on this GPU: the kernels every forward of the checkpoint built on cuBLAS runs.
 
 Issue 24 asks the forward for 1.0 / 3.0 / 24 / 50 ms at 1x128 / 8x256 / 32x512 / 32x1024 (x4 markers) and for 1.5x
-of a limit taken at a nominal 790 TFLOP/s. Both are paper figures. This script measures, on the GPU it runs on, a
-*skeleton* of the encoder: per layer the four linears with cuBLAS (`F.linear`, bf16), attention with torch's own
-SDPA (flash or cuDNN; a local layer as 64-query blocks over the 192 keys its window reaches) or the package's own
+of a limit taken at a nominal 790 TFLOP/s: figures from the GPU's data sheet, not from its libraries. This script
+measures, on the GPU it runs on, a *skeleton* of the encoder: per layer the four linears with cuBLAS (`F.linear`,
+bf16, each layer its own weights, so that they come from memory as the model's do), attention with torch's own SDPA
+(flash or cuDNN; a local layer as 64-query blocks over the 192 keys its window reaches) or the package's own
 attention kernel, whichever is fastest here for each kind of layer, and the two layer norms as one kernel each.
 No rotary, GeGLU, residual add, embedding or decision head; the GeGLU's second GEMM reads a column view of the
 first's output, so no copy either. All layers are captured in one CUDA graph and replayed (the gaps between
@@ -130,7 +131,8 @@ def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
     t = rows * length
     h, heads = d["hidden"], d["heads"]
     hd = h // heads
-    w = {n: torch.randn(s, device=dev, dtype=dt) * 0.02 for n, s in d["linears"].items()}
+    ws = [{n: torch.randn(s, device=dev, dtype=dt) * 0.02 for n, s in d["linears"].items()}
+          for _ in range(d["layers"])]
     two_i, inter = d["linears"]["mlp.Wi"][0], d["linears"]["mlp.Wo"][1]
     x = torch.randn(t, h, device=dev, dtype=dt)
     up = torch.randn(t, two_i, device=dev, dtype=dt)
@@ -157,14 +159,14 @@ def skeleton(d: dict, rows: int, length: int, bandwidth: float) -> dict:
                  "local_attention": [l_name, round(l_ms, 4), "keys per query block %d" % keys]}
 
     def gemms():
-        for _ in range(d["layers"]):
+        for w in ws:
             F.linear(x, w["attn.Wqkv"])
             F.linear(x, w["attn.Wo"])
             F.linear(x, w["mlp.Wi"])
             F.linear(gated, w["mlp.Wo"])
 
     def layer_stack():
-        for i in range(d["layers"]):
+        for i, w in enumerate(ws):
             F.linear(x, w["attn.Wqkv"])
             (g_call if i % d["global_every"] == 0 else l_call)()
             F.linear(x, w["attn.Wo"])
