@@ -28,4 +28,4 @@ for t in d e; do
 done
 
 # calls 4 and 5: the same as call 3 if the card is an H200; call 4 found the same warm H100, call 5 a fresh H100,
-# so nothing ran
+# so nothing ran. Calls 6-8 (forward_floor.py with each layer's own weights, 0c77bbd) found no machine.
