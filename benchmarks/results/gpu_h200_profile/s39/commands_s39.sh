@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 39's device calls (thirteen: five ran on H100s though each asked for nvidia-h200, the fourth and fifth
-# running nothing for that reason; calls 6-13 found no machine), each after the slim site's unpack line (benchmarks/make_slim_site.sh):
+# running nothing for that reason; calls 6-13 found no machine), each after the slim site's unpack line
+# (benchmarks/make_slim_site.sh):
 #   mkdir -p /tmp/site && { [ -d /tmp/site/fastapi ] || tar -xJf .device-site/site.tar.xz -C /tmp/site; } \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Not meant to be run as one script. The package timed is session 36's bundle's aoti-sm_90 (built at 53b7925 on an
@@ -28,5 +29,5 @@ for t in d e; do
 done
 
 # calls 4 and 5: the same as call 3 if the card is an H200; call 4 found the same warm H100, call 5 a fresh H100,
-# so nothing ran. Calls 6-13 (call 3's commands with forward_floor.py giving each layer its own weights, 0c77bbd, on an H200 or
-# an H100): five machine starts failed and three calls were refused at once during the lockout after them.
+# so nothing ran. Calls 6-13 (call 3's commands with forward_floor.py giving each layer its own weights, 0c77bbd,
+# on an H200 or an H100): five machine starts failed and three calls were refused at once during the lockouts.
