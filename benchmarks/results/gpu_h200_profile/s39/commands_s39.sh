@@ -21,8 +21,8 @@ for t in b c; do
 done
 python3 benchmarks/attention_ab.py --out $OUT --tag _s39 --kernel-only --kernel-shapes 8x256,32x512,32x1024 --graph
 
-# call 3 (as of 5ad754f, the script as committed: each kind of layer's attention the fastest of SDPA's flash and
-# cuDNN backends and the package's own kernel), twice (call3_*)
+# call 3 (as of 5ad754f, before 0c77bbd gave each skeleton layer its own weights: each kind of layer's attention
+# the fastest of SDPA's flash and cuDNN backends and the package's own kernel), twice (call3_*)
 for t in d e; do
   python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 \
     --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39$t
