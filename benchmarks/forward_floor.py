@@ -1,7 +1,7 @@
 """The forward's measured floor on this GPU: the kernels every forward of the checkpoint built on cuBLAS runs.
 
-Issue 24 asks the forward for 1.0 / 3.0 / 24 / 50 ms at 1x128 / 8x256 / 32x512 / 32x1024 (x4 markers) and for 1.5x
-of a limit taken at a nominal 790 TFLOP/s: figures from the GPU's data sheet, not from its libraries. This script
+The forward-only targets (1.0 / 3.0 / 24 / 50 ms at 1x128 / 8x256 / 32x512 / 32x1024, x4 markers, and 1.5x of a
+limit taken at a nominal 790 TFLOP/s) are figures from the GPU's data sheet, not from its libraries. This script
 measures, on the GPU it runs on, a *skeleton* of the encoder: per layer the four linears with cuBLAS (`F.linear`,
 bf16, each layer its own weights, so that they come from memory as the model's do), attention with torch's own SDPA
 (flash or cuDNN; a local layer as 64-query blocks over the 192 keys its window reaches) or the package's own
@@ -13,26 +13,23 @@ per norm, however fused otherwise, takes at least this long; today's default pac
 `aoti-sm_90` folder) is timed in the same process, as served (CUDA graphs on), for the ratio.
 Outputs of the skeleton mean nothing.
 
-    python3 benchmarks/investigations/forward_floor.py --ckpt /tmp/laya-large-1024-fp16 \
-        --package /tmp/b-s32/aoti-sm_90 --out $OUT --tag _s39
+    python3 benchmarks/forward_floor.py --ckpt CKPT --package BUNDLE/aoti-sm_90
 
 Writes forward_floor<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
+from harness import FORWARD_SHAPES as SHAPES
 
-SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
-TARGETS_MS = {(1, 128): 1.0, (8, 256): 3.0, (32, 512): 24.0, (32, 1024): 50.0}  # issue 24's forward-only line
-NOMINAL_TFLOPS = 790.0  # issue 24's dense 16-bit rate of the H200
+TARGETS_MS = {(1, 128): 1.0, (8, 256): 3.0, (32, 512): 24.0, (32, 1024): 50.0}  # the forward-only targets
+NOMINAL_TFLOPS = 790.0  # the H200's data-sheet dense 16-bit rate
 LOCAL_BLOCK = 64  # queries per block of a local layer (the shipped kernel's BLOCK_M for a window)
 
 
@@ -192,34 +189,21 @@ def package_ms(ckpt: Path, package: Path, shapes) -> dict:
 
     from laya_aot.kinds.aoti import AOTIRunner
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from aoti_variants import forward_args
-
     tensors = load_file(str(ckpt / "model.safetensors"))
-    vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
+    vocab = harness.vocab_of(tensors)
     runner = AOTIRunner(package, tensors, "cuda", cuda_graphs=True)
     res = {}
     for rows, length in shapes:
-        args = [a.cuda() for a in forward_args(rows, length, rows * 10000 + length, vocab)]
-        times = []
-        for i in range(23):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner(*args)
-            torch.cuda.synchronize()
-            if i >= 3:
-                times.append((time.perf_counter() - t0) * 1e3)
-        res["%dx%d" % (rows, length)] = round(statistics.median(times), 4)
-    del runner
+        args = harness.forward_args(rows, length, vocab, "cuda", seed=rows * 10000 + length)
+        res["%dx%d" % (rows, length)] = harness.median_ms(lambda args=args: runner(*args), device="cuda")
+    runner = None  # the package's memory goes before the skeleton's timings
     torch.cuda.empty_cache()
     return res
 
 
 def markdown(res: dict) -> str:
-    lines = ["# The forward's measured floor (`benchmarks/investigations/forward_floor.py`)", "",
-             "Command: `%s`" % res["command"], "", "GPU: %s, torch %s" % (res["gpu"], res["torch"]), "",
-             "| shape (x4 markers) | tokens | cuBLAS GEMMs alone (TFLOP/s) | attention alone (backends) | skeleton "
-             "| skeleton, local layers at their floor | today's package | package / skeleton | issue 24's target "
+    lines = ["| shape (x4 markers) | tokens | cuBLAS GEMMs alone (TFLOP/s) | attention alone (backends) | skeleton "
+             "| skeleton, local layers at their floor | today's package | package / skeleton | forward-only target "
              "| target / skeleton | nominal limit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, s in res["shapes"].items():
@@ -235,27 +219,24 @@ def markdown(res: dict) -> str:
               "and cuDNN backends (global layers dense, local layers as %d-query blocks over the keys their window "
               "reaches) and the package's own kernel, each timed alone. The local layers' floor (computed, not "
               "measured): the larger of the global kernel's time scaled by the keys reached and q, k, v and the "
-              "output moved once at the measured copy rate (%.2f TB/s). The nominal limit is issue 24's: "
+              "output moved once at the measured copy rate (%.2f TB/s). The nominal limit: "
               "2 x %.0fM parameters x tokens at %.0f TFLOP/s." % (LOCAL_BLOCK, res["bandwidth_bytes_per_ms"] / 1e9,
                                                                   res["dims"]["params"] / 1e6, NOMINAL_TFLOPS)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
+    ap = harness.parser(__doc__)
+    ap.add_argument("--ckpt", required=True)
     ap.add_argument("--package", help="a bundle's aoti-sm_90 folder, timed in the same process")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES))
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("forward_floor.py times CUDA kernels: run it on a GPU machine")
     ckpt = Path(a.ckpt)
-    shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
+    shapes = harness.shapes_arg(a.shapes)
     d = dims(ckpt)
-    res: dict = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "dims": d, "shapes": {}}
+    res: dict = {"environment": harness.environment(), "dims": d, "shapes": {}}
     if a.package:
         res["package_ms"] = package_ms(ckpt, Path(a.package), shapes)
         print("package", res["package_ms"], flush=True)
@@ -267,11 +248,7 @@ def main() -> None:
         res["shapes"]["%dx%d" % (rows, length)] = s
         print("%dx%d" % (rows, length), s, flush=True)
         torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("forward_floor%s.json" % a.tag)).write_text(json.dumps(res, indent=1))
-    (out / ("forward_floor%s.md" % a.tag)).write_text(markdown(res))
-    print(markdown(res))
+    harness.write(a.out, "forward_floor" + a.tag, res, markdown(res), title="The forward's measured floor")
 
 
 if __name__ == "__main__":

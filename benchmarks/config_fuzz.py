@@ -1,6 +1,6 @@
 """Checkpoints of shapes nobody chose, built and served on the CPU, each answer compared with laya eager's.
 
-    python benchmarks/investigations/config_fuzz.py --n 12 --seed 0 --out DIR [--aoti-every 3]
+    python benchmarks/config_fuzz.py --n 12 --seed 0 [--aoti-every 3]
 
 Each case draws a `DemoShape` at random (hidden size and heads with head dims 8-48, 1-4 layers, every-n global
 attention, local windows 2-96, 1-3 head layers, 1-8 actions, max_len 32-300, BPE or WordPiece, fp16 / bf16 /
@@ -10,11 +10,11 @@ eager with `laya.load`, and asks both the 60-question suite plus four questions 
 3-400 words (past max_len included: laya truncates), in batches of 1-7 states (`batch_size` None or 1-3). A case
 passes when the bundle serves (not laya's eager forward) and every answer equals laya eager's (the tests' rule:
 same decision, probabilities within 1e-4 as laya rounds them), and every input laya refuses is refused with the
-same error. Writes DIR/config_fuzz.json: per case the shape, what served, and each difference found.
+same error. Checkpoints and bundles go under --work; writes config_fuzz<tag>.json and .md (per case the shape,
+what served, and each difference found) to --out, after every case.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -23,8 +23,9 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import harness
+
+sys.path.insert(0, str(harness.ROOT))  # tests.questions: the tests' rule for equal answers
 
 
 def draw(rng: random.Random):
@@ -43,8 +44,7 @@ def draw(rng: random.Random):
 
 def differences(got, ref, tol=1e-4 + 1e-12):
     """The rule of tests/questions.assert_same_answers, as a list of what differs."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from questions import _answer_key
+    from tests.questions import _answer_key
 
     out = []
     for qid, r in ref.items():
@@ -125,17 +125,31 @@ def case(i: int, shape, root: Path, aoti: bool, rng: random.Random) -> dict:
     return out
 
 
+def markdown(doc: dict) -> str:
+    cases = doc["cases"]
+    served = [c for c in cases if str(c.get("served_by", "")).startswith("aot:")]
+    lines = ["%d cases: %d served from an artifact, %d answers compared, %d differences, %d errors." % (
+        len(cases), len(served), sum(c.get("answers_compared", 0) for c in cases),
+        sum(c.get("n_differences", 0) for c in cases), sum(1 for c in cases if "error" in c)), "",
+             "| case | served by | answers compared | differences | refused alike | error |",
+             "|---|---|---|---|---|---|"]
+    for c in cases:
+        lines.append("| %s | %s | %s | %s | %s | %s |" % (
+            c["case"], c.get("served_by", "-"), c.get("answers_compared", "-"), c.get("n_differences", "-"),
+            len(c.get("refused_alike", [])), (c.get("error") or "")[:200].replace("|", "/")))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--aoti-every", type=int, default=3)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    root = Path(a.out)
+    root = a.work
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
-    results = []
+    doc = {"environment": harness.environment(), "cases": []}
     for i in range(a.n):
         shape = draw(rng)
         try:
@@ -143,11 +157,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a case that fails is a finding, recorded with its traceback
             r = {"case": i, "shape": asdict(shape), "error": "%s: %s" % (type(e).__name__, e),
                  "traceback": traceback.format_exc()[-3000:]}
-        results.append(r)
+        doc["cases"].append(r)
         print(json.dumps({k: r.get(k) for k in ("case", "served_by", "answers_compared", "n_differences", "error",
                                                   "build_s")}), flush=True)
-        (root / "config_fuzz.json").write_text(json.dumps({"command": " ".join(sys.argv), "cases": results},
-                                                          indent=1, default=str))
+        harness.write(a.out, "config_fuzz" + a.tag, doc, partial=True)
+    harness.write(a.out, "config_fuzz" + a.tag, doc, markdown(doc),
+                  title="Checkpoints of drawn shapes, served on the CPU beside laya eager")
 
 
 if __name__ == "__main__":
