@@ -3,14 +3,14 @@
 A kernel-level A/B on one machine, for settings whose correctness a full `laya-aot build` has already verified
 (or checks here only coarsely): each variant is exported and packaged exactly as the build's `exported_program`
 and `aoti` stages do it (`ExplicitDtypeModel`, `export_model`, `aoti.package`), in its own process, all variants
-at once; then one process loads every package with the checkpoint's weights and times the forward alone at
-issue 24's shapes, the variants alternating shape by shape (median of 20 after 3 warm-ups, synchronised; with each
-variant's p10 and p90, and its paired ratio to the first variant round by round, since session 21). Each
-variant's outputs are compared with the first variant's on the same inputs (max |d softmax|), which catches a
-broken package, not a subtle precision change: that is what the build's verification is for.
+at once; then one process loads every package with the checkpoint's weights and times the forward alone at the
+forward-only shapes, the variants alternating shape by shape (median of 20 after 3 warm-ups, synchronised; with
+each variant's p10 and p90, and its paired ratio to the first variant round by round). Each variant's outputs are
+compared with the first variant's on the same inputs (max |d softmax|), which catches a broken package, not a
+subtle precision change: that is what the build's verification is for.
 
-    python3 benchmarks/aoti_variants.py --ckpt /tmp/laya-large-1024-fp16 --out $OUT --tag _s19 \
-        --variants table,computed,table+autotune
+    python3 benchmarks/aoti_variants.py --ckpt CKPT --variants table,table+fullhead [--smoke] [--device cpu]
+    python3 benchmarks/aoti_variants.py --ckpt CKPT --prebuilt table=BUNDLE/aoti-sm_90 --variants table,table+cdt
 
 A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally with `+autotune`
 (`aoti.max_autotune=true`), `+fullhead` (`export.head=full`; otherwise the default head, `answer_rows`) and
@@ -18,19 +18,14 @@ A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally 
 R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
 `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only) and `+splitmlp` (the
-GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue;
-session 38: untuned, 9% slower at one row and 0.98-1.01x on 8-32 rows; tuned, the package did not compile within a
-device call, and the block alone fused only at 512 tokens, slower there: `investigations/geglu_epilogue_ab.py`).
-Session 19 measured `+autotune` when the example was 3 x 48 (144 tokens: tiles tuned there lost at real sizes);
-since session 22 the GPU example is 8 x 1024, so Inductor tunes at 8,192 tokens (session 37).
-Session 22's call C ran before the GPU default became 8 x 1024: its `table` was traced at 3 x 48, its
-`table+hint8x1024` is today's `table`.
-Session 19's `table` and `computed` ran before `export.head` existed: they are `table+fullhead` and
-`computed+fullhead` now. Writes aoti_variants<tag>.json and .md to --out.
+GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue).
+`--prebuilt VARIANT=DIR` times a package already built (a bundle's `aoti-sm_90/`) instead of compiling it;
+`--smoke` first runs each package once per shape in a process of its own, so that a package which breaks the CUDA
+context is named and left out rather than ending the run. What these settings measured is in
+`benchmarks/results/calls.md`. Writes aoti_variants<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
+import harness
+from harness import FORWARD_SHAPES as SHAPES
 
 
 def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: str) -> None:
@@ -86,7 +82,7 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "head": module.head,
            "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
            "max_tokens": max_tokens, "template_kernels": template_kernels(workdir / variant / "model.pt2")}
-    print("RESULT " + json.dumps(res, default=str), flush=True)
+    harness.emit(res)
 
 
 def template_kernels(package: Path) -> list:
@@ -126,28 +122,19 @@ def _split_mlp(module) -> int:
     return len(mlps)
 
 
-def forward_args(rows: int, length: int, seed: int, vocab: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, min(4000, vocab), (rows, length), generator=g)
-    return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows), torch.ones((rows, 4), dtype=torch.bool),
-            torch.zeros((rows,), dtype=torch.long))
-
-
 def smoke_child(variant: str, ckpt: str, workdir: Path, graphs: bool, device: str, shapes) -> None:
     """Run one package once at every shape; prints one SMOKE line per shape. In a child of its own: a device-side
-    assert (session 37's first max-autotune package) ends the CUDA context and would end the timing with it."""
+    assert (seen once in a max-autotune package) ends the CUDA context and would end the timing with it."""
     import torch
     from safetensors.torch import load_file
 
     from laya_aot.kinds.aoti import AOTIRunner
 
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
+    vocab = harness.vocab_of(tensors)
     runner = AOTIRunner(workdir / variant, tensors, device, cuda_graphs=graphs)
     for rows, length in shapes:
-        args = [x.to(device) for x in forward_args(rows, length, rows * 10000 + length, vocab)]
+        args = harness.forward_args(rows, length, vocab, device, seed=rows * 10000 + length)
         logits, _ = runner(*args)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -157,16 +144,13 @@ def smoke_child(variant: str, ckpt: str, workdir: Path, graphs: bool, device: st
 
 def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shapes=SHAPES) -> dict:
     import torch
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
     from safetensors.torch import load_file
 
     from laya_aot.kinds.aoti import AOTIRunner
 
+    sync = harness.synchronizer(device)
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    vocab = min(int(t.shape[0]) for k, t in tensors.items() if k.endswith("tok_embeddings.weight"))
+    vocab = harness.vocab_of(tensors)
     runners = {v: AOTIRunner(workdir / v, tensors, device, cuda_graphs=graphs) for v in variants}
     out: dict = {v: {} for v in variants}
     spread: dict = {v: {} for v in variants}
@@ -174,7 +158,7 @@ def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shap
     diffs: dict = {v: {} for v in variants}
     for rows, length in shapes:
         shape = "%dx%dx4" % (rows, length)
-        args = [x.to(device) for x in forward_args(rows, length, rows * 10000 + length, vocab)]
+        args = harness.forward_args(rows, length, vocab, device, seed=rows * 10000 + length)
         ref = None
         times = {v: [] for v in variants}
         for i in range(23):
@@ -191,25 +175,16 @@ def time_all(variants, ckpt: str, workdir: Path, graphs: bool, device: str, shap
                     diffs[v][shape] = float((p - ref).abs().max())
         for v in variants:
             out[v][shape] = round(statistics.median(times[v]) * 1e3, 3)
-            spread[v][shape] = _p10_p90([t * 1e3 for t in times[v]])
+            spread[v][shape] = harness.spread([t * 1e3 for t in times[v]])
         for v in variants[1:]:  # each round's time over the first variant's in the same round: a paired figure
-            paired[v][shape] = _p10_p90([a / b for a, b in zip(times[v], times[variants[0]])], median=True)
+            paired[v][shape] = harness.spread([a / b for a, b in zip(times[v], times[variants[0]])], with_median=True)
     return {"forward_ms": out, "forward_ms_p10_p90": spread, "ratio_vs_first": paired, "max_dp_vs_first": diffs}
-
-
-def _p10_p90(xs: list, median: bool = False) -> list:
-    """[p10, p90] (with the median between them when asked) of the timed rounds, rounded."""
-    q = statistics.quantiles(xs, n=10)
-    picked = [q[0], statistics.median(xs), q[-1]] if median else [q[0], q[-1]]
-    return [round(x, 3) for x in picked]
 
 
 def markdown(res: dict) -> str:
     shapes = sorted({k for fo in res.get("timed", {}).get("forward_ms", {}).values() for k in fo},
                     key=lambda k: [int(n) for n in k.split("x")])
-    lines = ["# AOTInductor variants, one machine (`benchmarks/aoti_variants.py`)", "",
-             "Command: `%s`" % res["command"], "",
-             "| variant | export s | package s | " + " | ".join(shapes) + " | max dp vs first |",
+    lines = ["| variant | export s | package s | " + " | ".join(shapes) + " | max dp vs first |",
              "|---|---|---|" + "---|" * len(shapes) + "---|"]
     for v, c in res["compiled"].items():
         fo = res.get("timed", {}).get("forward_ms", {}).get(v, {})
@@ -235,17 +210,14 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--compile-child")
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
-    ap.add_argument("--workdir", default="/tmp/aoti-variants")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--ckpt", required=True)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--variants", default="table,computed")
     ap.add_argument("--no-graphs", action="store_true", help="time the packages without CUDA graphs")
     ap.add_argument("--compile-timeout", type=float, default=420)
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run on a CPU machine (stock attention)")
+    ap.add_argument("--device", default="cuda", help="cpu: on a CPU machine (stock attention)")
     ap.add_argument("--shapes", default=",".join("%dx%d" % s for s in SHAPES))
     ap.add_argument("--prebuilt", action="append", default=[], metavar="VARIANT=DIR",
                     help="a package already built (a bundle's aoti-sm_90 folder): linked in, not compiled")
@@ -254,8 +226,8 @@ def main() -> None:
                          "that pass")
     ap.add_argument("--smoke-child")
     a = ap.parse_args()
-    workdir = Path(a.workdir)
-    shapes = tuple(tuple(int(n) for n in s.split("x")) for s in a.shapes.split(","))
+    workdir = a.work
+    shapes = tuple(harness.shapes_arg(a.shapes))
     if a.compile_child:
         compile_child(a.compile_child, a.ckpt, workdir, a.dtype, a.device)
         return
@@ -263,8 +235,8 @@ def main() -> None:
         smoke_child(a.smoke_child, a.ckpt, workdir, not a.no_graphs, a.device, shapes)
         return
     variants = a.variants.split(",")
-    res: dict = {"command": " ".join(sys.argv), "graphs": not a.no_graphs, "compiled": {}}
-    out = Path(a.out)
+    res: dict = {"environment": harness.environment(), "graphs": not a.no_graphs, "compiled": {}}
+    out = a.out
     out.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
     prebuilt = dict(item.split("=", 1) for item in a.prebuilt)
@@ -274,8 +246,9 @@ def main() -> None:
             link.unlink(missing_ok=True)
             link.symlink_to(Path(src).resolve())
         res["compiled"][v] = {"prebuilt": src, "package_bytes": (link / "model.pt2").stat().st_size}
-    child = [sys.executable, __file__, "--ckpt", a.ckpt, "--workdir", str(workdir), "--dtype", a.dtype,
+    child = [sys.executable, __file__, "--ckpt", a.ckpt, "--work", str(workdir), "--dtype", a.dtype,
              "--device", a.device, "--compile-child"]
+    t0 = time.time()
     procs = {v: subprocess.Popen(child + [v], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for v in variants if v not in prebuilt}
     deadline = time.monotonic() + a.compile_timeout  # one limit for all: the children compile side by side
@@ -285,28 +258,24 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             stdout, stderr = p.communicate()
-        found = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-        res["compiled"][v] = found[0] if found else {"rc": p.returncode, "stderr": stderr[-3000:]}
+        res["compiled"][v] = harness.ChildRun(p.returncode, stdout, stderr, t0).result_or_failure()
         (out / ("aoti_variants%s_%s.log" % (a.tag, v.replace("+", "_")))).write_text(stdout[-20000:] + stderr[-20000:])
         print(v, json.dumps(res["compiled"][v], default=str)[:400], flush=True)
     ok = [v for v in variants if "package_bytes" in res["compiled"][v]]
     if a.smoke:
-        smoke = [sys.executable, __file__, "--ckpt", a.ckpt, "--workdir", str(workdir), "--device", a.device,
+        smoke = [sys.executable, __file__, "--ckpt", a.ckpt, "--work", str(workdir), "--device", a.device,
                  "--shapes", a.shapes] + (["--no-graphs"] if a.no_graphs else []) + ["--smoke-child"]
         for v in list(ok):
-            p = subprocess.run(smoke + [v], capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
-            lines = [line for line in p.stdout.splitlines() if line.startswith("SMOKE ")]
-            res["compiled"][v]["smoke"] = {"rc": p.returncode, "passed": lines,
-                                           "error": "" if p.returncode == 0 else p.stderr[-1500:]}
-            print(v, "smoke rc", p.returncode, lines, p.stderr[-600:] if p.returncode else "", flush=True)
-            if p.returncode != 0:
+            run = harness.spawn(smoke + [v], timeout=300, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+            lines = [line for line in run.stdout.splitlines() if line.startswith("SMOKE ")]
+            res["compiled"][v]["smoke"] = {"rc": run.rc, "passed": lines,
+                                           "error": "" if run.rc == 0 else run.stderr[-1500:]}
+            print(v, "smoke rc", run.rc, lines, run.stderr[-600:] if run.rc else "", flush=True)
+            if run.rc != 0:
                 ok.remove(v)
     if ok:
         res["timed"] = time_all(ok, a.ckpt, workdir, not a.no_graphs, a.device, shapes)
-    (out / ("aoti_variants%s.json" % a.tag)).write_text(json.dumps(res, indent=1, default=str))
-    (out / ("aoti_variants%s.md" % a.tag)).write_text(markdown(res))
-    print(markdown(res))
+    harness.write(out, "aoti_variants" + a.tag, res, markdown(res), title="AOTInductor variants, one machine")
 
 
 if __name__ == "__main__":

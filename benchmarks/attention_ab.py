@@ -1,31 +1,30 @@
-"""The exported encoder's attention, A/B on a GPU: transformers' SDPA with its masks (a built bundle) against
-`laya_aot.attention`'s Triton window kernel (exported and packaged here), issue 24.
+"""The exported encoder's attention, A/B on a GPU: transformers' SDPA with its masks (a bundle built with
+`export.attention=stock`) against `laya_aot.attention`'s Triton window kernel (exported and packaged here).
 
-On the GPU host, after the .device-site unpack line, with the checkpoint and stock bundle `gpu_start.py` uses:
-
-    python3 benchmarks/attention_ab.py --out $OUT [--tag _run1] [--kernel-only --kernel-shapes 1x128,8x256 [--graph]]
+    python3 benchmarks/attention_ab.py --kernel-only --kernel-shapes 1x128,8x256,32x1024 [--graph]
+    python3 benchmarks/attention_ab.py --ckpt CKPT --bundle STOCK_BUNDLE
 
 First times the kernel alone against SDPA with the dense masks transformers builds, for a few tile configurations
 (`CONFIGS`), at `--kernel-shapes` rows x tokens (default 32 x 1024) x 16 heads x 64 in bf16 with padding, local
-(w=64) and global: the GPU's time per call from CUDA events (`gpu_ms`; before session 17 the wall time of a
-synchronised call, which at a short call's shape is mostly the launch).
+(w=64) and global: the GPU's time per call from CUDA events (`gpu_ms`), or with `--graph` replayed from a CUDA
+graph (`graph_ms`: what times a short shape's kernel, whose Python launch outlasts it).
 Then exports laya's model with `export.attention=triton` as the build does (bf16 under autocast, the same ranges),
 packages it with AOTInductor (weights from the checkpoint at load, CUDA graphs on), and loads the bundle's
 stock AOTInductor artifact the same way. Both are compared with laya's eager fp32 forward on seeded batches
 with padding (max |logit difference| and decisions equal), then timed at the forward-only shapes (median of 20
 after 3 warm-ups, synchronised). Not a build: the build's own verification is what ships an artifact.
+Writes attention_ab<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
+import harness
 import torch
+from harness import FORWARD_SHAPES as SHAPES
 
-SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
 CHECKS = ((1, 80), (5, 272), (8, 640), (16, 1024))
 
 
@@ -41,16 +40,8 @@ def batch(rows: int, length: int, seed: int, vocab: int, pad_id: int, device: st
                                         torch.arange(rows) % 3))
 
 
-def timed(fn, args, n: int = 20) -> float:
-    times = []
-    for i in range(n + 3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e3, 3)
+def timed(fn, args) -> float:
+    return harness.median_ms(lambda: fn(*args), device="cuda")
 
 
 def main() -> None:
@@ -63,11 +54,9 @@ def main() -> None:
     from laya_aot.kinds.exported_program import export_model
     from laya_aot.model import ExplicitDtypeModel
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
-    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
+    ap = harness.parser(__doc__, work=True)
+    ap.add_argument("--ckpt", help="the checkpoint (not needed with --kernel-only)")
+    ap.add_argument("--bundle", help="a bundle of it built with export.attention=stock (not with --kernel-only)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="the export's token range, as the build's")
     ap.add_argument("--kernel-only", action="store_true", help="only the kernel against SDPA, no export")
     ap.add_argument("--kernel-shapes", default="32x1024", help="rows x tokens the kernel alone is timed at, "
@@ -75,7 +64,9 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="time the kernel alone replayed from a CUDA graph (what times a short shape)")
     a = ap.parse_args()
-    res: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    if not a.kernel_only and not (a.ckpt and a.bundle):
+        ap.error("--ckpt and --bundle are needed unless --kernel-only")
+    res: dict = {"environment": harness.environment()}
     res["kernel"] = [kernel_bench(rows=int(r), length=int(L), graphed=a.graph) for r, L in
                      (shape.split("x") for shape in a.kernel_shapes.split(","))]
     if a.kernel_only:
@@ -92,7 +83,7 @@ def main() -> None:
     with safe_open(str(Path(a.ckpt) / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     t = time.perf_counter()
-    flash_dir = Path("/tmp/aoti-triton")
+    flash_dir = a.work / "aoti-triton"
     res["package"] = aoti.package(program, flash_dir, keys)
     res["package_s"] = round(time.perf_counter() - t, 1)
     print("packaged", res, flush=True)
@@ -123,9 +114,21 @@ def main() -> None:
 
 
 def write(a, res: dict) -> None:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("attention_ab%s.json" % a.tag)).write_text(json.dumps(res, indent=1, default=str))
+    lines = ["Kernel alone, GPU ms per call:", "", "| shape | layer | SDPA, dense mask | shipped tiles | best tiles |",
+             "|---|---|---|---|---|"]
+    for k in res["kernel"]:
+        for window in ("window64", "window-1"):
+            row = k[window]
+            tiles = {n: v["ms"] for n, v in row.items() if isinstance(v, dict) and "ms" in v}
+            best = min(tiles, key=tiles.get) if tiles else None
+            shipped = "BM%(BLOCK_M)d_BN%(BLOCK_N)d_w%(num_warps)d_s%(num_stages)d" % row["shipped"] \
+                if isinstance(row.get("shipped"), dict) else str(row.get("shipped"))
+            lines.append("| %s | %s | %s | %s %s | %s %s |" % (
+                k["shape"], "local (w=64)" if window == "window64" else "global", row["sdpa_dense_mask_ms"], shipped,
+                tiles.get(shipped, "-"), best, tiles.get(best, "-")))
+    for shape, by_runner in (res.get("forward_ms") or {}).items():
+        lines.append("\nForward only %s: %s" % (shape, json.dumps(by_runner)))
+    harness.write(a.out, "attention_ab" + a.tag, res, "\n".join(lines), title="Attention kernel A/B")
 
 
 CONFIGS = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -141,8 +144,8 @@ CONFIGS = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 
 def gpu_ms(fn) -> float:
     """The time between CUDA events around one call (median). At a short call's shapes this is the Python launch,
-    not the kernel (session 17, `gpu_h200_attention.md`): a Triton launch from Python outlasts a kernel of a few
-    microseconds and the GPU idles between the events; only large shapes are timed truly this way."""
+    not the kernel: a Triton launch from Python outlasts a kernel of a few microseconds and the GPU idles between
+    the events; only large shapes are timed truly this way (`graph_ms` times the short ones)."""
     import triton
 
     return round(float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), 4)

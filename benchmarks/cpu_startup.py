@@ -2,28 +2,28 @@
 
 Every start-up figure is a whole fresh Python process (median of --runs): the parent records the wall
 clock just before it spawns the child and the child reports the wall clock at its first answer, so
-interpreter start, imports, loading and the first request all count.
+interpreter start, imports, loading and the first request all count. Per-call latency is the model forward
+through the agent at 1x128x4 and 8x256x4 (median of 20 after 3 warm-ups), for the bundle as loaded and for
+each runtime artifact kind forced with `prefer=`.
 
-    python benchmarks/cpu_startup.py --shape tiny --runs 5
-    python benchmarks/cpu_startup.py --shape base-512 --runs 5
+    python benchmarks/cpu_startup.py --shape tiny --runs 5 --modes bundle,eager
+    python benchmarks/cpu_startup.py --shape base-512 --runs 5 --modes bundle,eager
 
-Writes benchmarks/results/cpu_<shape>.json and .md (with this command line).
+The demo checkpoint (`--shape`) and its bundle are made under `--work` unless they exist. Without `--modes`,
+laya `compile=True` runs as well, each start with a cold Inductor cache (minutes per start).
+Writes cpu_<shape><tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
 QUESTIONS = {
     "team": {"type": "choice", "instructions": "Which team should handle this?",
              "criteria": {"billing": "payments", "technical": "errors", "account": "login"}},
@@ -57,7 +57,7 @@ def child(mode: str, ckpt: str, bundle: str, latency: bool) -> None:
            "load_stats": getattr(agent.backend_object, "load_stats", None)}
     if latency:
         out["latency_ms"] = per_call(agent, torch)
-    print("BENCH " + json.dumps(out), flush=True)
+    harness.emit(out)
 
 
 def per_call(agent, torch) -> dict:
@@ -66,37 +66,28 @@ def per_call(agent, torch) -> dict:
     out = {}
     for rows, tokens in ((1, 128), (8, 256)):
         tokens = min(tokens, max_len)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(5, 200, (rows, tokens), generator=g)
-        batch = (ids, torch.ones_like(ids), torch.tensor([[3, 9, 15, 21]] * rows),
-                 torch.ones((rows, 4), dtype=torch.bool), torch.zeros(rows, dtype=torch.long))
-        with torch.no_grad():
-            for _ in range(3):
+        batch = harness.forward_args(rows, tokens, vocab=200)
+
+        def forward(batch=batch):
+            with torch.no_grad():
                 agent.model(*batch)
-            times = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                agent.model(*batch)
-                times.append((time.perf_counter() - t0) * 1e3)
-        out["%dx%dx4" % (rows, tokens)] = statistics.median(times)
+
+        out["%dx%dx4" % (rows, tokens)] = harness.median_ms(forward)
     return out
 
 
-def spawn(mode: str, ckpt: Path, bundle: Path, env: dict, latency: bool = False) -> dict:
-    t0 = time.time()
-    p = subprocess.run([sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle)]
-                       + (["--latency"] if latency else []), capture_output=True, text=True, env=env)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH ")), None)
-    if p.returncode != 0 or line is None:
-        raise RuntimeError("%s child failed (%d): %s" % (mode, p.returncode, p.stderr[-2000:]))
-    r = json.loads(line[6:])
-    r.update(start_to_first_s=r["t_first"] - t0, start_to_loaded_s=r["t_loaded"] - t0)
+def spawn(mode: str, ckpt, bundle, env: dict, latency: bool = False) -> dict:
+    run = harness.spawn([sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle)]
+                        + (["--latency"] if latency else []), env=env)
+    r = run.result()
+    if run.rc != 0 or r is None:
+        raise RuntimeError("%s child failed (%s): %s" % (mode, run.rc, run.stderr[-2000:]))
+    r.update(start_to_first_s=r["t_first"] - run.started, start_to_loaded_s=r["t_loaded"] - run.started)
     return r
 
 
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--modes", default="bundle,eager,compile")
@@ -108,15 +99,14 @@ def main() -> None:
     if a.child:
         child(a.child, a.ckpt, a.bundle, a.latency)
         return
-    command = "python benchmarks/cpu_startup.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     from laya_aot import kinds
     from laya_aot.bundle_format import read_bundle
     from laya_aot.checkpoint import mismatch
     from laya_aot.demo import make_checkpoint
     from laya_aot.manifest import BundleError
 
-    ckpt = make_checkpoint(ROOT / "artifacts" / "checkpoints" / ("bench-%s" % a.shape), a.shape)
-    bundle = ROOT / "artifacts" / ("bench-%s" % a.shape)
+    ckpt = make_checkpoint(a.work / ("ckpt-%s" % a.shape), a.shape)
+    bundle = a.work / ("bundle-%s" % a.shape)
     build_s = None
     try:
         stale = mismatch(read_bundle(bundle, kinds.NAMES), ckpt)
@@ -129,8 +119,7 @@ def main() -> None:
         build_s = time.time() - t0
     cache = tempfile.mkdtemp(prefix="laya-aot-bench-cache-")
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=cache, PYTHONWARNINGS="ignore")
-    results: dict = {"command": command, "shape": a.shape, "runs": a.runs, "build_s": build_s,
-                     "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+    results: dict = {"shape": a.shape, "runs": a.runs, "build_s": build_s, "environment": harness.environment(),
                      "modes": {}}
     modes = a.modes.split(",")
     if "bundle" in modes:
@@ -164,16 +153,12 @@ def main() -> None:
         results["latency_ratio_by_artifact_over_eager"] = {
             kind: {k: v["latency_ms"][k] / eager[k] for k in eager}
             for kind, v in results["latency_by_artifact_ms"].items()}
-    out = ROOT / "benchmarks" / "results" / ("cpu_%s" % a.shape)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    out.with_suffix(".md").write_text(markdown(results))
-    print(markdown(results))
+    harness.write(a.out, "cpu_%s%s" % (a.shape, a.tag), results, markdown(results),
+                  title="CPU start-up and latency, shape `%s`" % a.shape)
 
 
 def markdown(r: dict) -> str:
-    lines = ["# CPU start-up and latency, shape `%s`" % r["shape"], "",
-             "Command: `%s` (%d cores). Start-up = whole fresh process, median of %d." % (
-                 r["command"], r["machine"]["cores"] or 0, r["runs"]), ""]
+    lines = ["Start-up = whole fresh process, median of %d." % r["runs"], ""]
     if r.get("build_s"):
         lines.append("Bundle build: %.1f s." % r["build_s"])
     if "bundle_cold_probe" in r:

@@ -1,11 +1,9 @@
 """How much laya's own eager forward depends on what else is in the batch (GPU, laya's serving dtype).
 
-On the GPU host, after the .device-site unpack line:
+    python3 benchmarks/eager_batch_noise.py [--names a,b,...]
 
-    python3 benchmarks/eager_batch_noise.py --out $OUT [--names a,b,...]
-
-The near-tie guard (runtime/backend.py) recomputes a near-tie row with laya's eager forward on a batch
-of only the near-tie rows. That is laya's own arithmetic, but not on the same batch that laya would have
+The near-tie guard (`near_ties="rows"`, runtime/backend.py) recomputes a near-tie row with laya's eager forward
+on a batch of only the near-tie rows. That is laya's own arithmetic, but not on the same batch that laya would have
 run, and 16-bit GPU kernels may round a row differently when the batch around it changes (another
 matmul shape, another kernel). This measures that floor for the matrix checkpoints of gpu_matrix.py
 (same seeds, states and questions), inside laya's own `predict_batch` (so under its autocast):
@@ -16,17 +14,15 @@ matmul shape, another kernel). This measures that floor for the matrix checkpoin
 - at the answer level: each state alone and each question alone against the 3-state call;
 - laya eager's `predict_batch` time for the 3 states x 60 questions (median of 5).
 
-Writes eager_batch_noise.json/.md to --out.
+Writes eager_batch_noise<tag>.json/.md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
-from gpu_matrix import DEFAULT, _decision  # the same checkpoints and the same reading of a decision
+import harness
+from gpu_matrix import DEFAULT  # the same checkpoints
 
 
 def measure(name: str, work: Path, guard_margin: float, device: str = "cuda") -> dict:
@@ -40,7 +36,6 @@ def measure(name: str, work: Path, guard_margin: float, device: str = "cuda") ->
 
     ckpt = make_checkpoint(work / name, name, seed=7)
     agent = laya.load(str(ckpt), device=device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     qs = question_suite()
     rng = np.random.default_rng(11)
     states = [state_text(rng, n) for n in (5, 40, 160)]
@@ -92,22 +87,14 @@ def measure(name: str, work: Path, guard_margin: float, device: str = "cuda") ->
     for label, other in alone:
         differ = [{"state": i, "question": q, "type": f["answers"][q]["type"]}
                   for i, (f, o) in enumerate(zip(full, other)) for q in qs
-                  if _decision(f["answers"][q]) != _decision(o[q])]
+                  if harness.decision(f["answers"][q]) != harness.decision(o[q])]
         answers[label] = {"decisions": len(states) * len(qs), "differ": differ}
-    times = []
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        agent.predict_batch(states, qs)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
     return {"serves": serving_dtype(agent), "forward": rec, "answers": answers,
-            "eager_predict_batch_ms": round(float(np.median(times)), 2)}
+            "eager_predict_batch_ms": round(harness.predict_ms(agent, states, qs, 5, 0, device)[0], 2)}
 
 
 def markdown(report: dict) -> str:
-    lines = ["Command: `%s`" % report["command"], "",
-             "| checkpoint | laya serves | rows x tokens | same batch twice bitwise | each row alone: bitwise rows, "
+    lines = ["| checkpoint | laya serves | rows x tokens | same batch twice bitwise | each row alone: bitwise rows, "
              "max dp, top option changed (full-batch gap) | near-tie rows together: same | decisions differing: "
              "state alone / question alone | eager predict_batch ms |",
              "|---|---|---|---|---|---|---|---|"]
@@ -131,27 +118,22 @@ def markdown(report: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/eager-noise")
+    p = harness.parser(__doc__, work=True)
     p.add_argument("--names", default=",".join(DEFAULT))
     p.add_argument("--guard-margin", type=float, default=0.01, help="full-batch gap of the rows rerun together")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python3 benchmarks/eager_batch_noise.py " + " ".join(sys.argv[1:]), "checkpoints": {}}
+    report = {"environment": harness.environment(), "checkpoints": {}}
     for n in a.names.split(","):
         try:
             report["checkpoints"][n] = measure(n, Path(a.work), a.guard_margin, a.device)
         except Exception as e:  # one checkpoint's failure is a row of the report, not the end of it
             report["checkpoints"][n] = {"error": "%s: %s" % (type(e).__name__, e)}
         print(n, json.dumps(report["checkpoints"][n])[:600], flush=True)
-    (out / "eager_batch_noise.json").write_text(json.dumps(report, indent=1))
-    (out / "eager_batch_noise.md").write_text(markdown(report))
-    print(markdown(report))
+    harness.write(a.out, "eager_batch_noise" + a.tag, report, markdown(report),
+                  title="How much laya's eager forward depends on its batch")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

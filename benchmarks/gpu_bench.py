@@ -1,15 +1,13 @@
-"""GPU benchmark (issue 5): laya eager / compile / fast=True against each bundle artifact, in fresh processes.
+"""GPU benchmark: laya eager / compile / fast=True against each bundle artifact, in fresh processes.
 
-On the GPU host, after the .device-site unpack line:
+    python3 benchmarks/gpu_bench.py [--modes eager,bundle:aoti,...] [--shape large-1024] [--budget-s 560]
 
-    python3 benchmarks/gpu_bench.py --out $OUT [--modes eager,bundle:aoti,...] [--shape large-1024] [--budget-s 560]
-
-Makes the ModernBERT-large-sized random checkpoint (context 1024) unless it exists, builds the bundle for
-the local GPU unless it exists, then runs each mode in its own fresh process and records: process start
-to first answer (the parent's wall clock at spawn to the child's at its first answer), median latency of
-20 forwards through the agent (CUDA events, 3 warm-ups, 4 markers) at 1x128, 8x256, 32x512, 32x1024,
-peak allocated GPU memory at 32x1024, TileLang/nvcc compile attempts, and the largest difference of
-option/action probabilities from laya eager on the same inputs.
+Makes the demo checkpoint `--shape` (ModernBERT-large dimensions, context 1024, by default) under `--work` unless
+it exists, builds the bundle for the local GPU (sm_90) unless one built from it exists, then runs each mode in
+its own fresh process and records: process start to first answer (the parent's wall clock at spawn to the
+child's at its first answer), median latency of 20 forwards through the agent (CUDA events, 3 warm-ups,
+4 markers) at 1x128, 8x256, 32x512, 32x1024, peak allocated GPU memory at 32x1024, TileLang/nvcc compile
+attempts, and the largest difference of option/action probabilities from laya eager on the same inputs.
 
 Every process gets its own empty Inductor, Triton, TileLang and laya-aot cache directories, so each
 "first answer" is a cold start on this machine, except `compile-warm`, which reuses the cache that the
@@ -19,26 +17,22 @@ The build uses its own Inductor cache too, so no mode inherits the build's compi
 Modes: eager, fast, compile, compile-warm, bundle:<kind> (aoti, tilelang, compile, exported_program),
 bundle (whatever the loader picks); `/nographs` after a bundle mode turns the runtime's CUDA graphs off;
 `+restart` after any mode starts it again with the caches its first start wrote (probe verdicts).
-Only gpu_<shape>.json/.md and build_<shape>.txt go to --out; outputs and logs stay under --work.
+Only gpu_<shape><tag>.json/.md and build_<shape><tag>.txt go to --out; outputs and logs stay under --work.
 The JSON is rewritten after every mode, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))
-QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this?",
-                      "criteria": {"billing": "payments", "technical": "errors", "account": "login"}}}
-STATE = "The service has been down since this morning and I was charged twice for the March invoice."
+import harness
+from harness import FORWARD_SHAPES as SHAPES
 
 
 def child(mode: str, ckpt: str, bundle: str, work: str) -> None:
@@ -69,7 +63,7 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
         kind = base.split("/")[0].split(":", 1)[1] if ":" in base else None
         agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", prefer=kind, strict=True,
                               cuda_graphs="/nographs" not in base)
-    agent.predict_batch([STATE], QUESTIONS)
+    agent.predict_batch([harness.STATE], harness.ONE)
     torch.cuda.synchronize()
     t_first = time.time()
     print("FIRST %.6f" % t_first, flush=True)
@@ -86,12 +80,8 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
     for rows, tokens in SHAPES:
         if tokens > max_len:
             continue
-        g = torch.Generator().manual_seed(rows * 7 + tokens)
-        ids = torch.randint(5, 3000, (rows, tokens), generator=g)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                 "marker_pos": torch.tensor([[3, 9, 15, 21]] * rows),
-                 "marker_mask": torch.ones((rows, 4), dtype=torch.bool),
-                 "qtype": torch.zeros(rows, dtype=torch.long)}
+        batch = dict(zip(("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype"),
+                         harness.forward_args(rows, tokens, vocab=3000, seed=rows * 7 + tokens)))
         key = "%dx%dx4" % (rows, tokens)
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -99,17 +89,7 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
             torch.cuda.synchronize()
             res["first_call_s"][key] = time.perf_counter() - t0
             outs[key] = (torch.softmax(logits.float(), -1).cpu(), torch.softmax(act.float(), -1).cpu())
-            for _ in range(3):
-                agent._infer(batch)
-            times = []
-            for _ in range(20):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                agent._infer(batch)
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            res["latency_ms"][key] = statistics.median(times)
+            res["latency_ms"][key] = harness.cuda_event_ms(lambda batch=batch: agent._infer(batch))
             if rows == 32 and tokens == min(1024, max_len):
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -128,7 +108,7 @@ def _child(mode: str, ckpt: str, bundle: str, work: str, attempts) -> None:
     res["torch_compiles_at_end"] = {k: after[k] for k in COMPILE_KEYS}
     res["versions"] = {"torch": torch.__version__, "laya": laya.__version__, "device": torch.cuda.get_device_name()}
     torch.save(outs, os.path.join(work, "outputs_%s.pt" % _slug(mode)))
-    print("RESULT " + json.dumps(res, default=str), flush=True)
+    harness.emit(res)
 
 
 def _slug(mode: str) -> str:
@@ -137,14 +117,8 @@ def _slug(mode: str) -> str:
 
 def _env(work: Path, mode: str, cache_name: str, no_nvcc: bool) -> dict:
     """Fresh, private caches for one process (a cold start on this machine); nvcc hidden for bundles."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    caches = work / "caches" / cache_name
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
-               TILELANG_CACHE_DIR=str(caches / "tilelang"), LAYA_AOT_CACHE_DIR=str(caches / "laya-aot"))
-    if no_nvcc:
-        env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                      if p and not shutil.which("nvcc", path=p))
-    return env
+    env = harness.private_caches(dict(os.environ, PYTHONUNBUFFERED="1"), work / "caches" / cache_name)
+    return harness.without_nvcc(env) if no_nvcc else env
 
 
 def spawn(mode: str, ckpt: Path, bundle: Path, work: Path, timeout: float) -> dict:
@@ -153,26 +127,17 @@ def spawn(mode: str, ckpt: Path, bundle: Path, work: Path, timeout: float) -> di
     if mode.startswith("compile-warm") and not (work / "caches" / "compile" / "inductor").exists():
         return {"mode": mode, "error": "no cache from the `compile` mode to reuse"}
     env = _env(work, mode, cache, no_nvcc=mode.startswith("bundle"))
-    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle), "--work", str(work)]
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        rc = None
-    (work / ("log_%s.txt" % _slug(mode))).write_text(stdout[-20000:] + "\n" + stderr[-20000:])
-    first = next((float(x.split()[1]) for x in stdout.splitlines() if x.startswith("FIRST ")), None)
-    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-    if rc is None:
-        return {"mode": mode, "error": "no result within %.0f s" % timeout,
-                "start_to_first_s": (first - t0) if first else None, "log_tail": stdout[-1500:] + stderr[-1500:]}
-    if rc != 0 or line is None:
-        return {"mode": mode, "error": "exit %d: %s" % (rc, (stderr.strip().splitlines() or [""])[-1][:300]),
-                "log_tail": stderr[-3000:]}
-    r = json.loads(line[7:])
-    r["start_to_first_s"] = r["t_first"] - t0
+    run = harness.spawn([sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--bundle", str(bundle),
+                         "--work", str(work)], env=env, timeout=timeout)
+    (work / ("log_%s.txt" % _slug(mode))).write_text(run.stdout[-20000:] + "\n" + run.stderr[-20000:])
+    r = run.result()
+    if run.rc is None:
+        return {"mode": mode, "error": "no result within %.0f s" % timeout, "start_to_first_s": run.since_spawn(),
+                "log_tail": run.stdout[-1500:] + run.stderr[-1500:]}
+    if run.rc != 0 or r is None:
+        return {"mode": mode, "error": "exit %d: %s" % (run.rc, (run.stderr.strip().splitlines() or [""])[-1][:300]),
+                "log_tail": run.stderr[-3000:]}
+    r["start_to_first_s"] = r["t_first"] - run.started
     return r
 
 
@@ -199,12 +164,9 @@ def build(ckpt: Path, bundle: Path, work: Path, args: str, timeout: float, kerne
     env = _env(work, "build", "build", False)
     if kernel_cache:
         env["LAYA_AOT_KERNEL_CACHE"] = kernel_cache
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        log, rc = p.stdout[-20000:] + "\n" + p.stderr[-30000:], p.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = str(e.stderr or "")[-30000:], None
-    (work / "build_log.txt").write_text(log)
+    run = harness.spawn(cmd, env=env, timeout=timeout)
+    rc = run.rc
+    (work / "build_log.txt").write_text(run.stdout[-20000:] + "\n" + run.stderr[-30000:])
     out = {"command": "laya-aot build " + " ".join(shlex.quote(x) for x in cmd[4:]), "rc": rc,
            "seconds": round(time.time() - t0, 1)}
     if (bundle / "bundle.json").exists():
@@ -235,12 +197,10 @@ def _built_from(bundle: Path, ckpt: Path) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--child")
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024")
-    ap.add_argument("--bundle", default="/tmp/bundle-large-1024")
-    ap.add_argument("--work", default="/tmp/laya-aot-gpu-bench")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--ckpt", type=Path, help="the checkpoint (default: the demo --shape, made under --work)")
+    ap.add_argument("--bundle", type=Path, help="its bundle (default: built under --work)")
     ap.add_argument("--shape", default="large-1024")
     ap.add_argument("--modes", default="eager,bundle:aoti,bundle:tilelang,bundle:compile,fast,compile,compile-warm")
     ap.add_argument("--build-args", default="stages.onnx=false")
@@ -248,29 +208,29 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting modes when this is spent")
     ap.add_argument("--kernel-cache", default="", help="LAYA_AOT_KERNEL_CACHE for the build (cross-compiled kernels)")
     ap.add_argument("--no-build", action="store_true", help="never build (modes that need no bundle)")
-    ap.add_argument("--tag", default="", help="suffix of the result files (several runs of one shape)")
     a = ap.parse_args()
-    work = Path(a.work)
+    work = a.work
     work.mkdir(parents=True, exist_ok=True)
+    ckpt = a.ckpt or work / ("ckpt-%s" % a.shape)
+    bundle = a.bundle or work / ("bundle-%s" % a.shape)
     if a.child:
-        child(a.child, a.ckpt, a.bundle, str(work))
+        child(a.child, str(ckpt), str(bundle), str(work))
         return
+    shutil.rmtree(work / "caches", ignore_errors=True)  # every mode's first start is a cold one on this machine
     t_end = time.time() + a.budget_s
-    out = Path(a.out)
+    out = a.out
     out.mkdir(parents=True, exist_ok=True)
     name = "gpu_%s%s" % (a.shape, a.tag)
-    command = "python3 benchmarks/gpu_bench.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
-    ckpt, bundle = Path(a.ckpt), Path(a.bundle)
     t0 = time.time()
     subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "make-demo", str(ckpt), "--shape", a.shape])
-    results = {"command": command, "checkpoint": a.shape, "checkpoint_write_s": round(time.time() - t0, 1),
-               "build": {"reused": str(bundle)}, "modes": {}}
+    results = {"checkpoint": a.shape, "checkpoint_write_s": round(time.time() - t0, 1),
+               "environment": harness.environment(), "build": {"reused": str(bundle)}, "modes": {}}
     if a.no_build:
         results["build"] = {"skipped": "--no-build", "bundle_present": (bundle / "bundle.json").exists()}
     elif not _built_from(bundle, ckpt):
         results["build"] = build(ckpt, bundle, work, a.build_args, max(60, t_end - time.time()), a.kernel_cache)
         shutil.copyfile(work / "build_log.txt", out / ("build_%s%s.txt" % (a.shape, a.tag)))
-    (out / (name + ".json")).write_text(json.dumps(results, indent=2))
+    harness.write(out, name, results, partial=True)
     print("build", json.dumps(results["build"], indent=1), flush=True)
     for mode in [m for m in a.modes.split(",") if m and m != "none"]:
         left = t_end - time.time()
@@ -280,17 +240,15 @@ def main() -> None:
         r = spawn(mode, ckpt, bundle, work, min(a.timeout, left))
         r["agreement_with_eager"] = agreement(work, mode) if mode != "eager" else {}
         results["modes"][mode] = r
-        (out / (name + ".json")).write_text(json.dumps(results, indent=2))
+        harness.write(out, name, results, partial=True)  # a run cut short keeps what it measured
         print(mode, json.dumps({k: r.get(k) for k in ("backend", "start_to_first_s", "latency_ms", "error",
                                                        "compile_attempts", "peak_gb_32x1024x4")}), flush=True)
-    (out / (name + ".md")).write_text(markdown(results))
-    print(markdown(results))
+    harness.write(out, name, results, markdown(results), title="Modes on one GPU, checkpoint `%s`" % a.shape)
 
 
 def markdown(r: dict) -> str:
     keys = ["%dx%dx4" % s for s in SHAPES]
-    lines = ["# GPU benchmark, checkpoint `%s` (one H200)" % r["checkpoint"], "", "Command: `%s`" % r["command"], "",
-             "| mode | backend | start -> first answer | " + " | ".join(keys) + " (ms) | peak GB @32x1024 "
+    lines = ["| mode | backend | start -> first answer | " + " | ".join(keys) + " (ms) | peak GB @32x1024 "
              "| compiles (TileLang/nvcc) | torch traces+compiles at first answer | max dp vs eager |",
              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|"]
     for mode, m in r["modes"].items():
@@ -313,7 +271,7 @@ def markdown(r: dict) -> str:
 
 
 def start_ratios(r: dict) -> list:
-    """Issue 20: the compile route's start against the AOTInductor route's (goal: at most 1.5x, no compile)."""
+    """The compile route's start against the AOTInductor route's (goal: at most 1.5x, no compile)."""
     out = []
     for suffix in ("", "+restart"):
         c, a = (r["modes"].get("bundle:%s%s" % (k, suffix)) or {} for k in ("compile", "aoti"))

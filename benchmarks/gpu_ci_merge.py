@@ -1,30 +1,32 @@
-"""GPU check of the CI flow (issue 13): parts built on a CPU machine, joined with a part built on this GPU.
+"""GPU check of the CI flow: parts built on a CPU machine, joined with a part built on this GPU.
 
-On the GPU host, after the .device-site unpack line, with the CPU machine's packs carried in IN:
+On the GPU host, with the CPU machine's packs carried in IN:
 
-    python3 benchmarks/gpu_ci_merge.py --inputs artifacts/ci-in --out $OUT
+    python3 benchmarks/gpu_ci_merge.py --inputs artifacts/ci-in [--tilelang-here]
 
 IN holds cpu.tar.zst and tilelang.tar.zst (`laya-aot pack` of the README's two CPU-machine builds of
 checkpoint=demo: target=cpu, and target=cuda-all with TileLang only) and ckpt.tar.xz (the demo checkpoint
 those builds made). Here: unpack both packs, build the sm_90 part on this GPU (the workflow's gpu job:
 AOTInductor and the compile route), merge the three, verify, pack, unpack into a fresh directory, then load
 the result with strict=True in fresh processes: each of aoti, tilelang (cross-compiled on the CPU machine,
-verified by this first GPU that loads it) and compile on cuda, and the default choice on the CPU. Every
-command and its exit status go to ci_merge.md/json under --out.
+verified by this first GPU that loads it) and compile on cuda, and the default choice on the CPU.
+`--tilelang-here` cross-compiles the TileLang part on this host with no GPU visible instead (merge refuses two
+parts' exported programs when the CPU machine's torch differs from this host's). Every command and its exit status
+go to ci_merge<tag>.md/json under --out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-MARK = "CI-MERGE-LOAD "
+import harness
+
+MARK = "RESULT"
+HERE = Path(__file__).resolve().parent  # the child imports the harness from here
+CKPT = "artifacts/checkpoints/demo-tiny-trained-seed0"  # where `checkpoint=demo` puts the demo checkpoint
 LOAD = r"""
-import json, sys, time, warnings
+import sys, time
 import laya_aot
 from laya_aot.demo import question_suite
 import laya
@@ -34,59 +36,53 @@ qs = dict(list(question_suite().items())[:20])
 states = ["my package arrived damaged and support never answered", "thanks, all good now"]
 got = agent.predict_batch(states, qs)
 eager = laya.load(sys.argv[1], device=sys.argv[3]).predict_batch(states, qs)
-def dec(a):
-    if a["type"] == "choice": return a["choice"]
-    if a["type"] == "score": return max(a["probabilities"], key=a["probabilities"].get)
-    return a["noul"] > 0.5
-same = sum(dec(g["answers"][q]) == dec(e["answers"][q]) for g, e in zip(got, eager) for q in e["answers"])
+sys.path.insert(0, sys.argv[6])
+import harness
+same = sum(harness.decision(g["answers"][q]) == harness.decision(e["answers"][q])
+           for g, e in zip(got, eager) for q in e["answers"])
 art = agent.backend_object.artifact
-print("%s%s" % (sys.argv[5], json.dumps({"backend": agent.backend, "artifact": art.name, "status": art.status,
-      "load_stats": agent.backend_object.load_stats, "decisions_equal_eager": same,
-      "decisions": len(qs) * len(states), "seconds": round(time.perf_counter() - t, 2)}, default=str)))
+harness.emit({"backend": agent.backend, "artifact": art.name, "status": art.status,
+              "load_stats": agent.backend_object.load_stats, "decisions_equal_eager": same,
+              "decisions": len(qs) * len(states), "seconds": round(time.perf_counter() - t, 2)}, mark=sys.argv[5])
 """
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = harness.parser(__doc__, work=True)
     p.add_argument("--inputs", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/ci-merge")
-    p.add_argument("--loads-only", action="store_true")
+    p.add_argument("--loads-only", action="store_true", help="again over a --work directory a full run left")
     p.add_argument("--tilelang-here", action="store_true",
                    help="cross-compile the TileLang part on this host with no GPU visible instead of unpacking it")
     a = p.parse_args()
-    inp, out, work = Path(a.inputs).resolve(), Path(a.out), Path(a.work)
-    out.mkdir(parents=True, exist_ok=True)
+    inp, out, work = Path(a.inputs).resolve(), a.out, a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     steps = []
+    environment = harness.environment()
     cli = [sys.executable, "-m", "laya_aot.cli"]
 
-    def step(name, cmd, **kw):
-        t0 = time.time()
-        r = subprocess.run(cmd, cwd=work, capture_output=True, text=True, **kw)
-        rec = {"step": name, "cmd": " ".join(str(c) for c in cmd), "rc": r.returncode,
-               "seconds": round(time.time() - t0, 1),
-               "tail": "\n".join(x for x in (r.stdout + r.stderr).splitlines()
+    def step(name, cmd, env=None):
+        run = harness.spawn(cmd, env=env, cwd=work)
+        rec = {"step": name, "cmd": " ".join(str(c) for c in cmd), "rc": run.rc,
+               "seconds": round(run.seconds, 1),
+               "tail": "\n".join(x for x in (run.stdout + run.stderr).splitlines()
                                  if "kernel/s" not in x and not x.startswith(("│", "┃", "┏", "┡", "└")))[-2500:]}
         steps.append(rec)
-        print("%s: rc %d in %.1f s" % (name, r.returncode, rec["seconds"]), flush=True)
+        print("%s: rc %s in %.1f s" % (name, run.rc, rec["seconds"]), flush=True)
         save()
-        return r
+        return run
 
     def save():
-        (out / "ci_merge.json").write_text(json.dumps({"steps": steps}, indent=1))
-        lines = ["Command: `python3 benchmarks/gpu_ci_merge.py %s`" % " ".join(sys.argv[1:]), "",
-                 "| step | rc | s | command |", "|---|---|---|---|"]
-        lines += ["| %s | %d | %.1f | `%s` |" % (s["step"], s["rc"], s["seconds"], s["cmd"].replace(sys.executable,
+        lines = ["| step | rc | s | command |", "|---|---|---|---|"]
+        lines += ["| %s | %s | %.1f | `%s` |" % (s["step"], s["rc"], s["seconds"], s["cmd"].replace(sys.executable,
                                                                                                   "python3"))
                   for s in steps]
         for s in steps:
             lines += ["", "### %s" % s["step"], "```", s["tail"], "```"]
-        (out / "ci_merge.md").write_text("\n".join(lines) + "\n")
+        harness.write(out, "ci_merge" + a.tag, {"environment": environment, "steps": steps}, "\n".join(lines),
+                      title="The CI flow on a GPU")
 
     if a.loads_only:  # a second pass over a --work directory the full run left (same warm host)
-        step("verify here (again, for its output)", cli + ["verify", "artifacts/demo", "--checkpoint",
-                                                            "artifacts/checkpoints/demo-tiny-seed0"])
+        step("verify here (again, for its output)", cli + ["verify", "artifacts/demo", "--checkpoint", CKPT])
         return _loads(step, work, a, out, save)
     (work / "artifacts" / "checkpoints").mkdir(parents=True, exist_ok=True)
     step("checkpoint from the CPU machine", ["tar", "-xJf", str(inp / "ckpt.tar.xz"), "-C", "artifacts/checkpoints"])
@@ -101,7 +97,7 @@ def main() -> int:
     step("gpu job: build the sm_90 part here", cli + ["build", "checkpoint=demo", "target=sm_90", "stages.onnx=false",
                                                       "stages.tilelang=false", "output_dir=parts/demo/sm_90"])
     step("merge", cli + ["merge", "artifacts/demo", "parts/demo/cpu", "parts/demo/tilelang", "parts/demo/sm_90"])
-    step("verify here", cli + ["verify", "artifacts/demo", "--checkpoint", "artifacts/checkpoints/demo-tiny-seed0"])
+    step("verify here", cli + ["verify", "artifacts/demo", "--checkpoint", CKPT])
     step("pack", cli + ["pack", "artifacts/demo", "demo.tar.zst"])
     step("unpack into a fresh directory", cli + ["unpack", "demo.tar.zst", "fresh/demo"])
     step("inspect", cli + ["inspect", "fresh/demo"])
@@ -111,7 +107,7 @@ def main() -> int:
 def _loads(step, work, a, out, save, steps=None) -> int:
     for device, prefer in (("cuda", "aoti"), ("cuda", "tilelang"), ("cuda", "compile"), ("cpu", "")):
         step("load strict on %s, prefer=%s" % (device, prefer or "(best)"),
-             [sys.executable, "-c", LOAD, "artifacts/checkpoints/demo-tiny-seed0", "fresh/demo", device, prefer, MARK],
+             [sys.executable, "-c", LOAD, CKPT, "fresh/demo", device, prefer, MARK, str(HERE)],
              env=dict(os.environ, LAYA_AOT_CACHE_DIR=str(work / ("cache-%s-%s" % (device, prefer))),
                       TORCHINDUCTOR_CACHE_DIR=str(work / ("inductor-%s-%s" % (device, prefer)))))
     save()

@@ -1,9 +1,7 @@
-"""The stored decision statement and the loader's choice on checkpoints of several shapes and dtypes (issue 24).
+"""The stored decision statement and the loader's choice on checkpoints of several shapes and dtypes.
 
-On the GPU host, after the .device-site unpack line:
-
-    python3 benchmarks/gpu_decisions.py --out $OUT [--names a,b,...] [--parallel 4] [--build-args "..."]
-    python3 benchmarks/gpu_decisions.py --out $OUT --bundles DIR1,DIR2   # only report bundles built elsewhere
+    python3 benchmarks/gpu_decisions.py [--names a,b,...] [--parallel 4] [--build-args "..."]
+    python3 benchmarks/gpu_decisions.py --names "" --bundles NAME=CKPT:BUNDLE,...   # bundles built elsewhere
 
 For each `laya_aot.demo.MATRIX` checkpoint named it makes the checkpoint and builds a bundle for this GPU with
 the default build (laya's precision policy; `--build-args` adds overrides), builds running in parallel. Then,
@@ -11,17 +9,18 @@ per bundle, a fresh process loads it with the defaults (`laya_aot.load(ckpt, bun
 reports which artifact serves and why (the load log line). Reports every artifact's stored verification:
 status, the decision statement (agreement with fp32's decisions on the seeded decision suite, the artifact's
 and laya eager's in the same dtype, the one-sided exact McNemar p-value) and the build's latency mix.
-Writes gpu_decisions.json/.md and the build logs to --out.
+Writes gpu_decisions<tag>.json/.md and the build logs to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import harness
 
 DEFAULT = ("hd32-absent-decisive", "hd16-16heads-fp16", "hd64-bf16-ctx1024", "hd32-8actions-ctx2048")
 LOAD = """
@@ -51,15 +50,11 @@ def build(name: str, work: Path, build_args: str) -> dict:
 
 
 def choice(ckpt: str, bundle: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", LOAD.format(ckpt=ckpt, bundle=bundle)], capture_output=True, text=True,
-                       timeout=600)
-    out: dict = {"rc": p.returncode}
-    for line in p.stdout.splitlines():
-        if line.startswith("CHOICE "):
-            out.update(json.loads(line[7:]))
-    out["log_line"] = next((x for x in p.stderr.splitlines() if " runs " in x and "laya-aot:" in x), None)
-    if p.returncode:
-        out["stderr"] = p.stderr[-1500:]
+    run = harness.python_child(LOAD.format(ckpt=ckpt, bundle=bundle), timeout=600)
+    out: dict = {"rc": run.rc, **(run.result("CHOICE") or {})}
+    out["log_line"] = next((x for x in run.stderr.splitlines() if " runs " in x and "laya-aot:" in x), None)
+    if run.rc:
+        out["stderr"] = run.stderr[-1500:]
     return out
 
 
@@ -74,8 +69,7 @@ def artifacts(bundle: str) -> list:
 
 
 def markdown(res: dict) -> str:
-    lines = ["# Decision statements and the loader's choice", "", "Command: `%s`" % res["command"], "",
-             "| checkpoint | artifact | dtype | status | decisions | artifact agrees with fp32 | laya eager in dtype | "
+    lines = ["| checkpoint | artifact | dtype | status | decisions | artifact agrees with fp32 | laya eager in dtype | "
              "only artifact wrong / only eager wrong | p (one-sided McNemar) | holds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for b in res["bundles"]:
@@ -100,15 +94,13 @@ def _pct(x) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/tmp/gpu-decisions")
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--names", default=",".join(DEFAULT))
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--build-args", default="")
     ap.add_argument("--bundles", default="", help="report these NAME=CKPT:BUNDLE entries too (built elsewhere)")
     a = ap.parse_args()
-    work, out = Path(a.work), Path(a.out)
+    work, out = a.work, a.out
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in a.names.split(",") if n]
@@ -124,16 +116,15 @@ def main() -> None:
         ckpt, bundle = paths.split(":", 1)
         built.append({"name": name, "ckpt": ckpt, "bundle": bundle})
     (out / "build_logs.txt").write_text("\n\n".join("## %s\n%s" % (b["name"], b.pop("log", "")) for b in built))
-    res = {"command": " ".join(sys.argv), "bundles": built}
+    res = {"environment": harness.environment(), "bundles": built}
     for b in built:  # results written after each load, so a run cut short keeps what it measured
         print(b["name"], "build", b.get("build_rc"), b.get("build_s"), flush=True)
         if (Path(b["bundle"]) / "bundle.json").exists():
             b["artifacts"] = artifacts(b["bundle"])
             b["choice"] = choice(b["ckpt"], b["bundle"])
             print(b["name"], b["choice"], flush=True)
-        (out / "gpu_decisions.json").write_text(json.dumps(res, indent=1, default=str))
-        (out / "gpu_decisions.md").write_text(markdown(res))
-    print(markdown(res))
+        harness.write(out, "gpu_decisions" + a.tag, res, partial=True)
+    harness.write(out, "gpu_decisions" + a.tag, res, markdown(res), title="Decision statements and the loader's choice")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""GPU check of the precision policy (issue 12): matrix checkpoints served in laya's own dtype.
+"""GPU check of the precision policy: matrix checkpoints served in laya's own dtype.
 
-On the GPU host, after the .device-site unpack line:
-
-    python3 benchmarks/gpu_matrix.py --out $OUT [--names a,b,...] [--kernel-cache DIR] [--parallel 4]
+    python3 benchmarks/gpu_matrix.py [--names a,b,...] [--kernel-cache DIR] [--parallel 4] [--serve-parallel 1]
 
 For each matrix checkpoint (laya_aot.demo.MATRIX; default: four, with amp_dtype absent, fp16 and bf16) it
 builds a bundle for this GPU with laya's policy (no dtype given: the build works it out), then loads each of
@@ -16,12 +14,11 @@ for that question asked on its own (laya's 16-bit GPU arithmetic changes with th
 guard (runtime/backend.py) is on as `load` leaves it ("call": whole calls with a near-tie recomputed, laya's
 outputs for the same batch); the same agent then answers with near_ties="rows" (only those rows) and "off"
 (the artifact's own decisions), and each mode and laya eager are timed (predict_batch of the 3 states x 60
-questions, median of 5, twice each), as are single-question calls. Writes gpu_matrix.json/.md and the
-build logs to --out.
+questions, median of 5, twice each), as are single-question calls. For timings, serve one process at a time
+(`--serve-parallel 1`). Writes gpu_matrix<tag>.json/.md and the build logs to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,27 +26,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+import harness
+from harness import decision as _decision
+from harness import margin as _margin
 
 DEFAULT = ("hd32-absent-decisive", "hd16-1head-ctx128", "hd16-16heads-fp16", "hd16-8heads-fp16-ctx384")
 KINDS = ("aoti", "tilelang", "compile")
-MARK = "MATRIX-RESULT "
-
-
-def _decision(a):
-    if a["type"] == "choice":
-        return a["choice"]
-    if a["type"] == "score":
-        return max(a["probabilities"], key=a["probabilities"].get)
-    return a["noul"] > 0.5
-
-
-def _margin(a) -> float:
-    """How far the answer is from flipping: top-two probability gap, or the noul verdict's distance from 0.5."""
-    if a["type"] == "noul":
-        return abs(a["noul"] - 0.5)
-    top = sorted(a["probabilities"].values(), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else 1.0
 
 
 def _probs(a):
@@ -128,14 +111,7 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
             same_mode[mode] = sum(_decision(g["answers"][q]) == _decision(r["answers"][q])
                                   for g, r in zip(got_mode, ref) for q in r["answers"])
         def median_ms(who) -> float:
-            times = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                who.predict_batch(states, qs)
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t1) * 1e3)
-            return round(float(np.median(times)), 2)
+            return round(harness.predict_ms(who, states, qs, repeats=5, warmup=0, device="cuda")[0], 2)
 
         predict_ms = {}
         for mode in ("rows", "call", "off") * 2:
@@ -179,26 +155,18 @@ def child(ckpt: str, bundle: str, kind: str) -> None:
                "single_question_calls": single_calls,
                "predict_batch_ms_3_states_x_60_questions": predict_ms,
                "cuda_graphs": bo.stats.get("cuda_graphs"), "load_stats": bo.load_stats}
-        print(MARK + json.dumps(res, default=str), flush=True)
+        harness.emit(res)
 
 
-def _env(work: Path, name: str, no_nvcc: bool, kernel_cache: str = None) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    caches = work / "caches" / name
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
-               TILELANG_CACHE_DIR=str(caches / "tilelang"), LAYA_AOT_CACHE_DIR=str(caches / "laya-aot"))
+def _env(work, name: str, no_nvcc: bool, kernel_cache: str = None) -> dict:
+    env = harness.private_caches(dict(os.environ, PYTHONUNBUFFERED="1"), work / "caches" / name)
     if kernel_cache:
         env["LAYA_AOT_KERNEL_CACHE"] = kernel_cache
-    if no_nvcc:
-        env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                      if p and not shutil.which("nvcc", path=p))
-    return env
+    return harness.without_nvcc(env) if no_nvcc else env
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/gpu-matrix")
+    p = harness.parser(__doc__, work=True)
     p.add_argument("--names", default=",".join(DEFAULT))
     p.add_argument("--kernel-cache", default=None, help="a TileLang kernel cache cross-compiled elsewhere")
     p.add_argument("--parallel", type=int, default=4)
@@ -212,14 +180,15 @@ def main() -> int:
         child(*a.child)
         return 0
     t_start = time.time()
-    out, work = Path(a.out), Path(a.work)
+    out, work = a.out, a.work
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "caches", ignore_errors=True)  # every serving process starts as on a new machine
     work.mkdir(parents=True, exist_ok=True)
     names = a.names.split(",")
     from laya_aot.demo import make_checkpoint
 
     ckpts = {n: make_checkpoint(work / "ckpt" / n, n, seed=7) for n in names}
-    report = {"command": "python3 benchmarks/gpu_matrix.py " + " ".join(sys.argv[1:]), "checkpoints": {}}
+    report = {"environment": harness.environment(), "checkpoints": {}}
     jobs = max(1, (os.cpu_count() or 4) // max(1, min(a.parallel, len(names))))
 
     def build(n):
@@ -260,22 +229,20 @@ def main() -> int:
         n, kind = job
         if time.time() - t_start > a.budget_s - 30:
             return n, kind, {"skipped": "out of time budget"}
-        try:
-            p = subprocess.run([sys.executable, __file__, "--out", a.out, "--child", str(ckpts[n]),
-                                str(work / "bundle" / n), kind], capture_output=True, text=True,
-                               env=_env(work, "serve-%s-%s" % (n, kind), True),
-                               timeout=max(30, a.budget_s - (time.time() - t_start)))
-        except subprocess.TimeoutExpired:
+        run = harness.spawn([sys.executable, __file__, "--child", str(ckpts[n]), str(work / "bundle" / n), kind],
+                            env=_env(work, "serve-%s-%s" % (n, kind), True),
+                            timeout=max(30, a.budget_s - (time.time() - t_start)))
+        if run.rc is None:
             return n, kind, {"failed": "did not finish within the time budget"}
-        line = next((x for x in p.stdout.splitlines() if x.startswith(MARK)), None)
-        if line:
-            return n, kind, json.loads(line[len(MARK):])
-        return n, kind, {"failed": (p.stderr.strip().splitlines() or ["no output"])[-1][:500], "rc": p.returncode}
+        found = run.result()
+        if found is not None:
+            return n, kind, found
+        return n, kind, {"failed": (run.stderr.strip().splitlines() or ["no output"])[-1][:500], "rc": run.rc}
 
-    def save():
+    def save(final: bool = False):
         report["wall_s"] = round(time.time() - t_start, 1)
-        (out / "gpu_matrix.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / "gpu_matrix.md").write_text(markdown(report))
+        harness.write(out, "gpu_matrix" + a.tag, report, markdown(report) if final else "", partial=not final,
+                      title="Matrix checkpoints served in laya's own dtype")
 
     save()
     todo = [(n, k) for n in names if report["checkpoints"][n]["build_rc"] == 0 for k in KINDS]
@@ -285,14 +252,12 @@ def main() -> int:
             save()
             print("served %s %s: %s" % (n, kind, {k: res.get(k) for k in ("backend", "decisions_equal", "decisions",
                                                                          "failed", "compiles_after_load")}), flush=True)
-    save()
-    print(markdown(report))
+    save(final=True)
     return 0
 
 
 def markdown(r: dict) -> str:
-    lines = ["Command: `%s`" % r["command"], "",
-             "| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
+    lines = ["| checkpoint | amp_dtype | kind | laya serves | artifact dtype | verify max dp opt/act (allowed) | "
              "laya eager-in-dtype dp opt/act | decisions = eager (as loaded) | = fp32: artifact / eager | "
              "eager margin where differ | max prob diff | tie margin | near-tie rows (2 calls) | "
              "decisions = eager: call / rows / off | predict_batch ms: rows / call / off / laya eager | "

@@ -1,9 +1,8 @@
-"""Where a realistic call's time goes, against the GPU's compute limit, and what the peak of a long forward holds
-(issue 24).
+"""Where a realistic call's time goes, against the GPU's compute limit, and what the peak of a long forward holds.
 
-On the GPU host, after the .device-site unpack line, with the checkpoint and bundle `gpu_start.py` made:
+With the checkpoint and bundle `gpu_start.py` made:
 
-    python3 benchmarks/gpu_profile.py --out $OUT [--ckpt DIR] [--bundle DIR] [--tag _run1] [--paths ...] [--cprofile]
+    python3 benchmarks/gpu_profile.py --ckpt DIR --bundle DIR [--tag _a] [--paths ...] [--cprofile] [--kernels]
 
 One process per path (`--paths`: laya eager; the bundle as `laya_aot.load` leaves it; `bundle_stock_host`, the
 bundle with `host_path=False`; `bundle:OPTION=N`, the bundle with that integer load option). For each of
@@ -15,8 +14,8 @@ bundle with `host_path=False`; `bundle:OPTION=N`, the bundle with that integer l
 - **artifact** (bundle only): the artifact's own calls inside the forward;
 - the tokens the forward computed (rows x padded length, every chunk) and the **dense 16-bit limit**: the
   matmul FLOPs of the checkpoint's linear layers plus attention's (2 x linear params + 4 x layers x hidden x
-  padded length, per token) at `--tflops` (the H200's dense bf16 rate, 790).
-Then the forward alone at issue 24's shapes (1x128x4, 8x256x4, 32x512x4, 32x1024x4; median of 20), with
+  padded length, per token) at `--tflops` (the H200's data-sheet dense bf16 rate, 790).
+Then the forward alone at the forward-only shapes (1x128x4, 8x256x4, 32x512x4, 32x1024x4; median of 20), with
 `--cprofile` the 25 functions with the most own time in 20 of each call (cprofile_<shape><tag>.txt), and one
 32 x 1024 forward with torch's allocator history on: the peak, and the largest blocks live at it.
 The synchronisation adds a little to what it measures; `gpu_start.py` times the calls without it.
@@ -24,17 +23,14 @@ Writes profile_<shape><tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_start import CALLS, states  # noqa: E402  (a sibling benchmark script)
+import harness
+from harness import CALLS, FORWARD_SHAPES, states
 
 
 def linear_params(ckpt: str) -> tuple:
@@ -51,7 +47,6 @@ def linear_params(ckpt: str) -> tuple:
     return n, int(enc["num_hidden_layers"]), int(enc["hidden_size"])
 
 
-FORWARD_SHAPES = ((1, 128), (8, 256), (32, 512), (32, 1024))  # rows x tokens, 4 option markers (issue 24)
 REPEATS = 15  # --repeats: timed calls per realistic call, after 3 warm-ups
 SELECTED = tuple(c[0] for c in CALLS)  # --calls: which of gpu_start's realistic calls run
 KERNELS = False  # --kernels: torch.profiler over the forward-only shapes
@@ -59,10 +54,7 @@ DEVICE = "cuda"  # --device: "cpu" profiles a CPU bundle the same way (no dense 
 
 
 def _sync() -> None:
-    import torch
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    harness.synchronizer(DEVICE)()
 
 
 class _Timed:
@@ -111,7 +103,7 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
     for name, n, words, qs in CALLS:
         if name not in SELECTED:
             continue
-        st = states(n, words, seed=n * 1000 + words)
+        st = states(n, words)
         for _ in range(3):
             agent.predict_batch(st, qs)
         rows = []
@@ -142,28 +134,22 @@ def child(path: str, ckpt: str, bundle: str, tflops: float, cprofile: bool = Fal
     if cprofile:
         res["cprofile"] = host_profile(agent)
     res["peak"] = peak_blocks(agent) if DEVICE == "cuda" else None
-    print("RESULT " + json.dumps(res), flush=True)
-
-
+    harness.emit(res)
 
 def forward_only(agent, shapes=FORWARD_SHAPES) -> dict:
-    """The agent's model forward alone at issue 24's shapes (random token ids, 4 markers): median of 20 after 3
-    warm-ups, synchronised, under the agent's autocast as laya runs it."""
+    """The agent's model forward alone at the forward-only shapes (seeded token ids, 4 markers): median of 20 after
+    3 warm-ups, synchronised, under the agent's autocast as laya runs it."""
     import torch
 
     out = {}
     for rows, length in shapes:
         args = forward_args(rows, length, _vocab(agent))
-        times = []
-        for i in range(23):
-            _sync()
-            t = time.perf_counter()
+
+        def forward(args=args):
             with torch.no_grad(), torch.autocast(DEVICE, dtype=agent.dtype, enabled=agent.amp_enabled):
                 agent.model(*args)
-            _sync()
-            if i >= 3:
-                times.append(time.perf_counter() - t)
-        out["%dx%dx4" % (rows, length)] = round(statistics.median(times) * 1e3, 3)
+
+        out["%dx%dx4" % (rows, length)] = harness.median_ms(forward, device=DEVICE)
     return out
 
 
@@ -172,14 +158,7 @@ def _vocab(agent) -> int:
 
 
 def forward_args(rows: int, length: int, vocab: int = 4000) -> tuple:
-    """A model forward's inputs at rows x length: random token ids (within the vocabulary), 4 markers, the first
-    question type."""
-    import torch
-
-    ids = torch.randint(5, min(4000, vocab), (rows, length), device=DEVICE)
-    return (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * rows, device=DEVICE),
-            torch.ones((rows, 4), dtype=torch.bool, device=DEVICE),
-            torch.zeros((rows,), dtype=torch.long, device=DEVICE))
+    return harness.forward_args(rows, length, vocab, DEVICE, seed=rows * 10000 + length)
 
 
 def kernel_profile(agent, shapes=FORWARD_SHAPES) -> dict:
@@ -223,7 +202,7 @@ def host_profile(agent) -> dict:
     for name, n, words, qs in CALLS:
         if name not in SELECTED:
             continue
-        st = states(n, words, seed=n * 1000 + words)
+        st = states(n, words)
         agent.predict_batch(st, qs)
         prof = cProfile.Profile()
         prof.enable()
@@ -241,9 +220,7 @@ def peak_blocks(agent) -> dict:
     blocks live at that peak (replayed from the trace)."""
     import torch
 
-    ids = torch.randint(5, 4000, (32, 1024), device="cuda")
-    args = (ids, torch.ones_like(ids), torch.tensor([[1, 2, 3, 4]] * 32, device="cuda"),
-            torch.ones((32, 4), dtype=torch.bool, device="cuda"), torch.zeros((32,), dtype=torch.long, device="cuda"))
+    args = harness.forward_args(32, 1024, _vocab(agent), "cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -273,8 +250,7 @@ def peak_blocks(agent) -> dict:
 def markdown(r: dict) -> str:
     shapes = sorted({k for v in r["paths"].values() for k in (v.get("forward_only") or {})},
                     key=lambda k: tuple(int(x) for x in k.split("x")))
-    lines = ["# Where a realistic call's time goes, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
-             "| path | call | total ms | forward ms | artifact ms | host ms (share) | tokens computed | "
+    lines = ["| path | call | total ms | forward ms | artifact ms | host ms (share) | tokens computed | "
              "dense limit ms | forward / limit |", "|---|---|---|---|---|---|---|---|---|"]
     for p, v in r["paths"].items():
         for c, m in (v.get("calls") or {}).items():
@@ -296,57 +272,52 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--child")
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
-    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
-    ap.add_argument("--shape", default="large-1024")
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--shape", default="large-1024", help="the checkpoint's name in the result files")
     ap.add_argument("--tflops", type=float, default=790.0, help="the device's dense 16-bit rate; 0: no limit column")
     ap.add_argument("--device", default="cuda", help="cpu: a CPU bundle, profiled the same way")
     ap.add_argument("--calls", default=",".join(c[0] for c in CALLS), help="which realistic calls run")
     ap.add_argument("--repeats", type=int, default=15, help="timed calls of each, after 3 warm-ups (median)")
     ap.add_argument("--forward-shapes", default=",".join("%dx%d" % s for s in FORWARD_SHAPES),
                     help="rows x tokens for the forward-only timing (4 markers each)")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="")
     ap.add_argument("--paths", default="eager,bundle,bundle_stock_host",
-                    help="eager; bundle (laya_aot.load's defaults); bundle_stock_host (host_path=False); a path "
-                         "followed by :option=N passes that integer load option (bundle:chunk_tokens=0)")
+                    help="eager; eager_fast (laya's fast=True); bundle (laya_aot.load's defaults); bundle_stock_host "
+                         "(host_path=False); a path followed by :option=N passes that integer load option "
+                         "(bundle:chunk_tokens=0)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each call (bundle paths), to cprofile_*.txt")
     ap.add_argument("--kernels", action="store_true",
                     help="also torch.profiler over the forward-only shapes (every path), to kernels_*.txt")
     a = ap.parse_args()
     global DEVICE, REPEATS, SELECTED, KERNELS
     DEVICE, REPEATS, SELECTED, KERNELS = a.device, a.repeats, tuple(a.calls.split(",")), a.kernels
-    shapes = tuple(tuple(int(x) for x in s.split("x")) for s in a.forward_shapes.split(","))
+    shapes = tuple(harness.shapes_arg(a.forward_shapes))
     if a.child:
         child(a.child, a.ckpt, a.bundle, a.tflops, a.cprofile, shapes)
         return
-    res = {"shape": a.shape, "command": " ".join(sys.argv), "paths": {}}
+    res = {"shape": a.shape, "environment": harness.environment(), "paths": {}}
     for path in a.paths.split(","):
-        p = subprocess.run([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
-                            "--tflops", str(a.tflops), "--device", a.device, "--forward-shapes", a.forward_shapes,
-                            "--calls", a.calls, "--repeats", str(a.repeats)]
-                           + (["--cprofile"] if a.cprofile and not path.startswith("eager") else [])
-                           + (["--kernels"] if a.kernels else []),
-                           capture_output=True, text=True, timeout=1200)
-        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-        res["paths"][path] = json.loads(line[7:]) if line else {"rc": p.returncode, "stderr": p.stderr[-3000:]}
+        run = harness.spawn([sys.executable, __file__, "--child", path, "--ckpt", a.ckpt, "--bundle", a.bundle,
+                             "--tflops", str(a.tflops), "--device", a.device, "--forward-shapes", a.forward_shapes,
+                             "--calls", a.calls, "--repeats", str(a.repeats)]
+                            + (["--cprofile"] if a.cprofile and not path.startswith("eager") else [])
+                            + (["--kernels"] if a.kernels else []), timeout=1200)
+        res["paths"][path] = run.result_or_failure()
         print(path, json.dumps(res["paths"][path])[:1500], flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("profile_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1))
-    (out / ("profile_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
+    out, stem = a.out, "%s%s" % (a.shape, a.tag)
+    harness.write(out, "profile_" + stem, res, markdown(res),
+                  title="Where a realistic call's time goes, `%s`" % a.shape)
     profiles = ["## %s, %s\n\n%s" % (p, c, text) for p, v in res["paths"].items()
                 for c, text in (v.get("cprofile") or {}).items()]
     if profiles:
-        (out / ("cprofile_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(profiles))
+        (out / ("cprofile_%s.txt" % stem)).write_text("\n".join(profiles))
     kernels = ["## %s, %s: %.3f ms a forward, kernels %.3f ms\n\n%s" % (p, shape, k["wall_ms"], k["kernels_ms"],
                                                                         k["table"])
                for p, v in res["paths"].items() for shape, k in (v.get("kernels") or {}).items()]
     if kernels:
-        (out / ("kernels_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(kernels))
-    print(markdown(res))
+        (out / ("kernels_%s.txt" % stem)).write_text("\n".join(kernels))
 
 
 if __name__ == "__main__":

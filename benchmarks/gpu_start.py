@@ -1,37 +1,32 @@
-"""Process start to first answer, memory and realistic calls: laya eager against the default bundle (issues 20, 24).
+"""Process start to first answer, memory and realistic calls: laya eager against the default bundle.
 
-On the GPU host, after the .device-site unpack line:
-
-    python3 benchmarks/gpu_start.py --out $OUT [--shape large-1024] [--starts 3] [--tag _run1]
+    python3 benchmarks/gpu_start.py [--shape large-1024] [--starts 3] [--bytecode DIR] [--tag _a] [--device cpu]
 
 Makes the checkpoint (laya's trainer format: fp16 weights on disk) and an AOTInductor bundle for the local GPU
-unless they exist. Then:
+under `--work` unless `--ckpt`/`--bundle` name existing ones. Then:
 - **starts**: each a fresh `python3 -c` exactly as a user's process runs it (import, load, answer one
   question; nothing else is timed). The parent's clock at spawn to the child's at its first answer.
   Eager and bundle starts alternate; the bundle's first start has an empty laya-aot cache (the probe child
   runs), later ones reuse it. After the answer the child prints its `load_stats` (the timeline).
 - **calls**: one process per path (laya eager; the bundle as `load` leaves it) answers three realistic typed
   calls (1 state x 1 choice question, 20 words; 8 states x 3 questions, 120 words; 32 states x 3 questions,
-  400 words), median of 15 after 3 warm-ups, with decisions compared; memory resident after load and the
-  peak of one 32-row x 1024-token forward.
+  400 words), median of 15 after 3 warm-ups, one synchronisation after each call (as a service times them),
+  with decisions compared; memory resident after load and the peak of one 32-row x 1024-token forward.
+`--device cpu` runs the same on a CPU machine (the CPU's calls; no memory figures).
 Writes start_<shape><tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ONE = {"team": {"type": "choice", "instructions": "Which team should handle this?",
-                "criteria": {"billing": "payments, refunds", "technical": "errors, outages", "account": "login"}}}
-THREE = dict(ONE, urgent={"type": "noul", "instructions": "Is this urgent?"},
-             severity={"type": "score", "instructions": "How severe is it?",
-                       "criteria": ["minor", "moderate", "serious", "critical"]})
+import harness
+from harness import CALLS, ONE, states
+
 START = """
 import time, laya_aot
 agent = laya_aot.load({ckpt!r}, bundle={bundle!r}, device={device!r}{prefer})
@@ -83,29 +78,16 @@ for _name, _c in _S.items():
 """
 
 
-def states(n: int, words: int, seed: int):
-    import numpy as np
-
-    from laya_aot.demo import state_text
-
-    rng = np.random.default_rng(seed)
-    return [state_text(rng, words) for _ in range(n)]
-
-
-CALLS = (("1x1q_20w", 1, 20, ONE), ("8x3q_120w", 8, 120, THREE), ("32x3q_400w", 32, 400, THREE))
-
-
 def spawn_start(code: str, env: dict, timeout: float) -> dict:
-    t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
-    out = {"rc": p.returncode}
-    for line in p.stdout.splitlines():
-        if line.startswith("FIRST "):
-            out["first_answer_s"] = round(float(line.split()[1]) - t0, 3)
-        if line.startswith("STATS "):
-            out["load_stats"] = json.loads(line[6:])
-    if p.returncode:
-        out["stderr"] = p.stderr[-2000:]
+    """One start in a fresh process: seconds from the spawn to its first answer, and its load_stats."""
+    run = harness.python_child(code, env=env, timeout=timeout)
+    out = {"rc": run.rc}
+    if run.since_spawn() is not None:
+        out["first_answer_s"] = run.since_spawn()
+    if run.result("STATS") is not None:
+        out["load_stats"] = run.result("STATS")
+    if run.rc:
+        out["stderr"] = run.stderr[-2000:]
     return out
 
 
@@ -122,8 +104,7 @@ def calls_child(path: str, ckpt: str, bundle: str, device: str = "cuda") -> None
 
         agent = laya_aot.load(ckpt, bundle=bundle, device=device, strict=True)
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
+    harness.synchronizer(device)()
     resident = torch.cuda.memory_allocated() / 1e9 if cuda else None
     res = {"path": path, "backend": agent.backend, "resident_after_load_gb": resident, "calls": {}, "decisions": {}}
     if cuda:  # what the resident memory holds: the weights by dtype (the artifact's constants or laya's module)
@@ -139,70 +120,41 @@ def calls_child(path: str, ckpt: str, bundle: str, device: str = "cuda") -> None
                                           if k in ("allocated_bytes.all.current", "reserved_bytes.all.current",
                                                    "active_bytes.all.current", "allocation.all.current")}
     for name, n, words, qs in CALLS:
-        st = states(n, words, seed=n * 1000 + words)
-        for _ in range(3):
-            agent.predict_batch(st, qs)
-        times = []
-        for _ in range(15):
-            sync()
-            t = time.perf_counter()
-            out = agent.predict_batch(st, qs)
-            sync()
-            times.append((time.perf_counter() - t) * 1e3)
-        res["calls"][name] = round(statistics.median(times), 3)
-        res["decisions"][name] = [[_decision(a) for a in o["answers"].values()] for o in out]
+        res["calls"][name], out = harness.predict_ms(agent, states(n, words), qs, repeats=15, device=device)
+        res["decisions"][name] = [[harness.decision(a) for a in o["answers"].values()] for o in out]
     if not cuda:
-        print("RESULT " + json.dumps(res, default=str), flush=True)
+        harness.emit(res)
         return
-    ids = torch.randint(5, 4000, (32, 1024), device="cuda")
-    att = torch.ones_like(ids)
-    mpos = torch.tensor([[1, 2, 3, 4]] * 32, device="cuda")
-    mmask = torch.ones((32, 4), dtype=torch.bool, device="cuda")
-    qtype = torch.zeros((32,), dtype=torch.long, device="cuda")
+    args = harness.forward_args(32, 1024, device="cuda")
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad(), torch.autocast("cuda", dtype=agent.dtype, enabled=agent.amp_enabled):
-        agent.model(ids, att, mpos, mmask, qtype)
+        agent.model(*args)
     torch.cuda.synchronize()
     res["peak_32x1024_gb"] = torch.cuda.max_memory_allocated() / 1e9
     bo = getattr(agent, "backend_object", None)
     res["stats"] = dict(getattr(bo, "stats", {}) or {}) if bo is not None else {}
     graphs = res["stats"].get("cuda_graphs")
-    if isinstance(graphs, dict):  # the counters and any refusal's reason (session 24's fp16 1x1 call went unexplained)
+    if isinstance(graphs, dict):  # the counters and any refusal's reason
         res["stats"]["cuda_graphs"] = {k: v for k, v in graphs.items() if k in ("captured", "replays", "refusals",
                                                                                  "evicted", "graphs", "refused")}
-    print("RESULT " + json.dumps(res, default=str), flush=True)
-
-
-def _decision(a: dict):
-    if a["type"] == "choice":
-        return a["choice"]
-    if a["type"] == "score":
-        p = a["probabilities"]
-        return max(p, key=p.get)
-    return a["noul"] > 0.5
+    harness.emit(res)
 
 
 def run_calls(path: str, ckpt: Path, bundle: Path, env: dict, timeout: float, device: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--calls-child", path, "--ckpt", str(ckpt), "--bundle", str(bundle),
-                        "--device", device],
-                       capture_output=True, text=True, env=env, timeout=timeout)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"path": path, "rc": p.returncode, "stderr": p.stderr[-3000:]}
+    run = harness.spawn([sys.executable, __file__, "--calls-child", path, "--ckpt", str(ckpt), "--bundle",
+                         str(bundle), "--device", device], env=env, timeout=timeout)
+    return run.result() or dict(path=path, **run.failure())
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--calls-child")
-    ap.add_argument("--ckpt", default="/tmp/laya-large-1024-fp16")
-    ap.add_argument("--bundle", default="/tmp/bundle-large-1024-fp16")
-    ap.add_argument("--shape", default="large-1024")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--ckpt", type=Path, help="an existing checkpoint (default: made under --work)")
+    ap.add_argument("--bundle", type=Path, help="an existing bundle of it (default: built under --work)")
+    ap.add_argument("--shape", default="large-1024", help="the demo checkpoint's preset, when --ckpt is not given")
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--build-args", default="target=sm_90 stages.onnx=false stages.tilelang=false "
                                             "stages.inductor_cache=false")
-    ap.add_argument("--tag", default="")
     ap.add_argument("--second-bundle", metavar="DIR",
                     help="another built bundle (path bundle2) whose starts alternate with the others' in the same "
                          "run: two routes on one machine")
@@ -210,7 +162,7 @@ def main() -> None:
                     help="the second bundle's starts ask for these artifact kinds (prefer=KIND), one path each "
                          "(bundle2:KIND): one bundle holding several routes, each timed")
     ap.add_argument("--no-eager", action="store_true", help="no laya eager starts (measured in other runs)")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on a CPU machine")
+    ap.add_argument("--device", default="cuda", help="cpu: the same on a CPU machine")
     ap.add_argument("--skip-calls", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one more bundle start under cProfile, after the timed ones")
     ap.add_argument("--stacks", action="store_true",
@@ -222,13 +174,15 @@ def main() -> None:
                          "leaves it, on a host whose site-packages have none and cannot be written")
     a = ap.parse_args()
     if a.calls_child:
-        calls_child(a.calls_child, a.ckpt, a.bundle, a.device)
+        calls_child(a.calls_child, str(a.ckpt), str(a.bundle), a.device)
         return
-    ckpt, bundle = Path(a.ckpt), Path(a.bundle)
-    res: dict = {"shape": a.shape, "command": " ".join(sys.argv), "starts": [], "calls": {},
-                 "bytecode_beside_torch": _bytecode_beside_torch()}
-    res["PYTHONDONTWRITEBYTECODE"] = os.environ.get("PYTHONDONTWRITEBYTECODE")
-    if a.bytecode:  # the H200 image sets PYTHONDONTWRITEBYTECODE: no process there ever writes bytecode
+    ckpt = a.ckpt or a.work / ("ckpt-%s" % a.shape)
+    bundle = a.bundle or a.work / ("bundle-%s" % a.shape)
+    name = "start_%s%s" % (a.shape, a.tag)
+    res: dict = {"shape": a.shape, "starts": [], "calls": {}, "bytecode_beside_torch": _bytecode_beside_torch(),
+                 "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
+    res["environment"] = harness.environment()
+    if a.bytecode:  # a host image may set PYTHONDONTWRITEBYTECODE: no process there ever writes bytecode
         os.environ["PYTHONPYCACHEPREFIX"] = a.bytecode
         os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     t = time.time()
@@ -239,14 +193,14 @@ def main() -> None:
     res["make_checkpoint_s"] = round(time.time() - t, 1)
     if not (bundle / "bundle.json").exists():
         t = time.time()
-        # streamed, so a build cut short by the device call's limit still shows how far it got
+        # streamed, so a build cut short by a time limit still shows how far it got
         p = subprocess.run([sys.executable, "-m", "laya_aot.cli", "build", "checkpoint.path=%s" % ckpt,
                             "output_dir=%s" % bundle, *a.build_args.split()], text=True)
         res["build_s"] = round(time.time() - t, 1)
         res["build_rc"] = p.returncode
-    cache = Path("/tmp/laya-aot-start-cache")
+    cache = a.work / "laya-aot-cache"
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
-    subprocess.run(["rm", "-rf", str(cache)])
+    shutil.rmtree(cache, ignore_errors=True)
     q = ONE
     paths = [("eager", START_EAGER, bundle, "")] * (not a.no_eager) + [("bundle", START, bundle, "")]
     if a.second_bundle:
@@ -254,7 +208,7 @@ def main() -> None:
             paths.append(("bundle2:%s" % kind if kind else "bundle2", START, Path(a.second_bundle),
                           ", prefer=%r" % kind if kind else ""))
     if a.bytecode:  # untimed: writes the bytecode of everything a start imports; the timed starts' cache stays empty
-        warm = dict(env, LAYA_AOT_CACHE_DIR="/tmp/laya-aot-warmup-cache")
+        warm = dict(env, LAYA_AOT_CACHE_DIR=str(a.work / "warmup-cache"))
         res["warmup"] = {path: spawn_start(code.format(ckpt=str(ckpt), bundle=str(b), q=q, device=a.device,
                                                        prefer=pref), warm, 300).get("first_answer_s")
                          for path, code, b, pref in paths}
@@ -265,27 +219,25 @@ def main() -> None:
             r.update(path=path, n=i, first_on_machine=(path != "eager" and i == 0))
             res["starts"].append(r)
             print(path, i, r.get("first_answer_s"), r.get("rc"), (r.get("stderr") or "")[-500:], flush=True)
-            _partial(a, res)  # a run cut short by the device call's limit keeps every start it made
+            harness.write(a.out, name, res, partial=True)  # a run cut short keeps every start it made
     if a.profile:  # not timed: where a later bundle start spends its time, by function
         code = ("import cProfile, pstats, io, time; pr = cProfile.Profile(); pr.enable()\n" +
                 START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device, prefer="") +
                 "pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative')"
                 ".print_stats(60); print(s.getvalue())")
-        p = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, env=env)
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / ("profile_%s%s.txt" % (a.shape, a.tag))).write_text(p.stdout[-60000:])
-        imports = sorted((ln for ln in p.stderr.splitlines() if ln.startswith("import time:") and "|" in ln
+        run = harness.spawn([sys.executable, "-X", "importtime", "-c", code], env=env)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / ("profile_%s%s.txt" % (a.shape, a.tag))).write_text(run.stdout[-60000:])
+        imports = sorted((ln for ln in run.stderr.splitlines() if ln.startswith("import time:") and "|" in ln
                           and ln.split("|")[1].strip().isdigit()), key=lambda ln: -int(ln.split("|")[1]))
-        (Path(a.out) / ("importtime_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(imports[:200]))
+        (a.out / ("importtime_%s%s.txt" % (a.shape, a.tag))).write_text("\n".join(imports[:200]))
     if a.stacks:  # not timed: the head start's threads beside laya's load, sampled
-        p = subprocess.run([sys.executable, "-c", SAMPLER + START.format(ckpt=str(ckpt), bundle=str(bundle), q=q,
-                                                                         device=a.device, prefer="")
-                            + SAMPLER_REPORT],
-                           capture_output=True, text=True, env=env, timeout=300)
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / ("stacks_%s%s.txt" % (a.shape, a.tag))).write_text(
-            "\n".join(ln for ln in p.stdout.splitlines() if ln.startswith(("STACK ", "FIRST ", "STATS ")))
-            + ("\n" + p.stderr[-3000:] if p.returncode else ""))
+        run = harness.python_child(SAMPLER + START.format(ckpt=str(ckpt), bundle=str(bundle), q=q, device=a.device,
+                                                          prefer="") + SAMPLER_REPORT, env=env, timeout=300)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / ("stacks_%s%s.txt" % (a.shape, a.tag))).write_text(
+            "\n".join(ln for ln in run.stdout.splitlines() if ln.startswith(("STACK ", "FIRST ", "STATS ")))
+            + ("\n" + run.stderr[-3000:] if run.rc else ""))
     if not a.skip_calls:
         for path in ("eager", "bundle"):
             res["calls"][path] = run_calls(path, ckpt, bundle, env, 400, a.device)
@@ -296,17 +248,7 @@ def main() -> None:
                                                     sum(len(r) for r in e[k])) for k in e}
         for v in res["calls"].values():
             v.pop("decisions", None)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("start_%s%s.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1, default=str))
-    (out / ("start_%s%s.md" % (a.shape, a.tag))).write_text(markdown(res))
-    print(markdown(res))
-
-
-def _partial(a, res: dict) -> None:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("start_%s%s.partial.json" % (a.shape, a.tag))).write_text(json.dumps(res, indent=1, default=str))
+    harness.write(a.out, name, res, markdown(res), title="Starts and realistic calls, `%s`" % a.shape)
 
 
 def _bytecode_beside_torch() -> bool:
@@ -318,8 +260,7 @@ def _bytecode_beside_torch() -> bool:
 
 
 def markdown(r: dict) -> str:
-    lines = ["# Starts and realistic calls, `%s`" % r["shape"], "", "Command: `%s`" % r["command"], "",
-             "torch's bytecode cache beside it: %s; PYTHONDONTWRITEBYTECODE in the host's environment: %r; "
+    lines = ["torch's bytecode cache beside it: %s; PYTHONDONTWRITEBYTECODE in the host's environment: %r; "
              "untimed warm-up starts (s): %s" % (r.get("bytecode_beside_torch"), r.get("PYTHONDONTWRITEBYTECODE"),
                                                  r.get("warmup", "none")), "",
              "| path | start | first answer (s) | agent_load_s | select_s | artifact_load_s | constants_s | "

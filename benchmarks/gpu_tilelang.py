@@ -10,19 +10,23 @@ TileLang cache directory, and every compile entry patched to raise: one compile 
 The laya process starts with an empty TileLang cache (cold, like a fresh host). Outputs of
 both are saved and compared bit for bit.
 
-    python benchmarks/gpu_tilelang.py run --ckpt CKPT --bundle DIR --out OUTDIR [--budget-s 360]
+    python3 benchmarks/gpu_tilelang.py --ckpt CKPT --bundle BUNDLE/tilelang [--budget-s 360] [--ab]
+
+`--bundle` is a directory holding `<arch>/`, such as a laya-aot bundle's `tilelang/`. `--ab` adds an interleaved
+same-process latency comparison (7 rounds of 20 calls per shape; LAYA_AOT_AB_TL_CACHE names a TileLang cache in
+which laya's own kernels are already compiled, LAYA_AOT_AB_SHAPES limits the shapes).
+Writes gpu_tilelang<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 SHAPES = [(1, 128, 4), (8, 256, 4), (32, 512, 4), (32, 1024, 4)]
 REPEATS, WARMUP = 20, 3
@@ -105,17 +109,7 @@ def _forget_factory_caches():
 
 
 def _median_ms(model, inputs):
-    import torch
-
-    times = []
-    for _ in range(REPEATS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        model(*inputs)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return harness.cuda_event_ms(lambda: model(*inputs), REPEATS, warmup=0)
 
 
 def child_ab(a) -> int:
@@ -150,7 +144,7 @@ def child_ab(a) -> int:
         with torch.no_grad():
             for x in inputs.values():
                 for _ in range(WARMUP):
-                    agent_a.model(*x)
+                    agent_a.childl(*x)
     libs_a = {k.adapter.libpath for k in backend.fast._attn_k.values()}
     libs_b = {getattr(k.adapter, "libpath", None) for k in agent_b._fast._attn_k.values()}
     res["bundle_attn_kernels_from_bundle"] = all(str(p).startswith(str(Path(a.bundle))) for p in libs_a)
@@ -161,7 +155,7 @@ def child_ab(a) -> int:
             ma, mb = [], []
             for _ in range(AB_ROUNDS):
                 with jit_guard(forbid=True) as g:
-                    ma.append(_median_ms(agent_a.model, x))
+                    ma.append(_median_ms(agent_a.childl, x))
                 assert sum(g.values()) == 0
                 mb.append(_median_ms(agent_b.model, x))
             ma.sort(), mb.sort()
@@ -170,7 +164,7 @@ def child_ab(a) -> int:
                                   "ratio_bundle_over_laya": ma[len(ma) // 2] / mb[len(mb) // 2],
                                   "bundle_rounds_ms": ma, "laya_rounds_ms": mb,
                                   "bitwise_equal": all(torch.equal(p.float(), q.float()) for p, q in
-                                                       zip(agent_a.model(*x), agent_b.model(*x)))}
+                                                       zip(agent_a.childl(*x), agent_b.model(*x)))}
             print("[ab] %s bundle %.3f ms laya %.3f ms" % (key, ma[len(ma) // 2], mb[len(mb) // 2]), flush=True)
     res["bundle_compile_attempts"] = dict(bundle_attempts)
     Path(a.result).write_text(json.dumps(res, indent=1))
@@ -178,9 +172,9 @@ def child_ab(a) -> int:
 
 
 def child(a) -> int:
-    if a.mode == "tiny":
+    if a.child == "tiny":
         return child_tiny(a)
-    if a.mode == "ab":
+    if a.child == "ab":
         return child_ab(a)
     t_spawn = float(os.environ["LAYA_AOT_T_SPAWN"])
     import laya
@@ -188,14 +182,14 @@ def child(a) -> int:
 
     from laya_aot.kernels.guard import jit_guard
 
-    res = {"mode": a.mode, "nvcc_on_path": shutil.which("nvcc"), "python_import_s": time.time() - t_spawn}
+    res = {"mode": a.child, "nvcc_on_path": shutil.which("nvcc"), "python_import_s": time.time() - t_spawn}
     import tilelang.env as tl_env
 
     res["tilelang_cuda_home"] = tl_env.CUDA_HOME
     outputs = {}
-    with jit_guard(forbid=(a.mode == "bundle")) as attempts:
+    with jit_guard(forbid=(a.child == "bundle")) as attempts:
         t0 = time.time()
-        if a.mode == "bundle":
+        if a.child == "bundle":
             from laya_aot.kernels import PrecompiledTileLangBackend, detect_arch
 
             agent = laya.load(a.ckpt, device="cuda")
@@ -219,7 +213,7 @@ def child(a) -> int:
             model(*first_in)
             torch.cuda.synchronize()
             res["start_to_first_answer_s"] = time.time() - t_spawn
-            if a.mode == "bundle":
+            if a.child == "bundle":
                 res["kernels_before_first_answer"] = backend.runner.stats["kernels_before_first_answer"]
             res["shapes"] = {}
             for shape in SHAPES:
@@ -228,9 +222,9 @@ def child(a) -> int:
                 outputs[key] = [t.detach().float().cpu().clone() for t in out]
                 res["shapes"][key] = {"first_call_s": first, "median_ms": med,
                                       "compile_attempts_so_far": sum(attempts.values())}
-                print("[%s] %s first %.3f s, median %.3f ms" % (a.mode, key, first, med), flush=True)
+                print("[%s] %s first %.3f s, median %.3f ms" % (a.child, key, first, med), flush=True)
     res["compile_attempts"] = dict(attempts)
-    if a.mode == "bundle":
+    if a.child == "bundle":
         backend.runner.wait_preloaded(120)
         res["kernel_preload"] = {k: v for k, v in backend.runner.stats.items() if k.startswith("background")}
     res["device"] = torch.cuda.get_device_name()
@@ -243,9 +237,7 @@ def child(a) -> int:
 
 # ------------------------------------------------------------------------------------ parent
 def _no_nvcc_env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and not shutil.which("nvcc", path=p))
+    env = harness.without_nvcc(dict(os.environ))
     empty = tmp / "no-cuda-home"
     empty.mkdir(exist_ok=True)
     env["CUDA_HOME"] = str(empty)
@@ -255,20 +247,19 @@ def _no_nvcc_env(tmp: Path) -> dict:
 
 def _spawn(mode, a, tmp: Path, env: dict, timeout: float, ckpt=None, bundle=None) -> dict:
     result, outputs = tmp / ("%s.json" % mode), tmp / ("%s.pt" % mode)
+    shutil.rmtree(tmp / ("tl-cache-" + mode), ignore_errors=True)  # every run starts with a cold TileLang cache
+    result.unlink(missing_ok=True)
     env = dict(env, LAYA_AOT_T_SPAWN=repr(time.time()), PYTHONUNBUFFERED="1",
                TILELANG_CACHE_DIR=os.environ.get("LAYA_AOT_AB_TL_CACHE" if mode == "ab" else "-", "")
                or str(tmp / ("tl-cache-" + mode)))
-    cmd = [sys.executable, __file__, "child", "--mode", mode, "--ckpt", ckpt or a.ckpt, "--bundle", bundle or a.bundle,
-           "--result", str(result), "--outputs", str(outputs)]
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = "timeout after %.0f s" % timeout, (e.stdout or b"").decode() + (e.stderr or b"").decode()
-    (Path(a.out) / ("%s.log" % mode)).write_text(log)
+    run = harness.spawn([sys.executable, __file__, "--child", mode, "--ckpt", ckpt or a.ckpt, "--bundle",
+                         bundle or a.bundle, "--result", str(result), "--outputs", str(outputs)], env=env,
+                        timeout=timeout)
+    rc = run.rc if run.rc is not None else "timeout after %.0f s" % timeout
+    log = run.stdout + run.stderr
+    (tmp / ("%s.log" % mode)).write_text(log)
     res = json.loads(result.read_text()) if result.exists() else {}
-    res.update(rc=rc, wall_s=time.time() - t0, outputs_file=str(outputs) if outputs.exists() else None)
+    res.update(rc=rc, wall_s=time.time() - run.started, outputs_file=str(outputs) if outputs.exists() else None)
     if rc != 0:
         res["log_tail"] = log[-4000:]
     return res
@@ -291,12 +282,10 @@ def _compare(bundle: dict, fast: dict) -> dict:
 
 
 def parent(a) -> int:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="gpu-tilelang-"))
+    tmp = a.work
+    tmp.mkdir(parents=True, exist_ok=True)
     t_end = time.time() + a.budget_s
-    report = {"command": " ".join([Path(sys.executable).name] + sys.argv), "shapes": SHAPES,
-              "repeats": REPEATS, "warmup": WARMUP}
+    report = {"environment": harness.environment(), "shapes": SHAPES, "repeats": REPEATS, "warmup": WARMUP}
     strict = _no_nvcc_env(tmp)
     report["bundle"] = ({"rc": "skipped"} if a.skip_bundle else
                         _spawn("bundle", a, tmp, strict, timeout=min(200, t_end - time.time())))
@@ -316,30 +305,48 @@ def parent(a) -> int:
     if a.tiny_ckpt and t_end - time.time() > 15:
         report["tiny_vs_eager"] = _spawn("tiny", a, tmp, strict, timeout=t_end - time.time(),
                                          ckpt=a.tiny_ckpt, bundle=a.tiny_bundle)
-    (out / "gpu_tilelang.json").write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps(report, indent=1, default=str))
+    harness.write(a.out, "gpu_tilelang" + a.tag, report, markdown(report),
+                  title="Precompiled TileLang kernels against laya's fast=True")
     return 0
 
 
+def markdown(r: dict) -> str:
+    lines = ["| path | rc | start -> first answer (s) | " + " | ".join("x".join(map(str, s)) + " ms" for s in SHAPES)
+             + " | compile attempts |", "|---|---|---|" + "---|" * len(SHAPES) + "---|"]
+    for name in ("bundle", "laya_fast"):
+        x = r.get(name) or {}
+        if not x:
+            continue
+        lines.append("| %s | %s | %s | %s | %s |" % (
+            name, x.get("rc"), x.get("start_to_first_answer_s", "-"),
+            " | ".join(str((x.get("shapes") or {}).get("x".join(map(str, s)), {}).get("median_ms", "-"))
+                       for s in SHAPES),
+            sum((x.get("compile_attempts") or {}).values())))
+    for key, c in (r.get("comparison") or {}).items():
+        if isinstance(c, dict):
+            lines.append("\n%s: bitwise equal %s, bundle / laya %.3f" % (key, c["bitwise_equal"],
+                                                                       c["latency_ratio_bundle_over_laya"]))
+    for key, c in ((r.get("ab") or {}).get("shapes") or {}).items():
+        lines.append("\nA/B in one process, %s: bundle %.3f ms, laya %.3f ms (%.3fx), bitwise equal %s" % (
+            key, c["bundle_median_ms"], c["laya_median_ms"], c["ratio_bundle_over_laya"], c["bitwise_equal"]))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--ckpt", required=True)
-    r.add_argument("--bundle", required=True, help="directory holding <arch>/ from build_for_checkpoint")
-    r.add_argument("--out", required=True)
-    r.add_argument("--budget-s", type=float, default=360)
-    r.add_argument("--skip-baseline", action="store_true", help="skip the cold laya fast=True process")
-    r.add_argument("--skip-bundle", action="store_true", help="skip the cold bundle process")
-    r.add_argument("--ab", action="store_true", help="also run the interleaved same-process latency A/B")
-    r.add_argument("--tiny-ckpt", default=None, help="optional: tiny demo checkpoint for a bundle-vs-eager check")
-    r.add_argument("--tiny-bundle", default=None)
-    c = sub.add_parser("child")
-    c.add_argument("--mode", choices=["bundle", "laya-fast", "tiny", "ab"], required=True)
-    for name in ("--ckpt", "--bundle", "--result", "--outputs"):
-        c.add_argument(name, required=True)
+    p = harness.parser(__doc__, work=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--bundle", required=True, help="directory holding <arch>/ (a bundle's tilelang/)")
+    p.add_argument("--budget-s", type=float, default=360)
+    p.add_argument("--skip-baseline", action="store_true", help="skip the cold laya fast=True process")
+    p.add_argument("--skip-bundle", action="store_true", help="skip the cold bundle process")
+    p.add_argument("--ab", action="store_true", help="also run the interleaved same-process latency A/B")
+    p.add_argument("--tiny-ckpt", default=None, help="optional: tiny demo checkpoint for a bundle-vs-eager check")
+    p.add_argument("--tiny-bundle", default=None)
+    p.add_argument("--child", choices=["bundle", "laya-fast", "tiny", "ab"], help="(internal: a child process)")
+    p.add_argument("--result", help="(internal: a child process)")
+    p.add_argument("--outputs", help="(internal: a child process)")
     a = p.parse_args()
-    return parent(a) if a.cmd == "run" else child(a)
+    return child(a) if a.child else parent(a)
 
 
 if __name__ == "__main__":

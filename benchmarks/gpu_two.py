@@ -1,36 +1,33 @@
-"""Two GPUs of one host (issue 12): agents on cuda:0 and cuda:1 in one process, called concurrently.
+"""Two GPUs of one host: agents on cuda:0 and cuda:1 in one process, called concurrently.
 
-On the two-GPU host, after the .device-site unpack line:
+On a host with two GPUs:
 
-    python3 benchmarks/gpu_two.py --out $OUT [--name hd16-16heads-fp16] [--calls 200]
+    python3 benchmarks/gpu_two.py [--name hd16-16heads-fp16] [--calls 200]
 
 Builds an AOTInductor bundle for this GPU, loads it into one agent per GPU in the same process (each with
 its probe child and CUDA graphs), and laya's eager agent on each GPU. Two threads then call their own
 agent at the same time; afterwards the script records each backend's CUDA-graph captures and replays,
 any graph refusals, and how each agent's answers compare with laya eager on the same GPU (decisions
-equal, largest probability difference). Writes gpu_two.json/.md to --out.
+equal, largest probability difference). Writes gpu_two<tag>.json/.md to --out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
 import threading
 import time
 import warnings
-from pathlib import Path
+
+import harness
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/gpu-two")
+    p = harness.parser(__doc__, work=True)
     p.add_argument("--name", default="hd16-16heads-fp16")
     p.add_argument("--calls", type=int, default=200)
     a = p.parse_args()
-    out, work = Path(a.out), Path(a.work)
-    out.mkdir(parents=True, exist_ok=True)
+    work = a.work
+    environment = harness.environment()
     import numpy as np
     import torch
 
@@ -77,7 +74,7 @@ def main() -> int:
     for t in threads:
         t.join()
     wall = time.time() - t0
-    report = {"command": "python3 benchmarks/gpu_two.py " + " ".join(sys.argv[1:]), "checkpoint": a.name,
+    report = {"environment": environment, "checkpoint": a.name,
               "build_s": round(build_s, 1), "calls_per_agent": a.calls, "concurrent_wall_s": round(wall, 2),
               "errors": errors, "warnings": [str(w.message)[:300] for w in caught], "agents": {}}
     for d, agent in agents.items():
@@ -89,7 +86,7 @@ def main() -> int:
                 for qid, b in r["answers"].items():
                     x = g["answers"][qid]
                     total += 1
-                    same += (x.get("choice"), x.get("noul", 0) > 0.5) == (b.get("choice"), b.get("noul", 0) > 0.5)
+                    same += harness.decision(x) == harness.decision(b)
                     pa = dict(x.get("probabilities") or {}, act=x["action"]["act_probability"])
                     pb = dict(b.get("probabilities") or {}, act=b["action"]["act_probability"])
                     worst = max([worst] + [abs(pa[k] - pb[k]) for k in pb])
@@ -99,9 +96,7 @@ def main() -> int:
                                "graphs_off": bo.load_stats.get("cuda_graphs_off"),
                                "probe": bo.load_stats.get("probe"), "decisions_equal": same, "decisions": total,
                                "max_prob_diff_vs_eager": worst, "artifact_tolerance": bo.verify.tolerance}
-    (out / "gpu_two.json").write_text(json.dumps(report, indent=1, default=str))
-    lines = ["Command: `%s`" % report["command"], "",
-             "| device | backend | serves | graph captures / replays / refusals | decisions = eager | max prob diff | "
+    lines = ["| device | backend | serves | graph captures / replays / refusals | decisions = eager | max prob diff | "
              "errors |", "|---|---|---|---|---|---|---|"]
     for d, r in report["agents"].items():
         g = r["cuda_graphs"] or {}
@@ -110,8 +105,7 @@ def main() -> int:
             r["decisions_equal"], r["decisions"], r["max_prob_diff_vs_eager"], len(errors)))
     lines.append("\n%d calls per agent, both threads at once: %.2f s. Warnings at load: %s"
                  % (a.calls, wall, report["warnings"] or "none"))
-    (out / "gpu_two.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    harness.write(a.out, "gpu_two" + a.tag, report, "\n".join(lines), title="Two GPUs in one process")
     return 0 if not errors else 1
 
 

@@ -1,9 +1,9 @@
-"""Where the host side of a `predict_batch` call goes, component by component (issue 24).
+"""Where the host side of a `predict_batch` call goes, component by component.
 
     python benchmarks/host_breakdown.py --ckpt DIR --bundle DIR [--device cpu] [--repeats 25] [--stub]
 
-Loads the bundle as `laya_aot.load` does (host path on unless `--stock-host`), then times gpu_start.py's
-realistic calls with a wall-clock timer around each of laya's and laya-aot's steps. Each component is the
+Loads the bundle as `laya_aot.load` does (host path on unless `--stock-host`), then times the realistic calls
+(`harness.CALLS`) with a wall-clock timer around each of laya's and laya-aot's steps. Each component is the
 time inside that step less the time of the components inside it (exclusive time), in microseconds per call,
 median over `--repeats` calls after 3 warm-ups; "rest" is the call's total less every component: laya's
 predict_batch body (hooks, validation, the usage and result dicts, the confidence gate).
@@ -20,19 +20,15 @@ predict_batch body (hooks, validation, the usage and result dicts, the confidenc
 
 `--stub` replaces the artifact by a function of the right shapes that costs a few microseconds, so the host
 work is measured without the forward's noise (the answers then mean nothing; the host work is the same).
+Writes host_breakdown<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_start import CALLS, states  # noqa: E402  (a sibling benchmark script)
+import harness
+from harness import CALLS, states
 
 COMPONENTS = ("prepare", "encode_state", "build_head", "collate", "infer", "backend", "artifact", "decode")
 
@@ -99,7 +95,7 @@ def instrument(agent, clock: Clock, stub: bool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--device", default="cpu")
@@ -107,19 +103,19 @@ def main() -> None:
     ap.add_argument("--calls", default=",".join(c[0] for c in CALLS))
     ap.add_argument("--stub", action="store_true", help="a stand-in artifact of negligible cost")
     ap.add_argument("--stock-host", action="store_true", help="load with host_path=False")
-    ap.add_argument("--json", help="write the figures here too")
     a = ap.parse_args()
     import laya_aot
 
+    environment = harness.environment()
     agent = laya_aot.load(a.ckpt, bundle=a.bundle, device=a.device, strict=True, host_path=not a.stock_host)
-    sync = (lambda: __import__("torch").cuda.synchronize()) if a.device == "cuda" else (lambda: None)
+    sync = harness.synchronizer(a.device)
     clock = Clock()
     instrument(agent, clock, a.stub)
     out = {}
     for name, n, words, qs in CALLS:
         if name not in a.calls.split(","):
             continue
-        st = states(n, words, seed=n * 1000 + words)
+        st = states(n, words)
         for _ in range(3):
             agent.predict_batch(st, qs)
         rows = []
@@ -137,12 +133,12 @@ def main() -> None:
             rows.append(row)
         out[name] = {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
     keys = list(COMPONENTS) + ["rest", "host", "total"]
-    print("| component (us per call) | " + " | ".join(out) + " |")
-    print("|---|" + "---|" * len(out))
-    for k in keys:
-        print("| %s | %s |" % (k, " | ".join(str(out[c][k]) for c in out)))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    lines = ["Exclusive wall time per step, us per call, median of %d%s%s." % (
+        a.repeats, "; the artifact stubbed" if a.stub else "", "; host_path=False" if a.stock_host else ""), "",
+             "| component (us per call) | " + " | ".join(out) + " |", "|---|" + "---|" * len(out)]
+    lines += ["| %s | %s |" % (k, " | ".join(str(out[c][k]) for c in out)) for k in keys]
+    harness.write(a.out, "host_breakdown" + a.tag, {"environment": environment, "calls": out}, "\n".join(lines),
+                  title="Where a call's host time goes")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,14 @@ their answers are compared (max |difference| of any probability, and equal decis
     python benchmarks/http_bench.py --device cuda --shape large-1024 --target sm_90 --requests 400
     python benchmarks/http_bench.py --checkpoint DIR --bundle BUNDLE_DIR         # an existing bundle
 
-Writes <out>/http_<tag>.json and .md with this command line.
+The servers need laya-aot's `serve` extra (laya's server, fastapi, uvicorn).
+Writes http_<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -32,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT))
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES  # noqa: E402  (the repository, not an install)
@@ -172,22 +173,6 @@ def answers(port: int, bodies: List[bytes]) -> List[dict]:
     return out
 
 
-def _decision(a: dict):
-    """What the caller acts on: the chosen criterion, the most probable score level, the noul verdict."""
-    if "noul" in a:
-        return a["noul"] > 0.5
-    probs = a.get("probabilities") or {}
-    return max(probs, key=probs.get) if probs else a.get("choice")
-
-
-def _margin(a: dict) -> float:
-    """How far the answer is from flipping: top-two probability gap, or the noul verdict's distance from 0.5."""
-    if "noul" in a:
-        return abs(a["noul"] - 0.5)
-    top = sorted((a.get("probabilities") or {}).values(), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else 1.0
-
-
 def compare(a: List[dict], b: List[dict]) -> Dict[str, Any]:
     """Bundle answers `a` against eager answers `b`: the largest probability difference, decisions equal, and
     eager's margin wherever a decision differs (a near-tie flips between two reduced-precision computations)."""
@@ -201,10 +186,10 @@ def compare(a: List[dict], b: List[dict]) -> Dict[str, Any]:
             if "noul" in y[qid]:
                 worst = max(worst, abs(x[qid]["noul"] - y[qid]["noul"]))
             worst = max(worst, abs(x[qid]["action"]["act_probability"] - y[qid]["action"]["act_probability"]))
-            if _decision(x[qid]) == _decision(y[qid]):
+            if harness.decision(x[qid]) == harness.decision(y[qid]):
                 same += 1
             else:
-                differ.append({"question": qid, "eager_margin": round(_margin(y[qid]), 6)})
+                differ.append({"question": qid, "eager_margin": round(harness.margin(y[qid]), 6)})
     return {"max_abs_diff": round(worst, 6), "same_decisions": same, "decisions": total, "differing": differ}
 
 
@@ -272,7 +257,7 @@ def run_mode(mode: str, a, ckpt: str, bundle: str, bodies: List[bytes], work: Pa
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--checkpoint", default=None, help="a Laya checkpoint dir (default: a demo checkpoint --shape)")
     p.add_argument("--shape", default="tiny", help="demo checkpoint shape when --checkpoint is not given")
     p.add_argument("--bundle", default=None, help="a bundle built from --checkpoint (default: build one)")
@@ -290,13 +275,9 @@ def main() -> int:
                    help="LAYA_IDLE_UNLOAD_SECONDS for both servers: after the load levels the benchmark waits for "
                         "the unload and times the request that reloads the checkpoint")
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tag", default=None, help="default: cpu, or cuda")
     a = p.parse_args()
     a.clients = [int(c) for c in a.clients.split(",")]
     tag = a.tag or (a.device or "cpu").split(":")[0]
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if a.state_words:
         import numpy as np
 
@@ -307,7 +288,7 @@ def main() -> int:
     else:
         states = list(DEMO_STATES)
     bodies = _bodies(states)
-    load_at_start = os.getloadavg()
+    environment = harness.environment()
     with tempfile.TemporaryDirectory(prefix="http-bench-") as tmp:
         work = Path(tmp)
         ckpt, bundle, build_s = prepare(a, work)
@@ -318,20 +299,10 @@ def main() -> int:
                 runs[m].append(run_mode(m, a, ckpt, bundle, bodies, work, r))
         modes = {m: summarise(rs) for m, rs in runs.items()}
     result = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
+        "environment": environment, "loadavg_at_end": os.getloadavg(),
         "checkpoint": a.checkpoint or "demo shape %s" % a.shape, "bundle": a.bundle or "built here", "build_s": build_s,
         "states": len(states), "questions": list(DEMO_QUESTIONS), "modes": modes,
     }
-    try:
-        import torch
-
-        result["machine"]["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            result["machine"]["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
     if "eager" in modes and "bundle" in modes:
         result["bundle_vs_eager"] = compare(modes["bundle"]["answers"], modes["eager"]["answers"])
         result["answers"] = {m: modes[m]["answers"] for m in ("eager", "bundle")}
@@ -339,21 +310,13 @@ def main() -> int:
         m.pop("answers", None)
         for run in m["runs"]:
             run.pop("answers", None)
-    (out_dir / ("http_%s.json" % tag)).write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / ("http_%s.md" % tag)).write_text(markdown(result))
-    print(markdown(result))
+    harness.write(a.out, "http_%s" % tag, result, markdown(result),
+                  title="HTTP serving: laya-aot serve (bundle) against laya serve (eager)")
     return 0
 
 
 def markdown(r: Dict[str, Any]) -> str:
-    lines = ["# HTTP serving: laya-aot serve (bundle) against laya serve (eager)", "",
-             "```bash", r["command"], "```", "",
-             "Machine: %s, %s CPUs, python %s, torch %s%s; load average (1, 5, 15 min) %s at the start, %s at "
-             "the end." % (
-                 r["machine"]["platform"], r["machine"]["cpus"], r["machine"]["python"], r["machine"].get("torch"),
-                 ", GPU %s" % r["machine"]["gpu"] if r["machine"].get("gpu") else "",
-                 " ".join("%.2f" % x for x in r["machine"]["loadavg_at_start"]),
-                 " ".join("%.2f" % x for x in r["machine"]["loadavg_at_end"])),
+    lines = ["Load average (1, 5, 15 min) at the end: %s." % " ".join("%.2f" % x for x in r["loadavg_at_end"]),
              "Checkpoint: %s; bundle: %s%s. Each request: one state (of %d, in turn), %d typed questions, "
              "`model` explicit." % (r["checkpoint"], r["bundle"],
                                     " (build %.1f s)" % r["build_s"] if r["build_s"] else "", r["states"],

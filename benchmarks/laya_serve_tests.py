@@ -5,19 +5,18 @@ reference for what that means. It runs twice in the same environment: once as la
 `laya.serve.create_app` made laya-aot's (benchmarks/laya_serve_swap/sitecustomize.py, on PYTHONPATH, so the
 children some tests start get it too). The two pass/fail sets must be equal; the script exits 1 otherwise.
 
-    pip download --no-deps --no-binary :all: laya==0.4.15 -d /tmp/laya-sdist
-    tar xzf /tmp/laya-sdist/laya-0.4.15.tar.gz -C /tmp/laya-sdist
-    python benchmarks/laya_serve_tests.py --sdist /tmp/laya-sdist/laya-0.4.15
+    pip download --no-deps --no-binary :all: laya==0.4.15 -d artifacts/laya-sdist
+    tar xzf artifacts/laya-sdist/laya-0.4.15.tar.gz -C artifacts/laya-sdist
+    python benchmarks/laya_serve_tests.py --sdist artifacts/laya-sdist/laya-0.4.15
+
+Writes laya_serve_tests<tag>.json and .md to --out.
 
 The sdist ships no docs/ directory, so laya's tests that read docs/*.md fail in both runs alike (each failure's
 message is listed).
 """
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Dict, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 SWAP = ROOT / "benchmarks" / "laya_serve_swap"
 
 
@@ -75,16 +76,9 @@ def swap_works() -> str:
     return r.stdout.strip()
 
 
-def _versions() -> str:
-    code = ("import importlib.metadata as m; print(', '.join('%s %s' % (d, m.version(d)) for d in "
-            "('laya', 'laya-aot', 'fastapi', 'starlette', 'httpx', 'torch', 'pytest')))")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--sdist", type=Path, required=True, help="an extracted laya sdist (laya-0.4.15/)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "laya_serve_tests.md")
     args = ap.parse_args()
     sdist = args.sdist.resolve()
     proof = swap_works()
@@ -101,17 +95,11 @@ def main() -> int:
                          for k in ("passed", "failed", "error", "skipped"))
 
     lines = [
-        "# laya's own server tests against `laya serve` and `laya-aot serve`",
-        "",
         "laya %s's sdist `tests/test_serve.py`, run twice in one environment: against laya's app as laya "
         "ships it, and with `laya.serve.create_app` made laya-aot serve's (`benchmarks/laya_serve_swap/`: "
         "laya's app built by `laya_aot.serve.create_app`, with `GET /v1/aot` added as a middleware, in the "
         "test process and in the child processes some tests start)." % sdist.name.split("-")[-1],
         "",
-        "Reproduce: `%s`" % " ".join(shlex.quote(a) for a in ["python", "benchmarks/laya_serve_tests.py",
-                                                               "--sdist", str(sdist)]),
-        "",
-        "- environment: Python %s on %s; %s" % (platform.python_version(), platform.platform(), _versions()),
         "- the swap takes (checked in a child first): `%s`" % proof,
         "- laya's app: `%s` (%.0f s): %s" % (" ".join(cmd_laya), t_laya, count(laya)),
         "- laya-aot serve's app: `%s` (%.0f s): %s" % (" ".join(cmd_aot), t_aot, count(aot)),
@@ -125,9 +113,9 @@ def main() -> int:
         "## Failing against laya-aot serve's app (%d)" % len(failed_aot),
         "",
     ] + ["- `%s`: %s" % (t, why_aot.get(t, "")) for t in failed_aot] + [""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    result = {"laya": laya, "laya_aot": aot, "differ": differ, "swap_check": proof}
+    harness.write(args.out, "laya_serve_tests" + args.tag, result, "\n".join(lines),
+                  title="laya's own server tests against `laya serve` and `laya-aot serve`")
     return 1 if differ else 0
 
 

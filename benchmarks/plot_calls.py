@@ -1,27 +1,29 @@
 """A PNG of `gpu_profile.py`'s results: per realistic call, each path's forward and host time against the
-dense 16-bit limit of the forward and issue 24's target for the call.
+dense 16-bit limit of the forward and the call's latency target.
 
-    python benchmarks/plot_calls.py benchmarks/results/gpu_h200_profile/profile_large-1024_run1.json OUT.png
+    python benchmarks/plot_calls.py PROFILE.json [--png OUT.png]
 
-Needs matplotlib (not a dependency of laya-aot: `pip install matplotlib` where the plot is made).
+PROFILE.json is what `gpu_profile.py` wrote (profile_<shape><tag>.json); the PNG goes to --png, by default
+calls_<shape>.png in --out. Needs matplotlib (not a dependency of laya-aot: `pip install matplotlib`).
 """
 from __future__ import annotations
 
 import json
-import sys
+from pathlib import Path
 
-TARGETS_MS = {"1x1q_20w": 2.0, "8x3q_120w": 16.0, "32x3q_400w": 160.0}  # issue 24's per-call targets
-TITLES = {"1x1q_20w": "1 state x 1 question, 20 words", "8x3q_120w": "8 states x 3 questions, 120 words",
-          "32x3q_400w": "32 states x 3 questions, 400 words"}
+import harness
+
+TARGETS_MS = {"1x1q_20w": 2.0, "8x3q_120w": 16.0, "32x3q_400w": 160.0}  # the per-call latency targets
+TITLES = {name: "%d state%s x %d question%s, %d words" % (n, "s" * (n > 1), len(q), "s" * (len(q) > 1), words)
+          for name, n, words, q in harness.CALLS}
 
 
-def main(src: str, dst: str) -> None:
+def plot(r: dict, dst: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r = json.loads(open(src, encoding="utf-8").read())
     paths = [p for p in r["paths"] if r["paths"][p].get("calls")]
     calls = list(TARGETS_MS)
     fig, axes = plt.subplots(1, len(calls), figsize=(4.2 * len(calls), 4.2))
@@ -36,15 +38,26 @@ def main(src: str, dst: str) -> None:
             ax.text(i, m["total_ms"], label, ha="center", va="bottom", fontsize=9)
         limit = max(r["paths"][p]["calls"][call]["limit_ms"] for p in paths)
         ax.axhline(limit, color="black", linestyle=":", label="dense bf16 limit of the forward")
-        ax.axhline(TARGETS_MS[call], color="#c44e52", linestyle="--", label="issue 24's target")
+        ax.axhline(TARGETS_MS[call], color="#c44e52", linestyle="--", label="latency target")
         ax.set_title(TITLES[call], fontsize=10)
         ax.set_ylabel("ms per call")
     axes[0].legend(fontsize=8, loc="upper right")
-    fig.suptitle("%s on %s: laya eager against the default bundle (median of 15)" % (r["shape"], "an H200"),
+    gpus = (r.get("environment") or {}).get("gpus") or ["the GPU"]
+    fig.suptitle("%s on %s: laya eager against the default bundle (median of 15)" % (r["shape"], gpus[0].split(",")[0]),
                  fontsize=11)
     fig.tight_layout()
+    dst.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(dst, dpi=110)
 
 
+def main() -> None:
+    ap = harness.parser(__doc__)
+    ap.add_argument("profile", type=Path, help="gpu_profile.py's profile_<shape><tag>.json")
+    ap.add_argument("--png", type=Path, help="where the plot goes (default: calls_<shape><tag>.png in --out)")
+    a = ap.parse_args()
+    r = json.loads(a.profile.read_text(encoding="utf-8"))
+    plot(r, a.png or a.out / ("calls_%s%s.png" % (r["shape"], a.tag)))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()

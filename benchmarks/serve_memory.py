@@ -9,15 +9,12 @@ one process: the modules each server's start imports beyond the other's, and the
 
     python benchmarks/serve_memory.py --checkpoint CKPT --bundle BUNDLE --rounds 3
 
-Writes benchmarks/results/serve_memory.md (and .json) with this command line.
+Writes serve_memory<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
-import shlex
 import shutil
 import socket
 import statistics
@@ -29,7 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 QUESTION = {"team": {"type": "choice", "instructions": "Which team should handle this?",
                      "criteria": {"billing": "payments, refunds", "technical": "errors, outages"}}}
 
@@ -113,13 +112,26 @@ def in_process(env: Dict[str, str], mode: str) -> Dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def markdown(r: Dict[str, object]) -> str:
+    lines = ["Medians of %d rounds, MB of resident memory (VmRSS):" % len(next(iter(r["rounds"].values()))), "",
+             "| server | when `/health` first answers | after one request |", "|---|---|---|"]
+    for name, m in r["median"].items():
+        lines.append("| %s | %.1f | %.1f |" % (name, m["ready_mb"], m["after_request_mb"]))
+    lines += ["", "In one process, RSS (MB) after each step:", ""]
+    for name, v in r["in_process"].items():
+        lines.append("- %s: %s" % (name, ", ".join("%s %.1f" % (step, mb) for step, mb in v["steps"])))
+    lines += ["", "Top-level modules laya-aot serve's start imports beyond laya serve's: %s"
+              % ", ".join(r["extra_top_level_modules"])]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_memory")
     args = ap.parse_args(argv)
+    environment = harness.environment()
     ckpt, bundle = args.checkpoint.resolve(), args.bundle.resolve()
     base = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(ckpt)}), "LAYA_MODELS": "demo"}
     manifest = json.loads((bundle / "bundle.json").read_text())
@@ -144,15 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                  "laya-aot serve": in_process(dict(base, LAYA_AOT_BUNDLES=json.dumps({"demo": str(bundle)})), "aot")}
     extra = sorted(set(steps["laya-aot serve"]["modules"]) - set(steps["laya serve"]["modules"]))
     summary = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in results.items()}
-    command = ["python", "benchmarks/serve_memory.py"] + (argv or sys.argv[1:])
-    payload = {"command": " ".join(shlex.quote(a) for a in command),
-               "machine": "%s, Python %s, %d CPUs, load %s" % (platform.platform(), platform.python_version(),
-                                                              os.cpu_count() or 0, os.getloadavg()),
-               "rounds": results, "median": summary, "in_process": steps, "extra_top_level_modules": extra}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    print(json.dumps({"median": summary, "extra_top_level_modules": extra, "in_process": {
-        k: v["steps"] for k, v in steps.items()}}, indent=1))
+    payload = {"environment": environment, "rounds": results, "median": summary, "in_process": steps,
+               "extra_top_level_modules": extra}
+    harness.write(args.out, "serve_memory" + args.tag, payload, markdown(payload),
+                  title="Resident memory right after start: `laya-aot serve` against `laya serve`")
     return 0
 
 

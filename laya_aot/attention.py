@@ -3,7 +3,7 @@
 laya builds its encoder with transformers' `sdpa` attention: every forward builds a rows x L x L mask for the
 sliding-window (local) layers and one for the global layers, and SDPA with a dense mask runs cuDNN's masked
 kernel over all L x L scores. On the H200 at 32 x 1024 tokens that was 19 ms of a 74 ms forward, plus 6 ms
-rebuilding masks (benchmarks/results/gpu_h200_attention.md).
+rebuilding masks (benchmarks/results/calls.md).
 
 `switch(model, ...)` makes a copy of the model (the one an artifact is exported from, never laya's own) compute
 the same attention with `laya_aot.window_attention`'s Triton kernel: the rows x L padding mask read as it is,
@@ -15,7 +15,7 @@ happens as the kernel loads them (`window_attention.window_attention_rope`): eac
 gets `fused_forward`, transformers' own forward with the rotation and the attention call replaced by one op, where
 the installed transformers' forward has the form it expects (`_fusable`); elsewhere the copy falls back to `triton`.
 Whether an artifact answers like laya's forward is what its verification measures, as for every export.
-Measured on the H200 (session 17), `triton_rope` verifies but is slower than `triton`: every block of queries
+Measured on the H200, `triton_rope` verifies but is slower than `triton`: every block of queries
 rotates each key block it reads again, which costs more than Inductor's one rotary kernel per layer.
 """
 from __future__ import annotations

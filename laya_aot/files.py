@@ -131,7 +131,7 @@ def sha256_parts(path: str | os.PathLike, part_bytes: int = PART_BYTES, workers:
 def _spare_cores(keep: int = 2, most: int = 8) -> int:
     """Threads `sha256_parts` hashes with by default: this process's cores less `keep` for the start's other
     work beside it (laya's agent, the artifact's load), at most `most`: on a 2-core machine a second hashing
-    thread slowed that work as much as it saved (`benchmarks/results/cpu_first_start_s32.md`)."""
+    thread slowed that work as much as it saved (`benchmarks/results/cpu.md`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

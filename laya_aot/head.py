@@ -15,7 +15,7 @@ Every head layer of that copy also computes its self-attention batch-first (`att
 `batch_first`, and its attention module (`_DynamicMultiheadAttention`, like PyTorch's) transposes the input to
 tokens x rows before three separate projections. Exported and compiled by Inductor, each projection ran as a GEMM
 batched over tokens with the rows as its height: on the H200 the six of a two-layer head took 18.5 us each at
-1 x 128 tokens, 111 us of a 1.26 ms forward (`benchmarks/results/gpu_h200_profile/kernels_large-1024_kern2.txt`).
+1 x 128 tokens, 111 us of a 1.26 ms forward (`benchmarks/results/calls.md`).
 Here the projections run on the rows as laid out, one plain GEMM per input (queries, keys and values packed
 where they are one tensor), then `scaled_dot_product_attention` with laya's padding mask, as laya computes it.
 """

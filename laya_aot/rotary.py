@@ -3,7 +3,7 @@
 transformers' `ModernBertRotaryEmbedding` computes cos and sin of position x frequency on every forward. Inductor
 inlines that computation into each layer's rotary kernel, so every layer evaluates sin and cos again for every
 element of its queries and keys (once per head). On the H200 that kernel took 5.4 ms of a 65 ms forward at 32 x 1024
-tokens (`benchmarks/results/gpu_h200_profile.md`, `_kern2`), mostly the sin and cos.
+tokens (`benchmarks/results/calls.md`), mostly the sin and cos.
 
 `tabulate(model, positions)` gives the export copy's rotary module (never laya's own) a table per layer type: the
 values its own forward returns for positions 0 .. positions-1, computed once by that forward on the CPU in fp32.

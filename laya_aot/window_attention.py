@@ -2,7 +2,7 @@
 
 The stock export hands SDPA dense rows x 1 x L x L masks, so cuDNN computes every score of every layer and a
 kernel per layer rebuilds the mask: at 32 x 1024 tokens on the H200 that was 25 ms of a 74 ms forward
-(benchmarks/results/gpu_h200_attention.md). This kernel reads the rows x L padding mask directly and, in a
+(benchmarks/results/calls.md). This kernel reads the rows x L padding mask directly and, in a
 local layer, visits only the key blocks a query block's window reaches. Query i attends key j iff key j is a
 token and, with a window w, |i - j| <= w. A query with no such key (a padded position beyond every window)
 gets zeros; nothing reads those positions.
@@ -119,7 +119,7 @@ def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
 
 def blocks(head_dim: int, window: int) -> dict:
     """Tile sizes and launch shape (H200, head dim 64, 32 x 16 x 1024 in bf16: benchmarks/results/
-    gpu_h200_attention.md): 64-query blocks for a window (fewer keys outside it), 128 for a global layer."""
+    calls.md): 64-query blocks for a window (fewer keys outside it), 128 for a global layer."""
     if max(16, triton.next_power_of_2(head_dim)) > 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
     return dict(BLOCK_M=64 if window >= 0 else 128, BLOCK_N=64, num_warps=4, num_stages=3)

@@ -87,11 +87,11 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
 
     `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
     Inductor pre-pack them for oneDNN, which is what makes the package faster than eager per call on
-    larger models (benchmarks/results/cpu_base-512.md); the price is a package the size of the weights.
+    larger models (benchmarks/results/cpu.md); the price is a package the size of the weights.
     `max_autotune=True`: Inductor times its kernel choices here and compiles the winners in. Not a build setting:
     at either example batch the forward was no faster where its time goes and slower at one row, and Inductor's
     Triton GEMM templates lose to cuBLAS on this model's shapes and take neither the GeGLU nor the residual add
-    into their epilogue where the time is (gpu_h200_profile.md, sessions 19, 37 and 38);
+    into their epilogue where the time is (benchmarks/results/calls.md);
     `benchmarks/aoti_variants.py` keeps it measurable.
     """
     from safetensors.torch import save_file
@@ -244,7 +244,7 @@ class AOTIRunner(Runner):
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
         """Inputs on any device, outputs on the inputs' device. A CUDA graph's replay takes host inputs straight
         into its static buffers and gives its outputs straight back: no device copy of either in between (on
-        the H200 those copies were about a quarter of a 1x1 call's host time, gpu_h200_profile.md `_host1`)."""
+        the H200 those copies were about a quarter of a 1x1 call's host time)."""
         back = ids.device
         # the package launches on the current stream of the current device: make that the artifact's GPU,
         # whatever device the calling thread had current (an agent on cuda:1 beside one on cuda:0)
@@ -411,7 +411,7 @@ def load_aoti_package(path: Path, device_index: int):
     `torch._inductor.package.load_package` first calls `codecache.get_device_information()`, only to log
     a warning when the build machine differs; that call dry-compiles a test library per CPU vector ISA
     and dlopens each in a child Python: tens of seconds of every load
-    (benchmarks/investigations/results/aoti_load_time/). laya-aot checks that an artifact fits this machine itself
+    (35-48 s on an H200 host: benchmarks/results/starts.md). laya-aot checks that an artifact fits this machine itself
     (laya_aot.variant) before loading it, so it goes to the C++ loader directly, as that function
     does after its check; torch's own route remains the fallback for a torch without that binding.
     """

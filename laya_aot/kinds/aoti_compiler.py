@@ -19,7 +19,7 @@ def links_libstdcxx_dynamically(cxx: str) -> bool:
     A compiler that cannot find libstdc++.so links it statically into the package's wrapper .so, which
     then holds a second copy of libstdc++ beside the one torch loaded; the two disagree on std::locale's
     facets and the loader segfaults in std::regex (AOTInductorModel -> parse_device_str). Some images'
-    default g++ is such a wrapper (benchmarks/investigations/results/aoti_h200_load_crash.md).
+    default g++ is such a wrapper: on one GPU host's image every package it built died at load.
     """
     try:
         out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,

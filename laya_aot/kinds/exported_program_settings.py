@@ -25,7 +25,7 @@ class ExportConfig:
     # the local window directly, no L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention
     # with its masks, as laya runs it; "triton_rope": the same kernel also applying the rotary embedding as it loads
     # queries and keys (no separate rotary kernel): verified, but slower on the H200 (each query block rotates every
-    # key block again: 65.0 -> 73.6 ms at 32x1024, benchmarks/results/gpu_h200_profile.md, session 17), so not the
+    # key block again: 65.0 -> 73.6 ms at 32x1024, benchmarks/results/calls.md), so not the
     # default. The CPU and fp32 always export stock attention.
     attention: str = "triton"
     # "table": the rotary embedding's cos and sin read from a table of the export's positions, made once at export
@@ -39,7 +39,7 @@ class ExportConfig:
     # the example batch torch.export traces with, rows x tokens; AOTInductor tunes its Triton kernels' launch
     # settings at these sizes. null = by device: on a GPU 8 x 1024 (capped by max_rows and max_tokens), measured on
     # large-1024 against the 3 x 48 used before: -3.7 / -4.5 / -5.1% at 8x256 / 32x512 / 32x1024 and +2.5 / +3.8% at
-    # 1x128 / 1x80 (benchmarks/results/gpu_h200_profile.md, session 22); on the CPU 3 x 48 (its C++ kernels are not
+    # 1x128 / 1x80 (benchmarks/results/calls.md); on the CPU 3 x 48 (its C++ kernels are not
     # tuned at the example)
     example_rows: Optional[int] = None
     example_tokens: Optional[int] = None

@@ -49,7 +49,7 @@ class _Graph:
 
     Inputs and outputs are copied tensor by tensor from and to pageable memory: packed into one pinned buffer
     with one asynchronous copy each way they were no faster (0.96-1.02x on an H200 and 0.99-1.00x on an H100,
-    session 36, `benchmarks/results/gpu_h200_profile.md`)."""
+    `benchmarks/results/calls.md`)."""
 
     def __init__(self, fn: Fn, inputs: Sequence[torch.Tensor], pool: Any):
         self.device = inputs[0].device

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """`x`, copied if its data does not start on a 16-byte boundary: an AOTInductor package assumes its inputs
     do, and copies a row slice that does not (a half after running out of memory) itself, warning on every call
-    ("Input 3 was compiled as 16-bytes aligned, but it is not aligned at run time"; H100, session 36)."""
+    ("Input 3 was compiled as 16-bytes aligned, but it is not aligned at run time", seen on an H100)."""
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 

@@ -118,7 +118,7 @@ class EagerModule:
     def _for_layas_retry(self, why: str) -> torch.nn.Module:
         """laya's module for its retry on the CPU: the one an earlier retry left there, the one already built for
         the device (laya moves it), or one built on the CPU, where the retry runs it (a GPU that ran out of memory
-        may have no room for it: on the H200 filled to 3 MB, session 34, its build there ran out)."""
+        may have no room for it: on an H200 filled to 3 MB its build there ran out)."""
         if self.retry_module is None:
             self.retry_module = self.model if self.model is not None else self.ensure(
                 why + "; built on the CPU for laya's retry there", device=torch.device("cpu"))
@@ -128,7 +128,7 @@ class EagerModule:
         """laya's `_restore_runtime`, which ends its retry on the CPU by moving the agent's module back to the
         device: for a thin agent, the shell goes back instead and laya then installs the artifact's backend again,
         which needs none of laya's module. laya's move of its fp32 module would fail on a GPU still full (and
-        leave the agent on the CPU, laya's eager forward serving every later call; H200, session 36) or, with
+        leave the agent on the CPU, laya's eager forward serving every later call, as on an H200) or, with
         room, hold a second copy of the weights beside the artifact's for the life of the process. The module,
         on the CPU after the retry, is kept for laya's next retry (`retry_module`), so a GPU that stays full
         costs each call laya's CPU forward, not a new build."""

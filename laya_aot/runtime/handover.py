@@ -19,7 +19,7 @@ EXIT_WAIT_S): a thread left inside torch or CUDA while the interpreter finalises
 
 It begins once the first artifact has answered its first call, or after IDLE_S without one: its first seconds
 (transformers' imports, laya's module) hold the interpreter lock, and begun beside a start's first call they
-made that answer 1.3 s later on the H200 (`benchmarks/results/gpu_h200_start.md`, session 25).
+made that answer 1.3 s later on an H200.
 """
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def test_verification_cases_stay_inside_the_checkpoints_context():
 def test_verification_cases_fit_a_context_that_is_not_a_multiple_of_the_token_step(context):
     """A checkpoint of any context gets cases no longer than it: with a context of 64, `r(20, 64) | 1` once drew
     65 tokens and odd_tokens' fixed 45 and max_rows' 24-40 overran a context of 32, and every artifact of such a
-    checkpoint failed verification (benchmarks/investigations/config_fuzz.py)."""
+    checkpoint failed verification (benchmarks/config_fuzz.py)."""
     from laya_aot.padding import context_tokens
     from laya_aot.verification import cases, decision_cases
 
