@@ -30,12 +30,13 @@ from ..errors import LayaAotError
 
 log = logging.getLogger(__name__)
 
-# Defaults, measured on the 2-core CPU with a base-512 checkpoint (docs/batching.md): a merged call's size is
-# bounded so that one call's latency stays a few requests' worth; the artifact itself splits a call into
-# pieces of `padding.CHUNK_TOKENS` padded tokens (runtime/backend.py), so these bound the batcher's wait only.
+# Defaults (docs/batching.md says why and what was measured): no wait, so that a request alone is never delayed
+# (under load, requests queue while a call runs and make the next call without waiting); a call bounded well above
+# 32 clients' short requests (96 rows), since the artifact itself runs a call in pieces of `padding.CHUNK_TOKENS`
+# padded tokens (runtime/backend.py) and a bigger call only makes its requests wait longer.
 DEFAULT_MAX_ROWS = 256       # question rows (states x questions) in one merged call
 DEFAULT_MAX_TOKENS = 65536   # estimated tokens in one merged call (rows x estimated row length)
-DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none; see docs)
+DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none)
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48

@@ -72,7 +72,7 @@ def test_the_ray_serve_deployment_answers_laya_routes_as_laya_aot_serve(demo_ckp
     env = _env(demo_ckpt, demo_bundle)
     port = _free_port()
     log_path = tmp_path / "ray.log"
-    full = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), LAYA_AOT_RAY_REPLICAS="2",
+    full = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), LAYA_AOT_RAY_REPLICAS="2", RAY_DEDUP_LOGS="0",
                 PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
                 **env)
