@@ -204,6 +204,55 @@ def client_ceiling(bodies: List[bytes], clients: int, seconds: float, procs: int
     return out
 
 
+INSTANT = r'''
+import json, os, sys
+for name in ("LAYA_AOT_BUNDLES", "LAYA_API_KEY"):
+    os.environ.pop(name, None)
+ANSWER = {"model": "laya-rl-agent", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
+class Instant:
+    """A Router that answers at once: what is left is the server's own cost per request."""
+    loaded, _agents = [], {}
+    def resolve(self, name):
+        return name
+    def predict(self, state, questions, model=None, **kw):
+        return dict(ANSWER)
+    def predict_batch(self, requests, **kw):
+        return [dict(ANSWER) for _ in requests]
+if sys.argv[1] == "laya":
+    from laya.serve import create_app
+else:
+    from laya_aot.serve import create_app
+import uvicorn
+uvicorn.run(create_app(router=Instant()), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+'''
+
+
+def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, procs: int) -> Dict[str, Any]:
+    """`app`'s (laya or laya-aot) own ceiling: the same load against its HTTP app over a Router that answers at
+    once (laya-aot's: its batcher merging the requests into calls that cost nothing)."""
+    port = http_bench._free_port()
+    env = dict(os.environ, LAYA_MAX_CONCURRENT=str(max(64, 2 * clients)), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", INSTANT, app, str(port)], cwd=ROOT, env=env)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("POST", "/v1/systemone", body=bodies[0], headers={"Content-Type": "application/json"})
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the instant %s server did not start" % app) from None
+                time.sleep(0.2)
+        out = load(port, bodies, clients, seconds, procs)
+    finally:
+        proc.terminate()
+        proc.wait()
+    out.pop("sample")
+    return out
+
+
 class GpuSampler:
     """Mean GPU utilisation (%) over a level, from nvidia-smi every 0.2 s (None without a GPU)."""
 
@@ -439,7 +488,10 @@ def markdown(r: Dict[str, Any]) -> str:
                               " ".join("%.2f" % x for x in m["loadavg_at_start"]),
                               " ".join("%.2f" % x for x in m["loadavg_at_end"]), r["checkpoint"], r["bundle"],
                               r["seconds"], r["client_procs"], r["client_ceiling"]["clients"],
-                              r["client_ceiling"]["rps"]), ""]
+                              r["client_ceiling"]["rps"]),
+             "The servers' own ceilings, each over a Router that answers at once (HTTP, laya's request handling "
+             "and, for laya-aot, the batcher), at 32 clients: %s." % ", ".join(
+                 "%s %.0f requests/s" % (k, v["rps"]) for k, v in r.get("server_ceiling", {}).items()), ""]
     lines += ["Decisions: each answer sampled under load against the same request sent alone to the same server "
               "first (`differ` of `checked`).", "",
               "| server | stream | clients | requests/s | p50 ms | p99 ms | GPU % | non-200 | decisions differ |",
@@ -513,10 +565,17 @@ def main() -> int:
         ceiling = client_ceiling([json.dumps(r).encode() for r in streams[next(iter(streams))]], 32,
                                  min(3.0, a.seconds), a.client_procs)
         print("client ceiling (stub server, 32 clients): %.0f req/s" % ceiling["rps"], flush=True)
+        bodies0 = [json.dumps(r).encode() for r in short_requests()]
+        servers_ceiling = {app: server_ceiling(app, bodies0, 32, min(5.0, a.seconds), a.client_procs)
+                           for app in ("laya", "laya-aot")}
+        for app, c in servers_ceiling.items():
+            print("%s's own ceiling (a Router answering at once, 32 clients): %.0f req/s" % (app, c["rps"]),
+                  flush=True)
         result: Dict[str, Any] = {
             "command": "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
             "checkpoint": a.checkpoint or "demo shape %s" % a.shape, "bundle": a.bundle or "built here",
             "build_s": build_s, "seconds": a.seconds, "client_procs": a.client_procs, "client_ceiling": ceiling,
+            "server_ceiling": servers_ceiling,
             "streams": {k: len(v) for k, v in streams.items()}, "servers": {}}
         for name in servers:
             result["servers"][name] = run_server(name, a, ckpt, bundle, streams, work, gpu)
