@@ -15,19 +15,16 @@ starts by measuring the client against a stub server that answers at once (`clie
     python benchmarks/http_load.py --shape large-1024 --target sm_90 --device cuda --python --out $OUT
 
 Builds a demo checkpoint (--shape) and its bundle (--target) when --checkpoint/--bundle are not given (shared
-with benchmarks/http_bench.py). Writes <out>/http_load_<tag>.json and .md with the command line. `--ray 1,2`
-also runs the Ray Serve deployment (`python -m laya_aot.serve_ray`) with that many replicas
-(LAYA_THREADS each), the same streams and clients: the figure for issue 59's Ray criterion.
+with benchmarks/http_bench.py). Writes http_load<tag>.json and .md to --out. `--ray 1,2` also runs the Ray Serve
+deployment (`python -m laya_aot.serve_ray`) with that many replicas (LAYA_THREADS each), the same streams and
+clients: the figure for issue 59's Ray criterion (`--servers ""` leaves the two servers out).
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import multiprocessing as mp
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,11 +33,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness
+import http_bench  # the server process and the bundle's preparation, shared
 
-import http_bench  # noqa: E402  (the server process and the answers' comparison, shared)
+ROOT = harness.ROOT
+sys.path.insert(0, str(ROOT))
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES  # noqa: E402
 
@@ -81,7 +78,7 @@ def mixed_requests(ckpt: str, n: int = 48, seed: int = 0) -> List[Dict[str, Any]
 
 
 def decisions(answers: Dict[str, Any]) -> Dict[str, Any]:
-    return {q: http_bench._decision(a) for q, a in answers.items()}
+    return {q: harness.decision(a) for q, a in answers.items()}
 
 
 # -------------------------------------------------------------------------------------------------- client
@@ -479,16 +476,10 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
 
 # ---------------------------------------------------------------------------------------------------- main
 def markdown(r: Dict[str, Any]) -> str:
-    m = r["machine"]
-    lines = ["# HTTP load: laya-aot serve's dynamic batcher against laya serve", "", "```bash", r["command"], "```", "",
-             "Machine: %s, %s CPUs%s; load average %s at the start, %s at the end (a shared machine: figures are "
-             "noisy). Checkpoint: %s; bundle: %s. Each level runs %.0f s; the client spreads its connections over "
-             "up to %d processes; its own ceiling against a stub server answering at once, at %d clients: %.0f "
-             "requests/s." % (m["platform"], m["cpus"], ", GPU %s" % m["gpu"] if m.get("gpu") else "",
-                              " ".join("%.2f" % x for x in m["loadavg_at_start"]),
-                              " ".join("%.2f" % x for x in m["loadavg_at_end"]), r["checkpoint"], r["bundle"],
-                              r["seconds"], r["client_procs"], r["client_ceiling"]["clients"],
-                              r["client_ceiling"]["rps"]),
+    lines = ["Checkpoint: %s; bundle: %s. A shared machine's figures are noisy. Each level runs %.0f s; the client "
+             "spreads its connections over up to %d processes; its own ceiling against a stub server answering at "
+             "once, at %d clients: %.0f requests/s." % (r["checkpoint"], r["bundle"], r["seconds"], r["client_procs"],
+                                                       r["client_ceiling"]["clients"], r["client_ceiling"]["rps"]),
              "The servers' own ceilings, each over a Router that answers at once (HTTP, laya's request handling "
              "and, for laya-aot, the batcher), at 32 clients: %s." % ", ".join(
                  "%s %.0f requests/s" % (k, v["rps"]) for k, v in r.get("server_ceiling", {}).items()), ""]
@@ -527,7 +518,7 @@ def markdown(r: Dict[str, Any]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--checkpoint", default=None, help="a Laya checkpoint dir (default: a demo checkpoint --shape)")
     p.add_argument("--shape", default="base-512", help="demo checkpoint shape when --checkpoint is not given")
     p.add_argument("--bundle", default=None, help="a bundle built from --checkpoint (default: build one)")
@@ -535,27 +526,19 @@ def main() -> int:
     p.add_argument("--build-args", default="", help="extra `laya-aot build` overrides")
     p.add_argument("--device", default=None, help="LAYA_DEVICE for the servers and the in-process batchers")
     p.add_argument("--threads", type=int, default=None, help="LAYA_THREADS for the servers")
-    p.add_argument("--servers", default="laya-aot,laya", help="laya-aot, laya, ray:N (N replicas)")
+    p.add_argument("--servers", default="laya-aot,laya", help="laya-aot, laya (comma-separated; may be empty)")
     p.add_argument("--ray", default="", help="also the Ray Serve deployment with these replica counts, e.g. 1,2")
     p.add_argument("--streams", default="short,mixed")
     p.add_argument("--clients", default="1,8,32,128")
-    p.add_argument("--seconds", type=float, default=8.0, help="seconds per level")
+    p.add_argument("--seconds", type=float, default=6.0, help="seconds per level")
     p.add_argument("--client-procs", type=int, default=4, help="client processes at most")
     p.add_argument("--python", action="store_true", help="also the in-process batchers (laya-cuda where installed)")
     p.add_argument("--cuda-engine-args", default="{}", help="JSON keyword arguments of laya_cuda.BatchEngine")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the servers (repeatable)")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tag", default=None, help="default: cpu, or cuda")
     a = p.parse_args()
     a.clients = [int(c) for c in a.clients.split(",")]
-    a.build_args = a.build_args or ""
     servers = [s for s in a.servers.split(",") if s] + ["ray:%s" % n for n in a.ray.split(",") if n]
-    tag = a.tag or (a.device or "cpu").split(":")[0]
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = GpuSampler.available()
-    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="http-load-") as tmp:
         work = Path(tmp)
         ckpt, bundle, build_s = http_bench.prepare(a, work)
@@ -572,28 +555,16 @@ def main() -> int:
             print("%s's own ceiling (a Router answering at once, 32 clients): %.0f req/s" % (app, c["rps"]),
                   flush=True)
         result: Dict[str, Any] = {
-            "command": "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
             "checkpoint": a.checkpoint or "demo shape %s" % a.shape, "bundle": a.bundle or "built here",
             "build_s": build_s, "seconds": a.seconds, "client_procs": a.client_procs, "client_ceiling": ceiling,
-            "server_ceiling": servers_ceiling,
-            "streams": {k: len(v) for k, v in streams.items()}, "servers": {}}
+            "server_ceiling": servers_ceiling, "streams": {k: len(v) for k, v in streams.items()}, "servers": {}}
+        gpu = GpuSampler.available()
         for name in servers:
             result["servers"][name] = run_server(name, a, ckpt, bundle, streams, work, gpu)
         if a.python:
             result["python"] = run_python(a, ckpt, bundle, streams)
-    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                         "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()}
-    try:
-        import torch
-
-        result["machine"]["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            result["machine"]["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    (out_dir / ("http_load_%s.json" % tag)).write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / ("http_load_%s.md" % tag)).write_text(markdown(result))
-    print(markdown(result))
+    harness.write(a.out, "http_load" + a.tag, result, markdown(result),
+                  title="HTTP load: laya-aot serve's dynamic batcher against laya serve")
     return 0
 
 

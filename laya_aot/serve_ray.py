@@ -6,6 +6,8 @@ proxy spreads requests over the replicas. One replica per GPU Ray sees (each giv
 without; settings (environment, beside laya's and laya-aot serve's):
 
   LAYA_AOT_RAY_REPLICAS      replicas (default: one per GPU in the cluster, else 1)
+  LAYA_AOT_RAY_PER_GPU       replicas sharing one GPU (default 1; each asks Ray for 1/N of a GPU): more processes
+                             on a GPU where one process's host work (Python, one interpreter lock) is the limit
   LAYA_AOT_RAY_AUTOSCALING   JSON: Ray Serve's autoscaling_config instead of a fixed count, e.g.
                              '{"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 32}'
   LAYA_AOT_RAY_ADDRESS       a running Ray cluster to join (default: a local one, started here)
@@ -33,6 +35,7 @@ ENV_REPLICAS = "LAYA_AOT_RAY_REPLICAS"
 ENV_AUTOSCALING = "LAYA_AOT_RAY_AUTOSCALING"
 ENV_ADDRESS = "LAYA_AOT_RAY_ADDRESS"
 ENV_MAX_ONGOING = "LAYA_AOT_RAY_MAX_ONGOING"
+ENV_PER_GPU = "LAYA_AOT_RAY_PER_GPU"
 APP_NAME = "laya-aot"
 # what a replica's process needs of this one's environment: every LAYA_* setting and how Python finds laya-aot
 PASSED_ON = ("LAYA_", "PYTHONPATH", "TOKENIZERS_", "HF_", "OMP_", "MKL_", "CUDA_")
@@ -67,12 +70,13 @@ def options(env: Mapping[str, str], gpus: float) -> Dict[str, Any]:
 
     threads = _positive(env, "LAYA_THREADS", 1)
     on_gpu = gpus >= 1 and env.get("LAYA_DEVICE", "").strip().lower() not in ("cpu",)
+    per_gpu = _positive(env, ENV_PER_GPU, 1)
     passed = {k: v for k, v in env.items() if k.startswith(PASSED_ON)}
     passed.setdefault("LAYA_THREADS", str(threads))
     opts: Dict[str, Any] = {
         "name": APP_NAME,
         "max_ongoing_requests": _positive(env, ENV_MAX_ONGOING, _positive(env, "LAYA_MAX_CONCURRENT", 16)),
-        "ray_actor_options": {"num_cpus": threads, "num_gpus": 1 if on_gpu else 0,
+        "ray_actor_options": {"num_cpus": threads, "num_gpus": 1.0 / per_gpu if on_gpu else 0,
                               "runtime_env": {"env_vars": passed}},
     }
     raw = env.get(ENV_AUTOSCALING, "").strip()
@@ -90,7 +94,7 @@ def options(env: Mapping[str, str], gpus: float) -> Dict[str, Any]:
                                    % (ENV_REPLICAS, ENV_AUTOSCALING))
         opts["autoscaling_config"] = auto
     else:
-        opts["num_replicas"] = _positive(env, ENV_REPLICAS, int(gpus) if on_gpu else 1)
+        opts["num_replicas"] = _positive(env, ENV_REPLICAS, int(gpus) * per_gpu if on_gpu else 1)
     return opts
 
 

@@ -116,6 +116,8 @@ def test_bad_ray_settings_are_one_clear_error():
 
     assert options({}, 0)["num_replicas"] == 1 and options({}, 4)["num_replicas"] == 4   # one per GPU
     assert options({}, 4)["ray_actor_options"]["num_gpus"] == 1
+    shared = options({"LAYA_AOT_RAY_PER_GPU": "4"}, 2)   # four processes on each GPU
+    assert shared["num_replicas"] == 8 and shared["ray_actor_options"]["num_gpus"] == 0.25
     assert options({"LAYA_DEVICE": "cpu"}, 4)["ray_actor_options"]["num_gpus"] == 0
     assert options({"LAYA_MAX_CONCURRENT": "64"}, 0)["max_ongoing_requests"] == 64
     auto = options({"LAYA_AOT_RAY_AUTOSCALING": '{"min_replicas": 1, "max_replicas": 3}'}, 0)
