@@ -445,8 +445,11 @@ class Batcher:
                 self._busy = True
             try:
                 self._run(batch)
-            except BaseException:  # noqa: BLE001 - the worker must outlive anything a call raises
+            except BaseException as e:  # noqa: BLE001 - the worker must outlive anything a call raises
                 log.exception("laya-aot batcher: a call failed outside its requests")
+                for entry in batch.entries:  # none of its requests waits for ever
+                    if not entry.future.done():
+                        entry.future.set_exception(RuntimeError("the batcher's call failed: %r" % (e,)))
             finally:
                 with self._cv:
                     self._busy = False

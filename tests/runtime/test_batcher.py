@@ -279,3 +279,17 @@ def test_a_router_batcher_answers_a_failing_request_alone_with_predict():
     b.close()
     assert ("predict", "crash", {}) in router.calls
     assert isinstance(b.target, RouterTarget) and not isinstance(b.target, AgentTarget)
+
+
+def test_a_call_that_raises_past_its_requests_fails_them_and_the_worker_goes_on():
+    agent = Agent()
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt  # not an Exception: not split, not retried
+    agent.system_one = stop
+    b = Batcher(agent)
+    with pytest.raises(KeyboardInterrupt):
+        b.submit("a", Q).result(5)
+    agent.system_one = Agent().system_one
+    assert b.submit("b", Q).result(5)["state"] == "b"
+    b.close()
