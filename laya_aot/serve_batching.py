@@ -9,7 +9,8 @@ anything else submitted to the pool (the idle unload) runs on the batcher's work
 one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothing else of the request changes.
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
-LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE, and
+LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
+LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call's requests split by row length; 0: one call), and
 LAYA_AOT_METRICS (0, the default; 1: `GET /metrics` in Prometheus's text format).
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ LIMIT_SETTINGS = {"max_rows": ("LAYA_AOT_BATCH_MAX_ROWS", engine.DEFAULT_MAX_ROW
                   "max_tokens": ("LAYA_AOT_BATCH_MAX_TOKENS", engine.DEFAULT_MAX_TOKENS),
                   "max_wait_ms": ("LAYA_AOT_BATCH_MAX_WAIT_MS", engine.DEFAULT_MAX_WAIT_MS),
                   "max_queue": ("LAYA_AOT_BATCH_QUEUE", engine.DEFAULT_MAX_QUEUE)}
+ENV_BUCKETS = "LAYA_AOT_BATCH_BUCKETS"
 SIDE_THREADS = 64  # batch requests and tournaments waiting on the queue at once (more wait for a thread)
 METRICS_ROUTE = "/metrics"
 
@@ -50,6 +52,11 @@ def limits_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -
         except ValueError:
             kind = "a number of milliseconds >= 0" if field_name == "max_wait_ms" else "a positive integer"
             raise error("invalid %s %r: use %s (default %s)" % (setting, env.get(setting), kind, default)) from None
+    raw = env.get(ENV_BUCKETS, "").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        values["length_buckets"] = False
+    elif raw not in ("", "1", "true", "yes", "on"):
+        raise error("invalid %s %r: use 1 (on, the default) or 0 (off)" % (ENV_BUCKETS, env.get(ENV_BUCKETS)))
     return Limits(**values)
 
 

@@ -62,12 +62,15 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     max_queue: int = DEFAULT_MAX_QUEUE
+    length_buckets: bool = True  # a merged call's requests split by row length (powers of two): see _buckets
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "max_queue"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError("%s=%r: a positive integer is needed" % (name, value))
+        if not isinstance(self.length_buckets, bool):
+            raise ValueError("length_buckets=%r: True or False is needed" % (self.length_buckets,))
         wait = self.max_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait) or wait < 0:
             raise ValueError("max_wait_ms=%r: a finite number of milliseconds >= 0 is needed" % (wait,))
@@ -151,6 +154,13 @@ class Work:
     model: str = "auto"
     many: bool = False
     controls: Dict[str, Any] = field(default_factory=dict)  # the merged call's keyword arguments
+
+    @property
+    def bucket(self) -> int:
+        """Its rows' estimated length rounded up to a power of two (at least 64): requests of one bucket share a
+        call without padding one another's rows to more than twice their length."""
+        per_row = max(1, self.tokens // max(1, self.rows))
+        return max(64, 1 << (per_row - 1).bit_length())
 
 
 @dataclass
@@ -471,9 +481,21 @@ class Batcher:
             return
         for entry in live:
             self.stats.waited((now - entry.submitted) * 1000.0)
-        self._answer(live, first=True)
+        for group in self._buckets(live):
+            self._answer(group)
 
-    def _answer(self, entries: List[_Entry], first: bool = False) -> None:
+    def _buckets(self, entries: List[_Entry]) -> List[List[_Entry]]:
+        """The requests of a merged call, split by their rows' estimated length (`Work.bucket`), shortest first:
+        laya pads a call's rows to its longest, so a request of 40 tokens merged with one of 1,000 would be
+        computed at 1,000 (what the artifact computes grows with the padded tokens; on a CPU, linearly)."""
+        if not self.limits.length_buckets or len(entries) < 2:
+            return [entries]
+        groups: Dict[int, List[_Entry]] = {}
+        for entry in entries:
+            groups.setdefault(entry.work.bucket, []).append(entry)  # type: ignore[union-attr]
+        return [groups[b] for b in sorted(groups)]
+
+    def _answer(self, entries: List[_Entry]) -> None:
         """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
         rows = sum(e.work.rows for e in entries)  # type: ignore[union-attr]
         if len(entries) == 1:

@@ -128,6 +128,24 @@ def test_the_token_estimate_bounds_a_call():
     assert [c[1] for c in agent.calls[1:]] == [[long_state], ["x", "y"]]
 
 
+def test_a_merged_call_splits_by_row_length_so_short_rows_are_not_padded_to_long_ones():
+    agent = Agent()
+    b = _held(agent)
+    short, long_ = ["s%d" % i for i in range(3)], ["word " * (300 + i) for i in range(2)]   # ~48 / ~420 tokens a row
+    futures = [b.submit(x, Q) for x in (short[0], long_[0], short[1], long_[1], short[2])]
+    agent.hold.set()
+    assert [f.result(5)["state"] for f in futures] == [short[0], long_[0], short[1], long_[1], short[2]]
+    b.close()
+    assert [c[1] for c in agent.calls[1:]] == [short, long_]   # two calls, shortest first
+    one = Agent()
+    b = _held(one, Limits(length_buckets=False))
+    futures = [b.submit(x, Q) for x in (short[0], long_[0])]
+    one.hold.set()
+    [f.result(5) for f in futures]
+    b.close()
+    assert [c[1] for c in one.calls[1:]] == [[short[0], long_[0]]]
+
+
 def test_a_full_queue_refuses_at_once():
     agent = Agent()
     b = _held(agent, Limits(max_queue=2))
@@ -225,6 +243,7 @@ def test_the_longest_wait_gathers_neighbours_that_arrive_after_the_first():
 @pytest.mark.parametrize("bad, says", [
     (dict(max_rows=0), "max_rows=0: a positive integer"), (dict(max_queue=1.5), "max_queue=1.5"),
     (dict(max_wait_ms=-1), "max_wait_ms=-1"), (dict(max_wait_ms=float("inf")), "max_wait_ms=inf"),
+    (dict(length_buckets=1), "length_buckets=1: True or False"),
 ])
 def test_bad_limits_are_one_clear_error(bad, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
