@@ -62,8 +62,8 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BATCH_MAX_TOKENS  estimated tokens in one merged call (default %d)
   LAYA_AOT_BATCH_MAX_WAIT_MS  longest a call's first request waits for neighbours (default %g: none)
   LAYA_AOT_BATCH_QUEUE     requests waiting for a call; one more gets laya's 503 at once (default %d)
-  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call's requests split by their rows' estimated length (powers
-                           of two), so that short rows are not padded to long ones; 0: one call
+  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call's requests split by their rows' estimated length, none
+                           padded to more than twice its own (short rows are not padded to long ones); 0: one call
   LAYA_AOT_METRICS         1: GET /metrics in Prometheus's text format, authorised as /v1/aot (default 0)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health

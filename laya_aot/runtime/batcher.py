@@ -40,6 +40,7 @@ DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for nei
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48
+SHORT_ROW = 128              # rows estimated shorter are one length class (their padding costs little)
 
 # histogram buckets: requests and rows per call, and milliseconds of waiting and of whole requests
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -62,7 +63,7 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     max_queue: int = DEFAULT_MAX_QUEUE
-    length_buckets: bool = True  # a merged call's requests split by row length (powers of two): see _buckets
+    length_buckets: bool = True  # a merged call's requests split by row length, none padded past 2x: _buckets
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "max_queue"):
@@ -156,11 +157,9 @@ class Work:
     controls: Dict[str, Any] = field(default_factory=dict)  # the merged call's keyword arguments
 
     @property
-    def bucket(self) -> int:
-        """Its rows' estimated length rounded up to a power of two (at least 64): requests of one bucket share a
-        call without padding one another's rows to more than twice their length."""
-        per_row = max(1, self.tokens // max(1, self.rows))
-        return max(64, 1 << (per_row - 1).bit_length())
+    def row_tokens(self) -> int:
+        """Its rows' estimated length (at least SHORT_ROW: short rows share a call whatever their lengths)."""
+        return max(SHORT_ROW, self.tokens // max(1, self.rows))
 
 
 @dataclass
@@ -485,15 +484,22 @@ class Batcher:
             self._answer(group)
 
     def _buckets(self, entries: List[_Entry]) -> List[List[_Entry]]:
-        """The requests of a merged call, split by their rows' estimated length (`Work.bucket`), shortest first:
-        laya pads a call's rows to its longest, so a request of 40 tokens merged with one of 1,000 would be
-        computed at 1,000 (what the artifact computes grows with the padded tokens; on a CPU, linearly)."""
+        """The requests of a merged call in calls by their rows' estimated length (`Work.row_tokens`), shortest
+        first, none of whose rows is estimated at less than half the call's longest: laya pads a call's rows to its
+        longest, so a request of 40 tokens merged with one of 1,000 would be computed at 1,000 (what the artifact
+        computes grows with the padded tokens; on a CPU, linearly). Each call keeps the requests' order."""
         if not self.limits.length_buckets or len(entries) < 2:
             return [entries]
-        groups: Dict[int, List[_Entry]] = {}
-        for entry in entries:
-            groups.setdefault(entry.work.bucket, []).append(entry)  # type: ignore[union-attr]
-        return [groups[b] for b in sorted(groups)]
+        order = sorted(range(len(entries)), key=lambda i: entries[i].work.row_tokens)  # type: ignore[union-attr]
+        groups: List[List[int]] = []
+        start = 0
+        for i in order:
+            tokens = entries[i].work.row_tokens  # type: ignore[union-attr]
+            if not groups or tokens > 2 * start:
+                groups.append([])
+                start = tokens
+            groups[-1].append(i)
+        return [[entries[i] for i in sorted(group)] for group in groups]
 
     def _answer(self, entries: List[_Entry]) -> None:
         """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
