@@ -187,18 +187,24 @@ asyncio.run(main())
 '''
 
 
+def _ceiling(proc: subprocess.Popen, port: int, ready: Any, bodies: List[bytes], clients: int, seconds: float,
+             procs: int) -> Dict[str, Any]:
+    """The load against the server `proc` (on `port`) once `ready()` returned; the server is stopped after."""
+    try:
+        ready()
+        out = load(port, bodies, clients, seconds, procs)
+    finally:
+        proc.terminate()
+        proc.wait()
+    out.pop("sample")
+    return out
+
+
 def client_ceiling(bodies: List[bytes], clients: int, seconds: float, procs: int) -> Dict[str, Any]:
     """The client's own ceiling: the same load against a stub server answering at once."""
     port = http_bench._free_port()
     stub = subprocess.Popen([sys.executable, "-c", STUB, str(port)], stdout=subprocess.PIPE)
-    try:
-        stub.stdout.readline()  # type: ignore[union-attr]
-        out = load(port, bodies, clients, seconds, procs)
-    finally:
-        stub.terminate()
-        stub.wait()
-    out.pop("sample")
-    return out
+    return _ceiling(stub, port, stub.stdout.readline, bodies, clients, seconds, procs)  # type: ignore[union-attr]
 
 
 INSTANT = r'''
@@ -230,24 +236,21 @@ def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, 
     port = http_bench._free_port()
     env = dict(os.environ, LAYA_MAX_CONCURRENT=str(max(64, 2 * clients)), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", INSTANT, app, str(port)], cwd=ROOT, env=env)
-    try:
+
+    def ready() -> None:
         deadline = time.time() + 120
         while True:
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
                 conn.request("POST", "/v1/systemone", body=bodies[0], headers={"Content-Type": "application/json"})
                 if conn.getresponse().status == 200:
-                    break
+                    return
             except OSError:
                 if time.time() > deadline or proc.poll() is not None:
                     raise RuntimeError("the instant %s server did not start" % app) from None
                 time.sleep(0.2)
-        out = load(port, bodies, clients, seconds, procs)
-    finally:
-        proc.terminate()
-        proc.wait()
-    out.pop("sample")
-    return out
+
+    return _ceiling(proc, port, ready, bodies, clients, seconds, procs)
 
 
 class GpuSampler:
