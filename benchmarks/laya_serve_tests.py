@@ -59,11 +59,17 @@ SWAP_CHECK = """
 import laya.serve
 from fastapi.testclient import TestClient
 assert getattr(laya.serve.create_app, "laya_aot_swapped", False), "laya.serve.create_app was not swapped"
-router = type("R", (), {"loaded": [], "_agents": {}})()
-client = TestClient(laya.serve.create_app(router=router))
+class R:
+    loaded, _agents = [], {}
+    def predict(self, state, questions, model=None):
+        return {"model": "laya-rl-agent", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
+client = TestClient(laya.serve.create_app(router=R()))
+assert client.post("/v1/systemone", json={"state": "x", "questions": {}}).status_code == 200
 r = client.get("/v1/aot")
-assert r.status_code == 200 and set(r.json()) == {"backends", "bundles", "strict", "near_ties"}, r.text
-print("swapped: GET /v1/aot", r.status_code, r.text)
+assert r.status_code == 200 and set(r.json()) == {"backends", "bundles", "strict", "near_ties", "batching"}, r.text
+batching = r.json()["batching"]
+assert batching["enabled"] and batching["calls"]["alone"] == 1, batching  # the request went through the batcher
+print("swapped: GET /v1/aot", r.status_code, "batching enabled, calls", batching["calls"])
 """
 
 
@@ -97,8 +103,9 @@ def main() -> int:
     lines = [
         "laya %s's sdist `tests/test_serve.py`, run twice in one environment: against laya's app as laya "
         "ships it, and with `laya.serve.create_app` made laya-aot serve's (`benchmarks/laya_serve_swap/`: "
-        "laya's app built by `laya_aot.serve.create_app`, with `GET /v1/aot` added as a middleware, in the "
-        "test process and in the child processes some tests start)." % sdist.name.split("-")[-1],
+        "laya's app built by `laya_aot.serve.create_app`, with `GET /v1/aot` added as a middleware and its "
+        "batcher on, as by default, in the test process and in the child processes some tests start)."
+        % sdist.name.split("-")[-1],
         "",
         "- the swap takes (checked in a child first): `%s`" % proof,
         "- laya's app: `%s` (%.0f s): %s" % (" ".join(cmd_laya), t_laya, count(laya)),

@@ -2,6 +2,7 @@
 
     laya-aot build checkpoint.path=DIR          # build a verified bundle (Hydra overrides)
     agent = laya_aot.load(DIR, bundle="artifacts/NAME")   # a laya.Agent running the best artifact
+    batcher = laya_aot.Batcher(agent)                      # thread-safe: batcher.submit(state, questions) -> Future
 
 Importing this package is cheap: torch, laya and Hydra load only when a function needs them.
 """
@@ -11,6 +12,7 @@ from ._version import __version__
 from .errors import LayaAotError
 
 if TYPE_CHECKING:  # type checkers and IDEs see the loader's own signature
+    from .runtime.batcher import Batcher
     from .runtime.loader import load
 
 
@@ -25,11 +27,16 @@ def __getattr__(name: str) -> Any:
 
         globals()["load"] = load
         return load
+    if name == "Batcher":  # the dynamic batcher (runtime/batcher.py): no torch until a Batcher is made
+        from .runtime.batcher import Batcher
+
+        globals()["Batcher"] = Batcher
+        return Batcher
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | {"load"})
+    return sorted(set(globals()) | {"load", "Batcher"})
 
 
-__all__ = ["LayaAotError", "load", "__version__"]
+__all__ = ["Batcher", "LayaAotError", "load", "__version__"]

@@ -6,6 +6,8 @@ checkpoint in `LAYA_AOT_BUNDLES` (JSON: model name -> bundle directory or hf:// 
 `laya_aot.load`; `LAYA_AOT_STRICT=1` makes a bundle that cannot serve fail its load, and
 `LAYA_AOT_BUNDLE_SHA256S` pins each manifest. One log line per load and `GET /v1/aot` say which
 artifact serves and why the others did not; every route laya defines answers as in laya's own app.
+Concurrent requests are merged into shared calls by a dynamic batcher (laya_aot/serve_batching.py,
+LAYA_AOT_BATCH*), and LAYA_AOT_METRICS=1 adds `GET /metrics` (Prometheus).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from . import laya_internals as laya_api
 from .distribution import HF_SCHEME
 from .errors import LayaAotError
+from .runtime.batcher import Limits
+from .serve_batching import ENV_BATCH, ENV_METRICS, LIMIT_SETTINGS, METRICS_ROUTE, ServeBatching, limits_from_env
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -51,9 +55,21 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
                            was measured against laya's own), call (laya's eager forward recomputes a call
                            with a near-tie: laya's bitwise outputs, at an eager forward's cost), rows (it
                            recomputes those rows only)
+  LAYA_AOT_BATCH           1 (default): concurrent requests that may share a call are merged into one
+                           predict_batch call and split back (a request alone runs as laya runs it);
+                           0: one request at a time, as laya serve
+  LAYA_AOT_BATCH_MAX_ROWS  question rows (states x questions) in one merged call (default %d)
+  LAYA_AOT_BATCH_MAX_TOKENS  estimated tokens in one merged call (default %d)
+  LAYA_AOT_BATCH_MAX_WAIT_MS  longest a call's first request waits for neighbours (default %g: none)
+  LAYA_AOT_BATCH_QUEUE     requests waiting for a call; one more gets laya's 503 at once (default %d)
+  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call's requests split by their rows' estimated length, none
+                           padded to more than twice its own (short rows are not padded to long ones); 0: one call
+  LAYA_AOT_METRICS         1: GET /metrics in Prometheus's text format, authorised as /v1/aot (default 0)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
-detail is) says what serves each resident checkpoint and why each other artifact was not used.""" % _EXAMPLE
+detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
+the batcher did (histograms of requests per call and of the wait).""" % ((_EXAMPLE,) + tuple(
+    default for _, default in LIMIT_SETTINGS.values()))
 
 
 class ServeConfigError(LayaAotError, ValueError):
@@ -79,6 +95,8 @@ class ServeConfig:
     bundles: Dict[str, BundleSpec] = field(default_factory=dict)
     strict: bool = False
     near_ties: str = "off"  # runtime/backend.DEFAULT_NEAR_TIES (not imported here: torch loads lazily)
+    batching: Optional[Limits] = field(default_factory=Limits)  # None: LAYA_AOT_BATCH=0, one request at a time
+    metrics: bool = False  # LAYA_AOT_METRICS: GET /metrics
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
@@ -129,8 +147,10 @@ def _checkpoint_dir(model: str, source: Any) -> Path:
         raise ServeConfigError("model %r has a bundle but its checkpoint cannot be read: %s" % (model, e)) from None
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -209,7 +229,9 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
                                "\"<sha256>\", ...}' and unset %s" % (ENV_PIN, len(bundles), ", ".join(sorted(bundles)),
                                                                    ENV_PINS, sorted(bundles)[0], ENV_PIN))
     near_ties = _near_ties(env)
-    return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties)
+    batching = limits_from_env(env, ServeConfigError) if _flag(env, ENV_BATCH, default=True) else None
+    return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties, batching=batching,
+                       metrics=_flag(env, ENV_METRICS))
 
 
 def _require_load_parameter(name: str, setting: str) -> None:
@@ -346,8 +368,9 @@ class BundleLoads:
         return agent
 
     def report(self, router: Any) -> Dict[str, Any]:
-        """`GET /v1/aot`'s answer: every resident checkpoint's backend, and every bundled checkpoint's bundle,
-        load count and, when resident, what serves it and why each other artifact was not used."""
+        """`GET /v1/aot`'s answer (less the batcher's entry, which AotRoute adds): every resident checkpoint's
+        backend, and every bundled checkpoint's bundle, load count and, when resident, what serves it and why each
+        other artifact was not used."""
         backends: Dict[str, Any] = {}
         bundles: Dict[str, Any] = {}
         for name in list(getattr(router, "loaded", None) or []):
@@ -371,23 +394,36 @@ _DENIED = b'{"detail":"invalid or missing bearer token"}'  # laya's 401 body on 
 
 
 class AotRoute:
-    """ASGI middleware answering `GET /v1/aot`; every other request goes to laya's app untouched.
+    """ASGI middleware answering `GET /v1/aot` (and, with LAYA_AOT_METRICS=1, `GET /metrics`); every other request
+    goes to laya's app untouched, once the batcher has its place in it (`ServeBatching.ensure`).
 
-    Who may read it is laya's decision: the caller's headers are sent to laya's own `GET /health`, and a caller
+    Who may read them is laya's decision: the caller's headers are sent to laya's own `GET /health`, and a caller
     laya shows its detail to (the answer lists `loaded`) gets the report; any other gets 401, as laya answers an
     unauthorised caller on its other routes. A middleware, not a route: laya's app, its OpenAPI schema
     included, stays laya's."""
 
-    def __init__(self, app: Any, router: Any, loads: BundleLoads):
-        self.app, self.router, self.loads = app, router, loads
+    def __init__(self, app: Any, router: Any, loads: BundleLoads, batching: Optional[ServeBatching] = None):
+        self.app, self.router, self.loads, self.batching = app, router, loads, batching
+        self.routes = (AOT_ROUTE, METRICS_ROUTE) if batching is not None and batching.metrics else (AOT_ROUTE,)
+
+    def _route(self, scope) -> Optional[str]:
+        if scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD"):
+            return None
+        path = scope.get("path", "")
+        for route in self.routes:
+            if path in (route, scope.get("root_path", "") + route):
+                return route
+        return None
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        mine = path in (AOT_ROUTE, scope.get("root_path", "") + AOT_ROUTE) and scope.get("method") in ("GET", "HEAD")
-        if not mine:
+        if scope["type"] == "http" and self.batching is not None:
+            self.batching.ensure()
+        route = self._route(scope)
+        if route is None:
             await self.app(scope, receive, send)
             return
-        health_path = path[:-len(AOT_ROUTE)] + "/health"  # under laya's LAYA_ROOT_PATH as this request is
+        path = scope["path"]
+        health_path = path[:-len(route)] + "/health"  # under laya's LAYA_ROOT_PATH as this request is
         health = dict(scope, method="GET", path=health_path, raw_path=health_path.encode(), query_string=b"")
         start: Dict[str, Any] = {}
         body: List[bytes] = []
@@ -403,14 +439,30 @@ class AotRoute:
             detail = json.loads(b"".join(body)) if start.get("status") == 200 else None
         except ValueError:
             detail = None
-        if isinstance(detail, dict) and isinstance(detail.get("loaded"), list):
-            status, payload = 200, json.dumps(self.loads.report(self.router), separators=(",", ":")).encode()
-        else:
+        ctype = b"application/json"
+        if not (isinstance(detail, dict) and isinstance(detail.get("loaded"), list)):
             status, payload = 401, _DENIED
+        elif route == METRICS_ROUTE:
+            status, ctype = 200, b"text/plain; version=0.0.4; charset=utf-8"
+            payload = self.batching.metrics_text(self._backends(), dict(self.loads.loads)).encode()  # type: ignore
+        else:
+            report = self.loads.report(self.router)
+            if self.batching is not None:
+                report["batching"] = self.batching.report()
+            status, payload = 200, json.dumps(report, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
+                    "headers": [(b"content-type", ctype), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload if scope.get("method") == "GET" else b""})
+
+    def _backends(self) -> Dict[str, Dict[str, Any]]:
+        """What serves each resident checkpoint (its backend and artifact), for /metrics."""
+        out = {}
+        for name in list(getattr(self.router, "loaded", None) or []):
+            agent = laya_api.resident_agent(self.router, name)
+            if agent is not None:
+                info = describe(agent)
+                out[name] = {"backend": info["backend"], "artifact": info["artifact"]}
+        return out
 
 
 def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
@@ -439,7 +491,10 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
     elif router is None:  # no bundle: laya's own Router, built as laya's create_app builds it
         router = laya_api.build_router(None)
     app = laya.serve.create_app(router=router)
-    app.add_middleware(AotRoute, router=router, loads=loads)
+    batching = ServeBatching(app, config.batching, metrics=config.metrics)
+    if batching.enabled:
+        log.info("batching concurrent requests: %s", ", ".join("%s=%s" % kv for kv in vars(config.batching).items()))
+    app.add_middleware(AotRoute, router=router, loads=loads, batching=batching)
     loads.started = True
     return app
 

@@ -81,7 +81,8 @@ def test_runtime_and_pipeline_never_reach_each_other():
             assert not bad, "%s reaches the runtime through %s" % (m, bad)
 
 
-COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.commands", "laya_aot.serve"}
+COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
+                  "laya_aot.serve_ray"}
 
 
 def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the_build():

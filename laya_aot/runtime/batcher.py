@@ -1,0 +1,546 @@
+"""A dynamic batcher: concurrent requests to one laya Agent or Router merged into one `predict_batch` call.
+
+laya answers a request at a time; an artifact call of 32 short rows costs about what one of a single row costs
+on a GPU, and reads the weights once instead of 32 times on a CPU. `Batcher` takes requests from any number of
+threads (`submit` returns a `concurrent.futures.Future`) and hands them to one worker thread, which merges
+those that may share a call (same call-level controls; laya's own `predict_batch` then groups them by
+checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
+
+What a caller sees does not depend on its neighbours, except in the last bits of a probability (a row of a
+wider, more padded batch): a request alone in the queue is laya's own call for one request (`system_one`,
+`Router.predict`); a request whose settings cannot be merged runs alone; a merged call that raises is split
+in halves and each half run again, down to each request alone with laya's own call, so a request that fails
+(validation or inference) fails with laya's error and its neighbours are answered. A full queue refuses at once
+(`Overloaded`), never an unbounded wait; a future cancelled before its call starts is dropped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from bisect import bisect_left
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from ..errors import LayaAotError
+
+log = logging.getLogger(__name__)
+
+# Defaults (docs/batching.md says why and what was measured): no wait, so that a request alone is never delayed
+# (under load, requests queue while a call runs and make the next call without waiting); a call bounded well above
+# 32 clients' short requests (96 rows), since the artifact itself runs a call in pieces of `padding.CHUNK_TOKENS`
+# padded tokens (runtime/backend.py) and a bigger call only makes its requests wait longer.
+DEFAULT_MAX_ROWS = 256       # question rows (states x questions) in one merged call
+DEFAULT_MAX_TOKENS = 65536   # estimated tokens in one merged call (rows x estimated row length)
+DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none)
+DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
+CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
+HEAD_TOKENS = 48
+SHORT_ROW = 128              # rows estimated shorter are one length class (their padding costs little)
+
+# histogram buckets: requests and rows per call, and milliseconds of waiting and of whole requests
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MS_BUCKETS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+class Overloaded(LayaAotError, RuntimeError):
+    """The batcher's queue is full (`Limits.max_queue`): the request is refused at once."""
+
+
+class BatcherClosed(LayaAotError, RuntimeError):
+    """The batcher was closed: it takes no more requests."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How large a merged call may grow and how long the queue may be (see the module constants)."""
+
+    max_rows: int = DEFAULT_MAX_ROWS
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+    max_queue: int = DEFAULT_MAX_QUEUE
+    length_buckets: bool = True  # a merged call's requests split by row length, none padded past 2x: _buckets
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_tokens", "max_queue"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError("%s=%r: a positive integer is needed" % (name, value))
+        if not isinstance(self.length_buckets, bool):
+            raise ValueError("length_buckets=%r: True or False is needed" % (self.length_buckets,))
+        wait = self.max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait) or wait < 0:
+            raise ValueError("max_wait_ms=%r: a finite number of milliseconds >= 0 is needed" % (wait,))
+
+
+class Histogram:
+    """Counts of observations at or below each bound (the last bucket: above every bound), their sum and count."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def as_dict(self) -> Dict[str, Any]:
+        buckets = {("%g" % b): c for b, c in zip(self.bounds, self.counts)}
+        buckets["+Inf"] = self.counts[-1]
+        return {"count": self.n, "sum": round(self.total, 3), "buckets": buckets}
+
+
+class Stats:
+    """What the batcher did: requests by outcome, calls merged and alone, and histograms of requests and rows
+    per call, of the wait in the queue and of whole requests (submit to answer). Thread-safe; `snapshot()` is
+    `GET /v1/aot`'s `batching` entry and what `/metrics` exports."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Dict[Tuple[str, str], int] = {}  # (model asked for, outcome) -> count
+        self.calls = {"merged": 0, "alone": 0, "split_after_error": 0, "jobs": 0}
+        self.refused = {"overloaded": 0, "cancelled": 0}
+        self.batch_requests = Histogram(SIZE_BUCKETS)
+        self.batch_rows = Histogram(SIZE_BUCKETS)
+        self.queue_wait_ms = Histogram(MS_BUCKETS)
+        self.latency_ms = Histogram(MS_BUCKETS)
+
+    def count(self, group: str, name: str, n: int = 1) -> None:
+        with self._lock:
+            table = getattr(self, group)
+            table[name] = table.get(name, 0) + n
+
+    def call(self, requests: int, rows: int, merged: bool) -> None:
+        with self._lock:
+            self.calls["merged" if merged else "alone"] += 1
+            self.batch_requests.observe(requests)
+            self.batch_rows.observe(rows)
+
+    def waited(self, ms: float) -> None:
+        with self._lock:
+            self.queue_wait_ms.observe(ms)
+
+    def answered(self, model: str, ok: bool, ms: float) -> None:
+        with self._lock:
+            key = (model, "ok" if ok else "error")
+            self.requests[key] = self.requests.get(key, 0) + 1
+            self.latency_ms.observe(ms)
+
+    def snapshot(self) -> Dict[str, Any]:
+        with self._lock:
+            return {"requests": [{"model": m, "outcome": o, "count": c} for (m, o), c in sorted(self.requests.items())],
+                    "calls": dict(self.calls), "refused": dict(self.refused),
+                    "batch_requests": self.batch_requests.as_dict(), "batch_rows": self.batch_rows.as_dict(),
+                    "queue_wait_ms": self.queue_wait_ms.as_dict(), "latency_ms": self.latency_ms.as_dict()}
+
+
+@dataclass
+class Work:
+    """One submitted request as a target runs it: `key` says which others it may share a call with (None: it runs
+    alone), `items` what the merged call takes of it, `alone()` laya's own call for it by itself. `many`: its
+    answer is the list of its items' results (a batch request), else its one item's result."""
+
+    key: Optional[Hashable]
+    items: List[Any]
+    alone: Callable[[], Any]
+    rows: int
+    tokens: int
+    model: str = "auto"
+    many: bool = False
+    controls: Dict[str, Any] = field(default_factory=dict)  # the merged call's keyword arguments
+
+    @property
+    def row_tokens(self) -> int:
+        """Its rows' estimated length (at least SHORT_ROW: short rows share a call whatever their lengths)."""
+        return max(SHORT_ROW, self.tokens // max(1, self.rows))
+
+
+@dataclass
+class _Entry:
+    work: Optional[Work]
+    future: Future
+    submitted: float
+    job: Optional[Callable[[], Any]] = None
+    started: float = 0.0
+
+
+def state_chars(state: Any) -> int:
+    """The length of the text laya tokenises for `state` (its JSON for a dict or list), for the token estimate."""
+    if isinstance(state, str):
+        return len(state)
+    try:
+        return len(json.dumps(state, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return 0
+
+
+def estimate_tokens(state: Any, questions: Mapping[str, Any], max_len: Optional[int]) -> int:
+    """Tokens a state's rows will hold, estimated before tokenising: each question's row holds the state and the
+    question's head, at most the context (`max_len`, laya's default 512 when unknown)."""
+    row = min(int(max_len or 512), state_chars(state) // CHARS_PER_TOKEN + HEAD_TOKENS)
+    return max(1, len(questions)) * row
+
+
+def questions_key(questions: Any) -> Optional[str]:
+    """A key equal for equal question sets, order included as laya's grouping keys them (None: not JSON)."""
+    try:
+        return json.dumps(questions, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _hashable(value: Any) -> Optional[Hashable]:
+    """`value` as a key part: itself when hashable, its JSON otherwise (None when neither)."""
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return questions_key(value)
+
+
+class AgentTarget:
+    """Requests to one laya Agent (what `laya_aot.load` returns): merged by question set and controls into
+    `agent.predict_batch`, a request alone answered by `agent.system_one`, as laya answers it."""
+
+    MERGED = ("lang", "max_len", "head_max_len", "min_confidence")  # what predict_batch takes for every state
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+
+    def work(self, state: Any, questions: Dict[str, Any], controls: Dict[str, Any]) -> Work:
+        def alone() -> Any:
+            return self.agent.system_one(state, questions, **controls)
+
+        key: Optional[Hashable] = None
+        if isinstance(questions, dict) and state is not None and set(controls) <= set(self.MERGED):
+            qkey = questions_key(questions)
+            parts = tuple((k, _hashable(controls[k])) for k in sorted(controls))
+            if qkey is not None and all(v is not None for _, v in parts):
+                key = (qkey, parts)
+        rows = len(questions) if isinstance(questions, dict) else 1
+        tokens = estimate_tokens(state, questions, controls.get("max_len")) if isinstance(questions, dict) else 1
+        return Work(key=key, items=[(state, questions)], alone=alone, rows=rows, tokens=max(1, tokens),
+                    controls=controls)
+
+    def run(self, works: Sequence[Work]) -> List[Any]:
+        questions = works[0].items[0][1]
+        out = self.agent.predict_batch([w.items[0][0] for w in works], questions, **works[0].controls)
+        if len(out) != len(works):
+            raise RuntimeError("predict_batch returned %d results for %d states" % (len(out), len(works)))
+        return list(out)
+
+
+class RouterTarget:
+    """Requests to a laya Router (laya-aot serve's): merged into one `Router.predict_batch`, which routes each
+    request and groups them by checkpoint, question set and budgets, as it does any batch; a request alone is
+    answered by the call laya's server makes for it (`Router.predict`, or its own `predict_batch`)."""
+
+    ITEM = ("model", "task", "lang", "lang_guess", "max_len", "head_max_len")  # per request in predict_batch
+    CALL = ("min_confidence", "batch_size", "sort_by_length")  # per predict_batch call: equal in a merged call
+
+    def __init__(self, router: Any):
+        self.router = router
+
+    @staticmethod
+    def _call_key(controls: Mapping[str, Any]) -> Optional[Hashable]:
+        parts = tuple((k, _hashable(controls[k])) for k in sorted(controls))
+        return None if any(v is None for _, v in parts) else parts
+
+    def work(self, state: Any, questions: Dict[str, Any], controls: Dict[str, Any]) -> Work:
+        """`Router.predict(state, questions, **controls)`, mergeable when every control has a place in
+        predict_batch (a request's routing and budget, or min_confidence for the call)."""
+        def alone() -> Any:
+            return self.router.predict(state, questions, **controls)
+
+        item = {k: v for k, v in controls.items() if k in self.ITEM}
+        call = {k: v for k, v in controls.items() if k == "min_confidence"}
+        mergeable = (isinstance(questions, dict) and state is not None and hasattr(self.router, "predict_batch")
+                     and set(controls) <= set(item) | set(call))
+        key = self._call_key(call) if mergeable else None
+        rows = len(questions) if isinstance(questions, dict) else 1
+        tokens = estimate_tokens(state, questions, controls.get("max_len")) if isinstance(questions, dict) else 1
+        return Work(key=key, items=[dict(state=state, questions=questions, **item)], alone=alone, rows=rows,
+                    tokens=max(1, tokens), model=str(controls.get("model") or "auto"), controls=call)
+
+    def work_many(self, requests: Sequence[Dict[str, Any]], controls: Dict[str, Any]) -> Work:
+        """`Router.predict_batch(requests, **controls)`: mergeable with calls of the same call-level controls."""
+        requests = list(requests) if isinstance(requests, (list, tuple)) else requests
+
+        def alone() -> Any:
+            return self.router.predict_batch(requests, **controls)
+
+        ok = (isinstance(requests, list) and requests and set(controls) <= set(self.CALL)
+              and all(isinstance(r, dict) and set(r) <= {"state", "questions", *self.ITEM} and "state" in r
+                      and isinstance(r.get("questions"), dict) for r in requests))
+        key = self._call_key(controls) if ok else None
+        rows = sum(len(r["questions"]) for r in requests) if ok else 1
+        tokens = sum(estimate_tokens(r["state"], r["questions"], r.get("max_len")) for r in requests) if ok else 1
+        model = str((requests[0].get("model") if ok else None) or "auto")
+        return Work(key=key, items=list(requests) if ok else [], alone=alone, rows=max(1, rows),
+                    tokens=max(1, tokens), model=model, many=True, controls=dict(controls))
+
+    def run(self, works: Sequence[Work]) -> List[Any]:
+        flat = [item for w in works for item in w.items]
+        out = self.router.predict_batch(flat, **works[0].controls)
+        if len(out) != len(flat):
+            raise RuntimeError("predict_batch returned %d results for %d requests" % (len(out), len(flat)))
+        results, i = [], 0
+        for w in works:
+            n = len(w.items)
+            results.append(list(out[i:i + n]) if w.many else out[i])
+            i += n
+        return results
+
+
+def target_for(obj: Any) -> Any:
+    """The target for a laya Agent or Router (anything with `predict_batch` and `system_one`/`predict`)."""
+    if isinstance(obj, (AgentTarget, RouterTarget)):
+        return obj
+    from laya.router import Router
+
+    if isinstance(obj, Router) or (hasattr(obj, "route") and hasattr(obj, "predict")):
+        return RouterTarget(obj)
+    if hasattr(obj, "system_one") and hasattr(obj, "predict_batch"):
+        return AgentTarget(obj)
+    raise TypeError("Batcher needs a laya Agent (laya_aot.load) or a laya Router, got %s" % type(obj).__name__)
+
+
+@dataclass
+class _Batch:
+    entries: List[_Entry] = field(default_factory=list)
+    rows: int = 0
+    tokens: int = 0
+
+
+class Batcher:
+    """A thread-safe dynamic batcher over one laya Agent or Router (see the module docstring).
+
+        batcher = Batcher(laya_aot.load(checkpoint, bundle=bundle))
+        future = batcher.submit(state, questions)        # from any thread; future.result() is system_one's answer
+        batcher.close()                                  # answers what was accepted, then stops
+
+    `wrap(call)` runs each call on the worker (laya's server passes the function that marks its last request);
+    `stats` may be shared between batchers (one server's, across restarts of its app)."""
+
+    def __init__(self, target: Any, limits: Optional[Limits] = None, *, name: str = "laya-aot-batcher",
+                 wrap: Optional[Callable[[Callable[[], Any]], Any]] = None, stats: Optional[Stats] = None):
+        self.target = target_for(target)
+        self.limits = limits or Limits()
+        self.stats = stats if stats is not None else Stats()
+        self._wrap = wrap or (lambda call: call())
+        self._cv = threading.Condition()
+        self._queue: Deque[_Entry] = deque()
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._worker, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, state: Any, questions: Dict[str, Any], **controls: Any) -> Future:
+        """A future of the answer to one request, as `system_one` (an Agent) or `Router.predict` (a Router) gives
+        it; `controls` are their keyword arguments. The state and questions must not change until it is done.
+        Raises Overloaded when the queue is full, BatcherClosed after `close()`."""
+        return self.submit_work(self.target.work(state, questions, dict(controls)))
+
+    def submit_many(self, requests: Sequence[Dict[str, Any]], **controls: Any) -> Future:
+        """A future of `Router.predict_batch(requests, **controls)`'s list of answers (a Router target only)."""
+        if not isinstance(self.target, RouterTarget):
+            raise TypeError("submit_many needs a Router target; submit each state to an Agent's batcher")
+        return self.submit_work(self.target.work_many(requests, dict(controls)))
+
+    def submit_work(self, work: Work) -> Future:
+        return self._put(_Entry(work=work, future=Future(), submitted=time.perf_counter()))
+
+    def submit_job(self, job: Callable[[], Any]) -> Future:
+        """`job()` on the worker between calls, never beside one (laya's server's idle unload runs so)."""
+        return self._put(_Entry(work=None, future=Future(), submitted=time.perf_counter(), job=job), count=False)
+
+    def _put(self, entry: _Entry, count: bool = True) -> Future:
+        with self._cv:
+            if self._closed:
+                raise BatcherClosed("the batcher is closed")
+            if count and len(self._queue) >= self.limits.max_queue:
+                self.stats.count("refused", "overloaded")
+                raise Overloaded("the batcher's queue is full (%d requests waiting; max_queue=%d)"
+                                 % (len(self._queue), self.limits.max_queue))
+            self._queue.append(entry)
+            self._cv.notify()
+        return entry.future
+
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def full(self) -> bool:
+        with self._cv:
+            return len(self._queue) >= self.limits.max_queue
+
+    def busy(self) -> bool:
+        """Whether a call or job is running, or one is waiting to."""
+        with self._cv:
+            return self._busy or bool(self._queue)
+
+    def close(self, wait: bool = True, cancel: bool = False) -> None:
+        """Take no more requests; answer those accepted (or, with `cancel`, cancel those not started)."""
+        with self._cv:
+            self._closed = True
+            if cancel:
+                while self._queue:
+                    entry = self._queue.popleft()
+                    if entry.future.cancel():
+                        self.stats.count("refused", "cancelled")
+            self._cv.notify_all()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> "Batcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the worker
+    def _take(self) -> Optional[_Batch]:
+        """The next call's entries (under the lock): the first entry and, if it may share a call, every queued
+        entry with its key while the call stays within the limits; None once closed and drained."""
+        limits = self.limits
+        self._cv.wait_for(lambda: self._queue or self._closed)
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        if head.job is not None or head.work is None or head.work.key is None:
+            return _Batch([self._queue.popleft()])
+        if limits.max_wait_ms > 0:  # let neighbours arrive, up to the wait or until the call is full
+            deadline = head.submitted + limits.max_wait_ms / 1000.0
+            while not self._closed:
+                rows = sum(e.work.rows for e in self._queue if e.work is not None and e.work.key == head.work.key)
+                left = deadline - time.perf_counter()
+                if rows >= limits.max_rows or left <= 0:
+                    break
+                self._cv.wait(left)
+        batch, rest = _Batch(), deque()
+        key = head.work.key
+        while self._queue:
+            entry = self._queue.popleft()
+            work = entry.work
+            fits = (work is not None and entry.job is None and work.key == key
+                    and (not batch.entries or (batch.rows + work.rows <= limits.max_rows
+                                               and batch.tokens + work.tokens <= limits.max_tokens)))
+            if fits:
+                batch.entries.append(entry)
+                batch.rows += work.rows
+                batch.tokens += work.tokens
+            else:
+                rest.append(entry)
+                if work is not None and work.key == key:
+                    break  # the call is full: later requests of this key keep their place behind this one
+        rest.extend(self._queue)
+        self._queue = rest
+        return batch
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                batch = self._take()
+                if batch is None:
+                    return
+                self._busy = True
+            try:
+                self._run(batch)
+            except BaseException as e:  # noqa: BLE001 - the worker must outlive anything a call raises
+                log.exception("laya-aot batcher: a call failed outside its requests")
+                for entry in batch.entries:  # none of its requests waits for ever
+                    if not entry.future.done():
+                        entry.future.set_exception(RuntimeError("the batcher's call failed: %r" % (e,)))
+            finally:
+                with self._cv:
+                    self._busy = False
+
+    def _run(self, batch: _Batch) -> None:
+        now = time.perf_counter()
+        live = []
+        for entry in batch.entries:
+            if entry.future.set_running_or_notify_cancel():
+                entry.started = now
+                live.append(entry)
+            else:
+                self.stats.count("refused", "cancelled")
+        if not live:
+            return
+        if live[0].job is not None:
+            self.stats.count("calls", "jobs")
+            self._settle(live[0], live[0].job)
+            return
+        for entry in live:
+            self.stats.waited((now - entry.submitted) * 1000.0)
+        for group in self._buckets(live):
+            self._answer(group)
+
+    def _buckets(self, entries: List[_Entry]) -> List[List[_Entry]]:
+        """The requests of a merged call in calls by their rows' estimated length (`Work.row_tokens`), shortest
+        first, none of whose rows is estimated at less than half the call's longest: laya pads a call's rows to its
+        longest, so a request of 40 tokens merged with one of 1,000 would be computed at 1,000 (what the artifact
+        computes grows with the padded tokens; on a CPU, linearly). Each call keeps the requests' order."""
+        if not self.limits.length_buckets or len(entries) < 2:
+            return [entries]
+        order = sorted(range(len(entries)), key=lambda i: entries[i].work.row_tokens)  # type: ignore[union-attr]
+        groups: List[List[int]] = []
+        start = 0
+        for i in order:
+            tokens = entries[i].work.row_tokens  # type: ignore[union-attr]
+            if not groups or tokens > 2 * start:
+                groups.append([])
+                start = tokens
+            groups[-1].append(i)
+        return [[entries[i] for i in sorted(group)] for group in groups]
+
+    def _answer(self, entries: List[_Entry]) -> None:
+        """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
+        rows = sum(e.work.rows for e in entries)  # type: ignore[union-attr]
+        if len(entries) == 1:
+            entry = entries[0]
+            self.stats.call(1, rows, merged=False)
+            self._settle(entry, lambda: self._wrap(entry.work.alone))  # type: ignore[union-attr]
+            return
+        self.stats.call(len(entries), rows, merged=True)
+        try:
+            results = self._wrap(lambda: self.target.run([e.work for e in entries]))
+        except Exception as e:  # noqa: BLE001 - one request's error must not fail its neighbours
+            self.stats.count("calls", "split_after_error")
+            log.info("laya-aot batcher: a merged call of %d requests raised %s: %s; running it again in halves",
+                     len(entries), type(e).__name__, e)
+            mid = len(entries) // 2
+            self._answer(entries[:mid])
+            self._answer(entries[mid:])
+            return
+        for entry, result in zip(entries, results):
+            self._done(entry, result=result)
+
+    def _settle(self, entry: _Entry, call: Callable[[], Any]) -> None:
+        try:
+            result = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, as the call's own error
+            self._done(entry, error=e)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            self._done(entry, result=result)
+
+    def _done(self, entry: _Entry, result: Any = None, error: Optional[BaseException] = None) -> None:
+        if entry.work is not None:
+            self.stats.answered(entry.work.model, error is None, (time.perf_counter() - entry.submitted) * 1000.0)
+        if error is None:
+            entry.future.set_result(result)
+        else:
+            entry.future.set_exception(error)
+
+
+__all__ = ["AgentTarget", "Batcher", "BatcherClosed", "Histogram", "Limits", "Overloaded", "RouterTarget", "Stats",
+           "Work", "estimate_tokens", "target_for"]

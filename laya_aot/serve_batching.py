@@ -1,0 +1,273 @@
+"""`laya-aot serve`'s dynamic batcher: laya's HTTP app with its inferences merged (laya_aot/runtime/batcher.py).
+
+laya's app runs each inference alone: under one asyncio.Lock, on a one-thread pool. Here that lock becomes a
+shared one (requests reach the pool together; `locked()` still says whether one is in flight, which is all laya's
+idle reaper asks) and that pool hands each inference to one `Batcher` over the app's Router: a single request
+(`router.predict`) goes straight into its queue; a batch request or a tournament runs its own laya code on a
+thread of its own, with the router it calls replaced by one whose `predict`/`predict_batch` enter the same queue;
+anything else submitted to the pool (the idle unload) runs on the batcher's worker between calls, never beside
+one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothing else of the request changes.
+
+Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
+LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
+LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call's requests split by row length; 0: one call), and
+LAYA_AOT_METRICS (0, the default; 1: `GET /metrics` in Prometheus's text format).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from . import laya_internals as laya_api
+from .runtime import batcher as engine
+from .runtime.batcher import Batcher, BatcherClosed, Limits, Overloaded, RouterTarget, Stats, Work
+
+log = logging.getLogger("laya_aot.serve")
+
+ENV_BATCH = "LAYA_AOT_BATCH"
+ENV_METRICS = "LAYA_AOT_METRICS"
+LIMIT_SETTINGS = {"max_rows": ("LAYA_AOT_BATCH_MAX_ROWS", engine.DEFAULT_MAX_ROWS),
+                  "max_tokens": ("LAYA_AOT_BATCH_MAX_TOKENS", engine.DEFAULT_MAX_TOKENS),
+                  "max_wait_ms": ("LAYA_AOT_BATCH_MAX_WAIT_MS", engine.DEFAULT_MAX_WAIT_MS),
+                  "max_queue": ("LAYA_AOT_BATCH_QUEUE", engine.DEFAULT_MAX_QUEUE)}
+ENV_BUCKETS = "LAYA_AOT_BATCH_BUCKETS"
+SIDE_THREADS = 64  # batch requests and tournaments waiting on the queue at once (more wait for a thread)
+METRICS_ROUTE = "/metrics"
+
+
+def limits_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> Limits:
+    """The batcher's limits from LAYA_AOT_BATCH_*; a bad value raises `error(message)` naming the setting."""
+    values: Dict[str, Any] = {}
+    for field_name, (setting, default) in LIMIT_SETTINGS.items():
+        raw = env.get(setting, "").strip()
+        if not raw:
+            values[field_name] = default
+            continue
+        try:
+            values[field_name] = float(raw) if field_name == "max_wait_ms" else int(raw)
+            Limits(**{field_name: values[field_name]})
+        except ValueError:
+            kind = "a number of milliseconds >= 0" if field_name == "max_wait_ms" else "a positive integer"
+            raise error("invalid %s %r: use %s (default %s)" % (setting, env.get(setting), kind, default)) from None
+    raw = env.get(ENV_BUCKETS, "").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        values["length_buckets"] = False
+    elif raw not in ("", "1", "true", "yes", "on"):
+        raise error("invalid %s %r: use 1 (on, the default) or 0 (off)" % (ENV_BUCKETS, env.get(ENV_BUCKETS)))
+    return Limits(**values)
+
+
+class SharedGate:
+    """What laya's app holds around each inference, shared: any number of requests hold it at once, and `locked()`
+    says whether one does (laya's idle reaper waits while it is). Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    async def __aenter__(self) -> "SharedGate":
+        self.held += 1
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.held -= 1
+
+    def locked(self) -> bool:
+        return self.held > 0
+
+
+def _escape(value: Any) -> str:
+    """A Prometheus label value: backslash, newline and double quote escaped."""
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
+class _Router:
+    """The app's Router as a batch request or a tournament sees it: `predict` and `predict_batch` wait on the
+    batcher (their own call when alone); every other attribute is the Router's."""
+
+    def __init__(self, router: Any, pool: "LayaPool"):
+        self.__dict__.update(_router=router, _pool=pool)
+
+    def predict(self, state: Any, questions: Any, *args: Any, **controls: Any) -> Any:
+        if args:  # positional controls: laya's call as it is, alone
+            return self._pool.wait(Work(None, [], lambda: self._router.predict(state, questions, *args, **controls),
+                                        1, 1))
+        return self._pool.wait(self._pool.target.work(state, questions, controls))
+
+    def _predict_batch(self, requests: Any, *args: Any, **controls: Any) -> Any:
+        if args:
+            return self._pool.wait(Work(None, [], lambda: self._router.predict_batch(requests, *args, **controls),
+                                        1, 1, many=True))
+        return self._pool.wait(self._pool.target.work_many(requests, controls))
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._router, name)  # AttributeError where the Router has none (laya's hasattr checks)
+        return self._predict_batch if name == "predict_batch" else value
+
+
+class LayaPool:
+    """What laya's app submits its inferences and its idle unload to, in place of its one-thread pool."""
+
+    def __init__(self, cells: Dict[str, Any], limits: Limits, stats: Stats):
+        self.router = cells["router"].cell_contents
+        self.run_inference = cells["_run_inference"].cell_contents
+        self.target = RouterTarget(self.router)
+        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats)
+        self.proxy = _Router(self.router, self)
+        self.threads = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="laya-infer-side")
+        self.closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        if fn is self.run_inference and len(args) == 1 and not kwargs:
+            return self._inference(args[0])
+        return self._job(functools.partial(fn, *args, **kwargs))
+
+    def _job(self, job: Callable[[], Any]) -> Future:
+        try:
+            return self.batcher.submit_job(job)
+        except BatcherClosed as e:
+            return _failed(e)
+
+    def _inference(self, run: Any) -> Future:
+        call = laya_api.predict_call(run, self.router)
+        if call is not None:
+            try:
+                return self.batcher.submit_work(self.target.work(*call))
+            except Overloaded:
+                return _failed(laya_api.overloaded_error())
+            except BatcherClosed as e:
+                return _failed(e)
+        swapped = laya_api.with_router(run, self.router, self.proxy)
+        if swapped is None:  # work laya-aot does not know: laya's own way, alone on the worker
+            return self._job(functools.partial(self.run_inference, run))
+        if self.batcher.full():
+            self.batcher.stats.count("refused", "overloaded")
+            return _failed(laya_api.overloaded_error())
+        return self.threads.submit(self.run_inference, swapped)
+
+    def wait(self, work: Work) -> Any:
+        """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there)."""
+        try:
+            future = self.batcher.submit_work(work)
+        except Overloaded:
+            raise laya_api.overloaded_error() from None
+        return future.result()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """laya's app shutting down: what was accepted is answered (or cancelled, as laya asks), then both stop."""
+        self.closed = True
+        self.batcher.close(wait=wait, cancel=cancel_futures)
+        self.threads.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+class ServeBatching:
+    """One app's batching: its limits and statistics, the pool and gate it gives laya's app (again after laya's
+    lifespan restarts, which resets them), and what `GET /v1/aot` and `/metrics` say about it."""
+
+    def __init__(self, app: Any, limits: Optional[Limits], metrics: bool = False):
+        self.limits = limits
+        self.metrics = metrics
+        self.stats = Stats()
+        self.cells = laya_api.app_cells(app) if limits is not None else None
+        if limits is not None and self.cells is None:
+            raise laya_api.LayaIncompatible(["laya.serve.create_app's %s" % "/".join(laya_api.APP_CELLS)],
+                                            "laya-aot serve's batcher (%s=0 serves without it)" % ENV_BATCH)
+        self.pool: Optional[LayaPool] = None
+        self.gate: Optional[SharedGate] = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cells is not None
+
+    def ensure(self) -> None:
+        """Give laya's app the shared gate and the batching pool, unless it holds them (called on each request,
+        before laya's app sees it: laya's lifespan resets its gate, and replaces a pool it shut down)."""
+        cells = self.cells
+        if cells is None:
+            return
+        pool, gate = self.pool, self.gate
+        if pool is not None and not pool.closed and cells["pool"].cell_contents is pool \
+                and cells["gate"].cell_contents is gate:
+            return
+        with self._lock:
+            if self.pool is None or self.pool.closed or cells["pool"].cell_contents is not self.pool:
+                laya_pool = cells["pool"].cell_contents
+                self.pool = LayaPool(cells, self.limits, self.stats)  # type: ignore[arg-type]
+                cells["pool"].cell_contents = self.pool
+                if isinstance(laya_pool, ThreadPoolExecutor):  # laya's own, idle: nothing will submit to it again
+                    laya_pool.shutdown(wait=False)
+            if self.gate is None or cells["gate"].cell_contents is not self.gate:
+                self.gate = SharedGate()
+                cells["gate"].cell_contents = self.gate
+
+    def report(self) -> Dict[str, Any]:
+        """`GET /v1/aot`'s `batching` entry: on or off, the limits, the queue, and the statistics."""
+        if not self.enabled:
+            return {"enabled": False}
+        pool = self.pool
+        return {"enabled": True, "limits": dict(vars(self.limits)), "queued": pool.batcher.queued() if pool else 0,
+                **self.stats.snapshot()}
+
+    def metrics_text(self, backends: Dict[str, Dict[str, Any]], loads: Mapping[str, int]) -> str:
+        """The Prometheus text exposition (version 0.0.4) of the batcher's statistics and each model's backend."""
+        out: List[str] = []
+
+        def family(name: str, kind: str, help_text: str) -> None:
+            out.append("# HELP %s %s" % (name, help_text))
+            out.append("# TYPE %s %s" % (name, kind))
+
+        def labels(**kv: Any) -> str:
+            return "{%s}" % ",".join('%s="%s"' % (k, _escape(v)) for k, v in kv.items())
+
+        snap = self.stats.snapshot()
+        family("laya_aot_requests_total", "counter", "Requests answered through the batcher, by model asked for "
+               "(auto: routed) and outcome.")
+        for row in snap["requests"]:
+            out.append("laya_aot_requests_total%s %d" % (labels(model=row["model"], outcome=row["outcome"]),
+                                                        row["count"]))
+        family("laya_aot_calls_total", "counter", "Calls the batcher made: merged, alone, split after an error, "
+               "jobs (idle unloads).")
+        for kind, n in snap["calls"].items():
+            out.append("laya_aot_calls_total%s %d" % (labels(kind=kind), n))
+        family("laya_aot_refused_total", "counter", "Requests refused (queue full: 503) or cancelled before their "
+               "call.")
+        for reason, n in snap["refused"].items():
+            out.append("laya_aot_refused_total%s %d" % (labels(reason=reason), n))
+        family("laya_aot_queue_length", "gauge", "Requests waiting in the batcher's queue.")
+        out.append("laya_aot_queue_length %d" % (self.pool.batcher.queued() if self.pool else 0))
+        for name, key, scale, help_text in (
+                ("laya_aot_batch_requests", "batch_requests", 1.0, "Requests per call."),
+                ("laya_aot_batch_rows", "batch_rows", 1.0, "Question rows (states x questions) per call."),
+                ("laya_aot_queue_wait_seconds", "queue_wait_ms", 1e-3, "Time from a request's arrival in the "
+                 "queue to the start of its call."),
+                ("laya_aot_request_latency_seconds", "latency_ms", 1e-3, "Time from a request's arrival in the "
+                 "queue to its answer.")):
+            family(name, "histogram", help_text)
+            hist = snap[key]
+            running = 0
+            for bound, count in hist["buckets"].items():
+                running += count
+                le = bound if bound == "+Inf" else "%g" % (float(bound) * scale)
+                out.append("%s_bucket%s %d" % (name, labels(le=le), running))
+            out.append("%s_sum %s" % (name, "%g" % (hist["sum"] * scale)))
+            out.append("%s_count %d" % (name, hist["count"]))
+        family("laya_aot_backend_info", "gauge", "1 for each resident model: the backend and artifact serving it.")
+        for model, info in sorted(backends.items()):
+            out.append("laya_aot_backend_info%s 1" % labels(model=model, backend=info.get("backend") or "",
+                                                           artifact=info.get("artifact") or ""))
+        family("laya_aot_loads_total", "counter", "Loads of each bundled model from its bundle.")
+        for model, n in sorted(loads.items()):
+            out.append("laya_aot_loads_total%s %d" % (labels(model=model), n))
+        return "\n".join(out) + "\n"
+
+
+__all__ = ["ENV_BATCH", "ENV_METRICS", "LIMIT_SETTINGS", "LayaPool", "ServeBatching", "SharedGate", "limits_from_env"]
