@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .checkpoint import read_config
+from .checkpoint import CheckpointError, read_config
 from .checkpoint import resolve as resolve_checkpoint
 from .files import cached_sha256, make_readable, sha256_file
 
@@ -364,6 +364,10 @@ def resolve(cfg: Any) -> Path:
     """The checkpoint directory a `CheckpointConfig` names (`checkpoint.resolve`), the demo checkpoint made
     under `demo_dir` when it names neither a path nor a hub id but a demo shape."""
     if cfg.demo_shape and not cfg.path and not cfg.hub_id:
+        shapes = {**PRESETS, **MATRIX}
+        if cfg.demo_shape not in shapes:
+            raise CheckpointError("checkpoint.demo_shape=%s is not a demo shape; choose one of %s, or name a "
+                                  "checkpoint with checkpoint.path=DIR" % (cfg.demo_shape, ", ".join(shapes)))
         name = cfg.name or "demo"
         out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
         return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)
