@@ -115,7 +115,7 @@ def stale_reason(path: Path, out_name: str) -> Optional[str]:
         return "it holds no laya-aot marker (%s)" % MARKER
     pid, started = marker.get("pid"), marker.get("started")
     if marker.get("token") != kind.group(2) or marker.get("uid") != os.getuid() or not isinstance(pid, int) \
-            or isinstance(pid, bool) or pid <= 0 or not (started is None or isinstance(started, int)):
+            or isinstance(pid, bool) or not 0 < pid < 1 << 31 or not (started is None or isinstance(started, int)):
         return "its marker is not the one laya-aot wrote for it"
     if process_alive(pid, started):
         return "process %d, which is writing it, is still running" % pid

@@ -124,7 +124,7 @@ def _remove_older_partials(file: Path) -> None:
             st = os.lstat(p)
         except OSError:
             continue
-        if m is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
+        if m is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or int(m.group(1)) >= 1 << 31 \
                 or staging.process_alive(int(m.group(1))):
             continue
         try:

@@ -130,6 +130,8 @@ def test_only_a_marked_directory_of_a_gone_owner_of_this_user_is_stale(tmp_path)
         finally:
             sleeper.kill()
             sleeper.wait()
+    (leftover / staging.MARKER).write_text(json.dumps(dict(marker, pid=10 ** 30)))   # no process has that pid
+    assert "not the one laya-aot wrote" in staging.stale_reason(leftover, "out")
     # a marker that is not a regular file (a FIFO would hang a reader) is no marker
     (leftover / staging.MARKER).unlink()
     os.mkfifo(leftover / staging.MARKER)
@@ -373,10 +375,13 @@ def test_a_killed_pack_leaves_what_the_next_pack_removes(small_bundle, tmp_path)
     older.write_bytes(whole[:len(whole) // 2])
     mine = tmp_path / ".demo.tar.zst.partial-1"
     mine.write_text("my notes")
+    huge = tmp_path / (".demo.tar.zst.partial-%d" % 10 ** 30)   # no process has that pid
+    huge.write_bytes(whole)
     info = pack(small_bundle, file)
     assert read_pack_manifest(info.path).artifacts
-    assert not partial[0].exists() and not older.exists() and mine.read_text() == "my notes"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.tar.zst.partial-1", "demo.tar.zst", "whole.tar.zst"]
+    assert not partial[0].exists() and not older.exists() and mine.read_text() == "my notes" and huge.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.tar.zst.partial-1", huge.name, "demo.tar.zst",
+                                                          "whole.tar.zst"]
 
 
 def test_a_pack_interrupted_in_this_process_leaves_nothing(small_bundle, tmp_path, monkeypatch):
