@@ -61,9 +61,13 @@ def demo(argv: List[str], start: float) -> int:
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="the Laya checkpoint the bundle is built from (default: the built-in demo checkpoint, "
                    "made and trained here on first use)")
-    p.add_argument("--device", default="cpu", help="the device the agent runs on: cpu, cuda, cuda:1 "
-                   "(default: %(default)s)")
+    p.add_argument("--device", default="cpu", type=device_arg, help="the device the agent runs on: cpu, cuda, "
+                   "cuda:1 (default: %(default)s)")
     a = p.parse_args(argv)
+    return _guarded("demo", lambda: _demo(a, start))
+
+
+def _demo(a: argparse.Namespace, start: float) -> int:
     con = _console()
     t0 = time.perf_counter()
     ckpt = Path(a.checkpoint) if a.checkpoint else _demo_checkpoint()

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
-from .checkpoint import read_config
+from .checkpoint import CheckpointError, read_config
 from .checkpoint import resolve as resolve_checkpoint
-from .files import make_readable
+from .files import cached_sha256, make_readable, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     from laya.common import build_model
     from laya.train import save_checkpoint
 
-    from .staging import OutputRefused, may_replace, staged
+    from .staging import MARKER, OutputRefused, may_replace, staged
 
     spec = demo_shape(shape) if isinstance(shape, str) else shape
     facts = {"seed": seed, "shape": asdict(spec), "format": FORMAT}
@@ -283,23 +284,61 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
         save_checkpoint(model, tok, cfg, str(tmp))  # fp16 weights, encoder config, tokenizer, config
         if spec.pin_tokenizer:
             _pin_tokenizer_class(tmp / "tokenizer" / "tokenizer_config.json")
+        _write_record(tmp, leave_out=MARKER)  # the staging's marker goes at publishing
         make_readable(tmp)  # another user (a service) must read it
     log.info("wrote demo checkpoint %s (%s, seed %d)", out, shape if isinstance(shape, str) else "custom", seed)
     return out
 
 
 def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
-    """Whether `ckpt` is the demo checkpoint of `facts` (seed, shape, format), written to the end."""
-    return _demo_facts(ckpt) == facts and (ckpt / "model.safetensors").is_file()
+    """Whether `ckpt` is the demo checkpoint of `facts` (seed, shape, format), written to the end and, where it
+    holds the record of its files (every one since that record exists), unchanged since."""
+    return _demo_facts(ckpt) == facts and (ckpt / "model.safetensors").is_file() and (
+        not os.path.lexists(ckpt / RECORD) or _changed(ckpt) is None)
 
 
-_DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer"}
+# every file make_checkpoint wrote, at its size and sha256: what proves a demo checkpoint unchanged (its weights
+# included), so that make-demo never replaces one a user edited in place; not one of the files laya reads
+RECORD = "laya_aot_demo_files.json"
+_RECORD_MAX_BYTES = 1 << 20
+_DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer", RECORD}
+
+
+def _write_record(ckpt: Path, leave_out: str) -> None:
+    files = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in (RECORD, leave_out)}
+    (ckpt / RECORD).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+
+
+def _changed(ckpt: Path) -> Optional[str]:
+    """Why `ckpt`'s files are not the ones its record lists (None: every file is, at its size and sha256)."""
+    path = ckpt / RECORD
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _RECORD_MAX_BYTES:
+            return "its %s is not the record make-demo writes" % RECORD
+        files = json.loads(path.read_bytes())["files"]
+        wanted = {str(k): (int(v["size"]), str(v["sha256"])) for k, v in files.items()}
+    except FileNotFoundError:
+        return "it has no %s, the record of the files make-demo wrote (an older laya-aot's, or removed)" % RECORD
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "its %s is not the record make-demo writes" % RECORD
+    present = {p.relative_to(ckpt).as_posix(): p for p in ckpt.rglob("*") if p.is_file() and p != path}
+    for rel in sorted(set(wanted) | set(present)):
+        if rel not in present:
+            return "%s is missing" % rel
+        if rel not in wanted:
+            return "it holds %s, which make-demo did not write" % rel
+        size, digest = wanted[rel]
+        if present[rel].stat().st_size != size or cached_sha256(present[rel]) != digest:
+            return "%s changed since make-demo wrote it" % rel
+    return None
 
 
 def _not_a_demo_checkpoint(ckpt: Path) -> Optional[str]:
     """Why `ckpt` is not a demo checkpoint make_checkpoint wrote (None: it is, and nothing else is inside):
-    the facts it records in rl_agent_config.json, and only the entries it writes, regular files in two
-    directories at most, no link."""
+    the facts it records in rl_agent_config.json, only the entries it writes, regular files in two
+    directories at most, no link, and every file as its record lists it (the weights included)."""
     if _demo_facts(ckpt) is None:
         return "its rl_agent_config.json has no laya_aot_demo record"
     for p in ckpt.iterdir():
@@ -310,7 +349,7 @@ def _not_a_demo_checkpoint(ckpt: Path) -> Optional[str]:
         for q in (p.iterdir() if p.is_dir() else ()):
             if q.is_symlink() or not q.is_file():
                 return "%s/%s is not a file make-demo writes" % (p.name, q.name)
-    return None
+    return _changed(ckpt)
 
 
 def _demo_facts(ckpt: Path) -> Optional[Dict[str, object]]:
@@ -325,6 +364,10 @@ def resolve(cfg: Any) -> Path:
     """The checkpoint directory a `CheckpointConfig` names (`checkpoint.resolve`), the demo checkpoint made
     under `demo_dir` when it names neither a path nor a hub id but a demo shape."""
     if cfg.demo_shape and not cfg.path and not cfg.hub_id:
+        shapes = {**PRESETS, **MATRIX}
+        if cfg.demo_shape not in shapes:
+            raise CheckpointError("checkpoint.demo_shape=%s is not a demo shape; choose one of %s, or name a "
+                                  "checkpoint with checkpoint.path=DIR" % (cfg.demo_shape, ", ".join(shapes)))
         name = cfg.name or "demo"
         out = Path(cfg.demo_dir) / ("%s-%s-seed%d" % (name, cfg.demo_shape, cfg.demo_seed))
         return make_checkpoint(out, cfg.demo_shape, cfg.demo_seed)

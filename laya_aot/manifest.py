@@ -674,7 +674,10 @@ def _read(tp: Any, value: Any, where: str, source: str) -> Any:
     if tp is float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             _fail(source, where, "a number", value)
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float (10**400): as unbounded as 1e400 reads
+            return math.inf if value > 0 else -math.inf
     if tp is str:
         if not isinstance(value, str):
             _fail(source, where, "a string", value)

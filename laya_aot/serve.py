@@ -2,7 +2,7 @@
 
 laya's server loads, evicts and unloads checkpoints, each load a cold start. This runs the same app
 (`laya.serve.create_app`, every `LAYA_*` setting as laya reads it) over a Router whose builds of a
-checkpoint in `LAYA_AOT_BUNDLES` (JSON: model name -> bundle directory or hf:// spec) call
+checkpoint in `LAYA_AOT_BUNDLES` (JSON: model name -> bundle directory, pack, directory of packs or hf:// spec) call
 `laya_aot.load`; `LAYA_AOT_STRICT=1` makes a bundle that cannot serve fail its load, and
 `LAYA_AOT_BUNDLE_SHA256S` pins each manifest. One log line per load and `GET /v1/aot` say which
 artifact serves and why the others did not; every route laya defines answers as in laya's own app.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
-from .distribution import HF_SCHEME
+from .distribution import HF_SCHEME, PACK_SUFFIX
 from .errors import LayaAotError
 from .runtime.batcher import Limits
 from .serve_batching import ENV_BATCH, ENV_METRICS, LIMIT_SETTINGS, METRICS_ROUTE, ServeBatching, limits_from_env
@@ -48,7 +48,8 @@ laya's HTTP server (POST /v1/systemone, /v1/systemone/batch, GET /health), confi
 by environment (LAYA_PORT, LAYA_HOST, LAYA_API_KEY, LAYA_EXTRA_MODELS, LAYA_MODELS, LAYA_PRELOAD,
 LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
 
-  LAYA_AOT_BUNDLES         JSON object: model name -> bundle directory, e.g. %s
+  LAYA_AOT_BUNDLES         JSON object: model name -> bundle (a directory, a pack, a directory of packs or
+                           hf://ORG/REPO), e.g. %s
   LAYA_AOT_STRICT          1: a bundle that cannot serve its checkpoint fails that load (at start: no start)
   LAYA_AOT_BUNDLE_SHA256S  JSON object: model name -> sha256 of the bundle's bundle.json (a pin)
   LAYA_AOT_NEAR_TIES       who decides near-ties: 0 / off (default: the artifact, whose agreement with fp32
@@ -84,10 +85,12 @@ class BundleSpec:
     bundle: str
     checkpoint: Path
     sha256: Optional[str] = None
+    packed: bool = False  # a pack or a directory of packs, which laya_aot.load unpacks once into its cache
 
     @property
     def remote(self) -> bool:
-        return self.bundle.startswith(HF_SCHEME)
+        """Whether laya_aot.load fetches or unpacks the bundle first (nothing to read here before it loads)."""
+        return self.packed or self.bundle.startswith(HF_SCHEME)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class ServeConfig:
     metrics: bool = False  # LAYA_AOT_METRICS: GET /metrics
 
 
-def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any]:
+def _json_object(env: Mapping[str, str], name: str, shape: str, example: str = _EXAMPLE) -> Dict[str, Any]:
     raw = env.get(name, "").strip()
     if not raw:
         return {}
@@ -107,27 +110,25 @@ def _json_object(env: Mapping[str, str], name: str, shape: str) -> Dict[str, Any
         data = json.loads(raw)
     except ValueError as e:
         raise ServeConfigError("invalid %s: not JSON (%s); set it to a JSON object of %s, e.g. %s"
-                               % (name, e, shape, _EXAMPLE)) from None
+                               % (name, e, shape, example)) from None
     if not isinstance(data, dict):
         raise ServeConfigError("invalid %s: a JSON object of %s is needed, got a JSON %s; e.g. %s"
-                               % (name, shape, type(data).__name__, _EXAMPLE))
+                               % (name, shape, type(data).__name__, example))
     return data
 
 
 def _known_checkpoints(env: Mapping[str, str]) -> Dict[str, Any]:
     """The names laya's Router will know (built-ins and LAYA_EXTRA_MODELS) -> their source, as the Router keys them.
 
-    A malformed LAYA_EXTRA_MODELS is left to laya, which refuses to start with its own message."""
+    A LAYA_EXTRA_MODELS that is not a JSON object is refused here, by its name (laya would refuse it too; read as
+    empty, it made every bundle's model look unknown)."""
     from laya.router import DEFAULT_MODELS, canonical_name
 
     known: Dict[str, Any] = dict(DEFAULT_MODELS)
-    try:
-        extra = json.loads(env.get("LAYA_EXTRA_MODELS", "").strip() or "{}")
-    except ValueError:
-        extra = {}
-    if isinstance(extra, dict):
-        for name, source in extra.items():
-            known[canonical_name(name)] = tuple(source) if isinstance(source, list) else source
+    extra = _json_object(env, "LAYA_EXTRA_MODELS", "checkpoint name to checkpoint directory or Hub repo",
+                         """'{"support": "/path/to/checkpoint"}'""")
+    for name, source in extra.items():
+        known[canonical_name(name)] = tuple(source) if isinstance(source, list) else source
     return known
 
 
@@ -179,6 +180,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
     """Read and check the LAYA_AOT_* settings (bundles, strict, pins, near-ties) before anything loads."""
     from laya.router import canonical_name
 
+    from .distribution import fetch
     from .manifest import MANIFEST
 
     env = os.environ if env is None else env
@@ -200,17 +202,23 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
             raise ServeConfigError("invalid %s: the bundle of %r must be a directory path (a string), got %r"
                                    % (ENV_BUNDLES, name, bundle))
         bundle = bundle.strip()
+        packed = False
         if not bundle.startswith(HF_SCHEME):
             bundle = os.path.expanduser(bundle)
-            if not Path(bundle).is_dir():
+            packed = fetch.packed(Path(bundle))
+            if not packed and os.path.exists(bundle) and not Path(bundle).is_dir():
+                raise ServeConfigError("invalid %s: the bundle of %r, %s, is a file but not a pack (*%s); name a "
+                                       "bundle directory, a pack or a directory of packs"
+                                       % (ENV_BUNDLES, name, bundle, PACK_SUFFIX))
+            if not packed and not Path(bundle).is_dir():
                 raise ServeConfigError("invalid %s: bundle directory %s of %r does not exist; build it with "
                                        "`laya-aot build checkpoint.path=CHECKPOINT output_dir=%s`"
                                        % (ENV_BUNDLES, bundle, name, bundle))
-            if not (Path(bundle) / MANIFEST).is_file():
+            if not packed and not (Path(bundle) / MANIFEST).is_file():
                 raise ServeConfigError("invalid %s: %s (the bundle of %r) has no %s, so it is not a finished "
                                        "bundle; build it with `laya-aot build ... output_dir=%s`"
                                        % (ENV_BUNDLES, bundle, name, MANIFEST, bundle))
-        bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=_checkpoint_dir(key, known[key]))
+        bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=_checkpoint_dir(key, known[key]), packed=packed)
     pins = _json_object(env, ENV_PINS, "model name to sha256")
     if pins:
         _require_load_parameter("bundle_sha256", ENV_PINS)
@@ -222,7 +230,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
         if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha.strip()):
             raise ServeConfigError("invalid %s: the pin of %r must be 64 hex digits (the sha256 `laya-aot inspect` "
                                    "prints), got %r" % (ENV_PINS, name, sha))
-        bundles[key] = BundleSpec(key, bundles[key].bundle, bundles[key].checkpoint, sha.strip().lower())
+        bundles[key] = dataclasses.replace(bundles[key], sha256=sha.strip().lower())
     single = env.get(ENV_PIN, "").strip()
     if single and len(bundles) > 1:  # laya_aot.load would hold every bundle of this server to one manifest
         raise ServeConfigError("%s pins one bundle, and this server loads %d (%s); pin each with %s='{\"%s\": "

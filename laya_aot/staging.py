@@ -1,46 +1,183 @@
-"""Assemble a bundle beside its destination and swap it into place in one step; and whether it may be.
+"""Assemble an output beside its destination and swap it into place in one step; whether it may be; and what
+of a killed command's leftovers is laya-aot's to remove.
 
-Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`) through `staged`, and by
-`make-demo` for its checkpoint directory (`demo.make_checkpoint`, also a build's demo checkpoint).
-`may_replace` is the one place that decides whether an output path may be replaced (for `make-demo` and `pack` too):
-what is there must be absent, an empty directory, or something this project wrote, proven by its
-contents (a bundle: a manifest whose file list covers every file in the directory, nothing else, no
-link); anything else needs the command's `--overwrite` (`overwrite=true` for a build), and a file is
-never replaced by a directory's command nor a directory by a file's. A build writes into
-`.<name>.partial-XXXX` next to the output directory and, once the manifest is written, exchanges it
-with the output atomically (Linux `renameat2(RENAME_EXCHANGE)`; elsewhere two renames). A build
-killed at any point leaves either the previous bundle or nothing at the output path, never a
-directory that looks complete; the next build removes partial directories whose builder process is gone.
+Shared by everything that writes a bundle (`laya-aot build`, `merge`, `unpack`, `fetch`) through `staged`, by
+`make-demo` for its checkpoint directory (`demo.make_checkpoint`, also a build's demo checkpoint), and by `pack`
+for its file (`staged_file`). `may_replace` is the one place that decides whether an output path may be replaced:
+what is there must be absent, an empty directory, or something this project wrote, proven by its contents (a
+bundle: `complete_bundle`); anything else needs the command's `--overwrite` (`overwrite=true` for a build), and a
+file is never replaced by a directory's command nor a directory by a file's.
+
+A command writes into `.<name>.partial-<token>` next to its output and, once complete, exchanges it with the
+output atomically (Linux `renameat2(RENAME_EXCHANGE)`; elsewhere two renames, through `.<name>.old-<token>`).
+Each of those directories holds a marker (`MARKER`: the owner's uid, pid and process start, and the token its
+name ends with) from the moment it is made until it is gone. A command killed at any point leaves either the
+previous output or nothing at the output path, never a directory that looks complete; the next command writing
+that output removes the leftovers whose marker is valid and whose owner is gone, and nothing else: a directory
+named like a leftover without a valid marker, another user's, or a running command's stays (`stale_reason`).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import stat
-import tempfile
-from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, Optional
 
-from .bundle_format import read_manifest
-from .manifest import BundleError
+from .bundle_format import check_files, files_of, manifest_files, read_manifest
+from .files import cached_sha256
+from .manifest import MANIFEST, Bundle, BundleError, FileRecord
 
 log = logging.getLogger(__name__)
 
-OWNER = ".builder-pid"
+# the marker inside a staging or backup directory: JSON written by `_mark`, read back by `stale_reason`
+MARKER = ".laya-aot-staging.json"
+_MARKER_MAX_BYTES = 4096
+_WRITTEN_BY = "laya-aot staging"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_TOKEN_BYTES = 8  # 16 hex digits in the name: unique beside one output, short enough for long output names
+_LEFTOVER = re.compile(r"\.(partial|old)-([0-9a-f]{%d})" % (2 * _TOKEN_BYTES))
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, Linux), which tells a pid reused by another process
+    from the one that wrote a marker; None where /proc cannot say."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_alive(pid: int, started: Optional[int] = None) -> bool:
+    """Whether process `pid` runs (and, when `started` is known, is the process that started then)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    now = _start_ticks(pid) if started is not None else None
+    return now is None or now == started
+
+
+def _mark(directory: Path, token: str) -> None:
+    """Write the marker that makes `directory` this process's to remove once it is gone."""
+    record = {"written_by": _WRITTEN_BY, "uid": os.getuid(), "pid": os.getpid(),
+              "started": _start_ticks(os.getpid()), "token": token}
+    fd = os.open(directory / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+
+
+def _read_marker(directory: Path) -> Optional[Dict[str, Any]]:
+    """The marker of `directory` (a regular file of ours, bounded, a JSON object), else None."""
+    try:
+        fd = os.open(directory / MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > _MARKER_MAX_BYTES:
+            return None
+        try:
+            data = json.loads(f.read(_MARKER_MAX_BYTES + 1).decode("utf-8"))
+        except (OSError, ValueError):
+            return None
+    return data if isinstance(data, dict) else None
+
+
+def stale_reason(path: Path, out_name: str) -> Optional[str]:
+    """Why `path`, named like a leftover of output `out_name` (`.NAME.partial-*`, `.NAME.old-*`), must stay
+    (None: a killed command of this user left it, and removing it loses nothing of anyone's)."""
+    kind = _LEFTOVER.fullmatch(path.name[len(out_name) + 1:]) if path.name.startswith(".%s." % out_name) else None
+    if kind is None:
+        return "its name is not one laya-aot gives (.%s.partial-<16 hex digits>)" % out_name
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return "it cannot be read (%s)" % (e.strerror or e)
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return "another user owns it"
+    marker = _read_marker(path)
+    if marker is None or marker.get("written_by") != _WRITTEN_BY:
+        return "it holds no laya-aot marker (%s)" % MARKER
+    pid, started = marker.get("pid"), marker.get("started")
+    if marker.get("token") != kind.group(2) or marker.get("uid") != os.getuid() or not isinstance(pid, int) \
+            or isinstance(pid, bool) or not 0 < pid < 1 << 31 or not (started is None or isinstance(started, int)):
+        return "its marker is not the one laya-aot wrote for it"
+    if process_alive(pid, started):
+        return "process %d, which is writing it, is still running" % pid
+    return None
+
+
+def clean_stale(out: Path) -> None:
+    """Remove what killed commands writing `out` left beside it (`stale_reason` decides what may go)."""
+    try:
+        names = [n for n in os.listdir(out.parent) if n.startswith(".%s." % out.name)
+                 and n[len(out.name) + 2:].startswith(("partial-", "old-"))]
+    except OSError:
+        return
+    for name in names:
+        p = out.parent / name
+        why = stale_reason(p, out.name)
+        if why is None:
+            log.info("removing %s, left by an interrupted laya-aot command", p)
+            _remove(p)
+        elif "still running" in why:
+            log.debug("leaving %s: %s", p, why)
+        else:
+            log.warning("leaving %s in place: it is named like laya-aot's leftovers but %s; remove it yourself if "
+                        "it is not needed", p, why)
+
+
+def _remove(directory: Path) -> None:
+    """Remove a marked directory, its marker last: a kill halfway leaves it marked for the next command."""
+    try:
+        entries = [e for e in os.scandir(directory) if e.name != MARKER]
+    except OSError:
+        return
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(e.path)
+    with contextlib.suppress(OSError):
+        os.unlink(directory / MARKER)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
 
 
 def new_staging(out: Path) -> Path:
+    """A new marked `.NAME.partial-<token>` directory beside `out` (0755), after removing killed ones' leftovers."""
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
-    tmp = Path(tempfile.mkdtemp(prefix=".%s.partial-" % out.name, dir=out.parent))
-    os.chmod(tmp, 0o755)
-    (tmp / OWNER).write_text(str(os.getpid()))
+    while True:
+        token = secrets.token_hex(_TOKEN_BYTES)
+        tmp = out.parent / (".%s.partial-%s" % (out.name, token))
+        try:
+            os.mkdir(tmp, 0o700)
+        except FileExistsError:
+            continue
+        break
+    try:
+        _mark(tmp, token)
+        os.chmod(tmp, 0o755)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
@@ -71,28 +208,18 @@ def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] =
         raise
 
 
-def _alive(pid: int) -> bool:
+@contextlib.contextmanager
+def staged_file(out: Path) -> Iterator[Path]:
+    """`staged` for a command that writes one file (`pack`): the path to write, inside a marked staging directory
+    beside `out`, renamed onto `out` when the block ends; the directory goes either way, and a killed command's
+    is removed by the next one writing `out`."""
+    tmp = new_staging(out)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale(out: Path) -> None:
-    """Remove partial directories of `out` left by builds that were killed."""
-    for p in out.parent.glob(".%s.partial-*" % out.name):
-        try:
-            pid = int((p / OWNER).read_text())
-        except (OSError, ValueError):
-            pid = -1
-        if pid <= 0 or not _alive(pid):
-            log.info("removing %s, left by an interrupted build or make-demo", p)
-            shutil.rmtree(p, ignore_errors=True)
-    for p in out.parent.glob(".%s.old-*" % out.name):
-        shutil.rmtree(p, ignore_errors=True)
+        path = tmp / out.name
+        yield path
+        os.replace(path, out)
+    finally:
+        discard(tmp)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -108,20 +235,36 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def _mark_replaced(directory: Path, token: str) -> None:
+    """Mark what was at the output, now beside it under a staging name, before it is removed: a kill while it is
+    removed leaves it to the next command (a file is removed at once)."""
+    if directory.is_dir() and not directory.is_symlink():
+        with contextlib.suppress(OSError):
+            _mark(directory, token)
+
+
 def publish(staging: Path, out: Path, same: Optional[Same] = None) -> None:
-    """Put the finished staging directory at `out`, replacing any previous bundle only now (unless `same(out)`:
+    """Put the finished staging directory at `out`, replacing any previous output only now (unless `same(out)`:
     see `staged`)."""
-    (staging / OWNER).unlink(missing_ok=True)
+    token = staging.name.rsplit("-", 1)[-1]
+    (staging / MARKER).unlink(missing_ok=True)
     if same is not None and same(out):
         discard(staging)
         return
     if os.path.lexists(out) and _exchange(staging, out):
-        discard(staging)  # now holds what was at `out` (a previous bundle, or what --overwrite replaces)
+        _mark_replaced(staging, token)  # now holds what was at `out` (a previous bundle, or what --overwrite replaces)
+        discard(staging)
         return
     if os.path.lexists(out):
-        old = out.with_name(".%s.old-%d" % (out.name, os.getpid()))
+        old = out.with_name(".%s.old-%s" % (out.name, token))
         os.replace(out, old)
-        os.replace(staging, out)
+        _mark_replaced(old, token)
+        try:
+            os.replace(staging, out)
+        except OSError:
+            os.replace(old, out)  # put it back, unmarked: it was never laya-aot's to remove
+            (out / MARKER).unlink(missing_ok=True)
+            raise
         discard(old)
         return
     try:
@@ -134,17 +277,17 @@ def publish(staging: Path, out: Path, same: Optional[Same] = None) -> None:
             return
         if not (out.exists() and _exchange(staging, out)):
             raise
+        _mark_replaced(staging, token)
         discard(staging)
 
 
 def discard(staging: Path) -> None:
+    """Remove a staging directory (its marker last), or the file an exchange left at its name."""
     if staging.is_dir() and not staging.is_symlink():
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
     else:  # after an exchange with a file that --overwrite replaced
-        try:
+        with contextlib.suppress(OSError):
             staging.unlink()
-        except OSError:
-            pass
 
 
 class OutputRefused(BundleError):
@@ -157,45 +300,47 @@ Proof = Callable[[Path], Optional[str]]  # why a path is not something this proj
 def complete_bundle(out: Path) -> Optional[str]:
     """Why directory `out` is not a bundle this project wrote (None: it is, and replacing it loses nothing).
 
-    Proof by contents, not by a marker: a manifest of ours, and every entry under `out` a regular file
-    the manifest lists (at its listed size; schema 1: under an artifact's path), or a directory on the way
-    to one. Listed files may be absent (a fetched bundle holds only the artifacts usable where it was
-    fetched)."""
+    Proof by contents: a manifest the strict reader accepts (whatever kinds it names: which kinds this laya-aot
+    knows says nothing of who wrote it), and every entry under `out` bundle.json or a regular file the manifest
+    lists at its size and sha256 (schema 1: inside an artifact's path, whose files add up to its sha256), or a
+    directory on the way to one; no link. Listed files may be absent (a fetched bundle holds only the artifacts
+    usable where it was fetched): what is present is only what the manifest pins."""
     try:
-        raw = read_manifest(out)
+        data = read_manifest(out)
+        arts = data.get("artifacts")
+        named = {a["kind"] for a in arts if isinstance(a, dict) and isinstance(a.get("kind"), str)} \
+            if isinstance(arts, list) else set()
+        bundle = Bundle.from_dict(data, named, str(out / MANIFEST))
     except BundleError as e:
         return str(e).split(";")[0]
-    sizes = {"bundle.json": None}
-    roots = []
-    for a in raw.get("artifacts") or []:
-        if not isinstance(a, dict):
-            return "its manifest is damaged"
-        files = a.get("files")
-        if isinstance(files, dict):
-            for rel, rec in files.items():
-                sizes[str(rel)] = rec.get("size") if isinstance(rec, dict) else None
-        if raw.get("schema_version") == 1 and isinstance(a.get("path"), str):
-            roots.append(a["path"].strip("/"))
+    listed: Dict[str, FileRecord] = {}
+    if bundle.schema_version >= 2:
+        listed = manifest_files(bundle)
+    else:
+        for a in bundle.artifacts:
+            if a.built and os.path.lexists(out / str(a.path)):
+                files, why = files_of(out, a)
+                if why:
+                    return why
+                listed.update(files)
 
     def unreadable(e: OSError) -> None:  # a directory not listed could hold anything: not proven ours
         raise e
 
+    present: Dict[str, FileRecord] = {}
     for dirpath, dirnames, filenames in os.walk(out, onerror=unreadable):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             rel = p.relative_to(out).as_posix()
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
+            if stat.S_ISLNK(os.lstat(p).st_mode):
                 return "it holds a symbolic link, %s" % rel
-            if name in dirnames:
+            if name in dirnames or rel == MANIFEST:
                 continue
-            listed = rel in sizes or any(PurePosixPath(rel).is_relative_to(r) for r in roots if r)
-            if not listed:
+            if rel not in listed:
                 return "it holds %s, which its manifest does not list" % rel
-            if sizes.get(rel) is not None and st.st_size != sizes[rel]:
-                return "%s is %d bytes, its manifest says %d (changed since it was written)" % (rel, st.st_size,
-                                                                                              sizes[rel])
-    return None
+            present[rel] = listed[rel]
+    why = check_files(out, present, cached_sha256, limit=1)
+    return None if why is None else "%s (changed since it was written)" % why
 
 
 def may_replace(out: str | os.PathLike, command: str, overwrite: bool = False, ours: Proof = complete_bundle,

@@ -58,9 +58,15 @@ def resolve(spec: str | os.PathLike, device: Optional[str] = None, checkpoint: O
     if isinstance(spec, (str, os.PathLike)) and str(spec).startswith(HF_SCHEME):
         return fetch(str(spec), device=device).path
     p = Path(spec)
-    if _is_file(p) and p.name.endswith(PACK_SUFFIX) or p.is_dir() and _packs_only(p):
+    if packed(p):
         return fetch(p, device=device, checkpoint=checkpoint).path
     return p  # a bundle directory, or something the manifest reader explains (absent, unreadable, ...)
+
+
+def packed(p: Path) -> bool:
+    """Whether `p` is a pack or a directory of packs: what `resolve` unpacks before a load (`laya-aot serve` asks
+    too, for LAYA_AOT_BUNDLES)."""
+    return _is_file(p) and p.name.endswith(PACK_SUFFIX) or _is_dir(p) and _packs_only(p)
 
 
 def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[object, Optional[str]]:
@@ -84,6 +90,13 @@ def resolve_for_load(spec, device: Optional[str], checkpoint: Path) -> Tuple[obj
 def _is_file(p: Path) -> bool:
     try:
         return p.is_file()
+    except OSError:
+        return False
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
     except OSError:
         return False
 
@@ -222,4 +235,4 @@ def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[
         (tmp / MANIFEST).write_bytes(raw)
 
 
-__all__ = ["Fetched", "fetch", "parse_hf", "resolve", "resolve_for_load"]
+__all__ = ["Fetched", "fetch", "packed", "parse_hf", "resolve", "resolve_for_load"]

@@ -21,6 +21,7 @@ from .. import kinds, staging
 from ..bundle_format import check_files, files_of, read_bundle, write_manifest
 from ..files import cached_sha256
 from ..manifest import SCHEMA, SCHEMA_VERSION, Artifact, Bundle, BundleError, path_conflicts
+from .fetch import packed
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,12 @@ def merge(out: str | os.PathLike, bundles: Sequence[str | os.PathLike], overwrit
     if not bundles:
         raise BundleError("merge needs at least one bundle: laya-aot merge OUT BUNDLE [BUNDLE...]")
     out = Path(out)
+    for b in bundles:
+        if packed(Path(b)):  # what load(bundle=) takes, but merge re-hashes and copies a directory's files
+            what = ("a pack; merge joins bundle directories: unpack it first (`laya-aot unpack %s DIR`), then merge DIR"
+                    % b if Path(b).is_file() else "a directory of packs; merge joins bundle directories: unpack each "
+                    "part first (`laya-aot unpack PACK DIR`), then merge those directories")
+            raise BundleError("%s is %s" % (b, what))
     staging.may_replace(out, "merge", overwrite)
     parts = [(Path(b), read_bundle(b, kinds.BY_NAME)) for b in bundles]
     problems = ["%s in %s: its manifest entry is invalid (%s); rebuild that part" % (a.name, path, a.invalid)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import math
 import os
+import re
 import shutil
+import stat
 import tarfile
 from pathlib import Path, PurePosixPath
 from typing import IO, Dict, NamedTuple, Optional, Tuple
@@ -102,6 +105,38 @@ def _not_a_pack(file: Path) -> Optional[str]:
     return None
 
 
+_OLDER_PARTIAL = re.compile(r"\.partial-([0-9]+)")
+
+
+def _remove_older_partials(file: Path) -> None:
+    """Remove the `.FILE.partial-PID` files a killed `pack` of an older laya-aot left (today's leave a marked
+    staging directory, `staging.staged_file`): each only when provably one, this user's regular file whose writer
+    is gone and whose first member is a laya-aot manifest; anything else named so stays."""
+    prefix = ".%s" % file.name
+    try:
+        names = [n for n in os.listdir(file.parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        m = _OLDER_PARTIAL.fullmatch(name[len(prefix):])
+        p = file.parent / name
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if m is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or int(m.group(1)) >= 1 << 31 \
+                or staging.process_alive(int(m.group(1))):
+            continue
+        try:
+            read_pack_manifest(p)
+        except BundleError:
+            log.warning("leaving %s in place: it is named like a killed pack's leftover but does not start as a "
+                        "pack does; remove it yourself if it is not needed", p)
+            continue
+        log.info("removing %s, left by an interrupted `laya-aot pack`", p)
+        p.unlink(missing_ok=True)
+
+
 def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = False) -> PackInfo:
     """Write `bundle` (checked against its manifest) to `file` as a zstd tar, atomically. `file` is never
     inside the bundle and never a directory; an existing file that is not a pack needs `overwrite`."""
@@ -115,30 +150,25 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(".%s.partial-%d" % (file.name, os.getpid()))
-    try:
-        with open(tmp, "wb") as f, progress.task("pack %s" % bundle, total=sum(r.size for r in files.values()),
-                                                 unit="bytes") as line:
-            with zstandard.ZstdCompressor(level=LEVEL).stream_writer(f, closefd=False) as z:
-                with tarfile.open(fileobj=z, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                    tar.addfile(_member(MANIFEST, len(raw)), io.BytesIO(raw))
-                    for rel in sorted(files, key=lambda r: PurePosixPath(r).parts):
-                        fd = os.open(bundle_file(bundle, rel, "file %s" % rel),
-                                     os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                        with os.fdopen(fd, "rb") as src:
-                            hashing = _Hashing(src)
-                            tar.addfile(_member(rel, files[rel].size), hashing)
-                        line.advance(files[rel].size)
-                        if hashing.sha.hexdigest() != files[rel].sha256:  # changed since it was checked
-                            raise BundleError("cannot pack %s: %s changed while it was packed; pack it again"
-                                              % (bundle, rel))
-            f.flush()
-            os.fsync(f.fileno())
+    _remove_older_partials(file)
+    with staging.staged_file(file) as tmp, open(tmp, "wb") as f, \
+            progress.task("pack %s" % bundle, total=sum(r.size for r in files.values()), unit="bytes") as line:
+        with zstandard.ZstdCompressor(level=LEVEL).stream_writer(f, closefd=False) as z:
+            with tarfile.open(fileobj=z, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                tar.addfile(_member(MANIFEST, len(raw)), io.BytesIO(raw))
+                for rel in sorted(files, key=lambda r: PurePosixPath(r).parts):
+                    fd = os.open(bundle_file(bundle, rel, "file %s" % rel),
+                                 os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                    with os.fdopen(fd, "rb") as src:
+                        hashing = _Hashing(src)
+                        tar.addfile(_member(rel, files[rel].size), hashing)
+                    line.advance(files[rel].size)
+                    if hashing.sha.hexdigest() != files[rel].sha256:  # changed since it was checked
+                        raise BundleError("cannot pack %s: %s changed while it was packed; pack it again"
+                                          % (bundle, rel))
+        f.flush()
+        os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     info = PackInfo(file, cached_sha256(file), file.stat().st_size, len(files))
     log.info("packed %s into %s: %d files, %d bytes", bundle, file, info.files, info.size)
     return info
@@ -152,6 +182,13 @@ MAX_NAME_BYTES = 4096  # a member's name, from a pax `path` or a GNU long name (
 MAX_MEMBERS = 100_000  # files a pack's manifest may list; headers read are bounded by 4 per listed file + 4
 MAX_UNPACKED_BYTES = 1 << 40  # the sum of the manifest's file sizes (1 TiB), also checked against free space
 MAX_ZSTD_WINDOW = 1 << 27  # zstd's default limit (128 MiB), stated: a frame asking for more is refused
+# What unpacking may write per byte of pack. A manifest declaring more (2.9 MB of zeros declaring 4 GiB) is refused
+# before anything is written; every member is then written at exactly its declared size, so the bytes written never
+# exceed the declared total. Bundles compress about 1.1-4x (weights barely, programs 3-4x); ENV_MAX_RATIO raises it
+# for a pack that honestly compresses better.
+MAX_RATIO = 64
+MIN_UNPACK_BYTES = 64 << 20  # what any pack may declare, however small (a bundle of a few text files compresses 10x+)
+ENV_MAX_RATIO = "LAYA_AOT_UNPACK_MAX_RATIO"
 _BLOCK = 512
 _EXTENSIONS_PER_MEMBER = 3  # pax `x`, GNU `L`/`K` headers before one member; more is not an archive we wrote
 _KIND = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a device", b"4": "a device", b"5": "a directory",
@@ -170,8 +207,8 @@ class _Member(NamedTuple):
 class _TarStream:
     """A ustar/pax reader over a stream that bounds every header before reading what it declares."""
 
-    def __init__(self, stream: IO[bytes], file: Path, max_headers: int):
-        self.f, self.file, self.max_headers = stream, file, max_headers
+    def __init__(self, stream: IO[bytes], file: Path, max_headers: int, pack_bytes: int = 0):
+        self.f, self.file, self.max_headers, self.pack_bytes = stream, file, max_headers, pack_bytes
         self.headers = 0
         self._left = 0  # bytes of the current member's data not yet read, then its padding
         self._pad = 0
@@ -305,8 +342,34 @@ def _open(file: Path, max_headers: int = 4 * MAX_MEMBERS + 4):
         f = open(file, "rb")
     except OSError as e:
         raise BundleError("cannot read pack %s (%s); check the path" % (file, e.strerror or e)) from None
+    try:
+        size = os.fstat(f.fileno()).st_size
+    except OSError:
+        f.close()
+        raise
     reader = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW).stream_reader(f, closefd=True)
-    return reader, _TarStream(reader, file, max_headers)
+    return reader, _TarStream(reader, file, max_headers, size)
+
+
+def _max_ratio() -> float:
+    """The bytes unpacking may write per byte of pack: ENV_MAX_RATIO where set, else MAX_RATIO."""
+    raw = os.environ.get(ENV_MAX_RATIO, "").strip()
+    if not raw:
+        return float(MAX_RATIO)
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = math.nan
+    if not (math.isfinite(ratio) and ratio >= 1):
+        raise BundleError("invalid %s=%r: use a number >= 1, the bytes unpacking may write per byte of pack "
+                          "(unset: %d)" % (ENV_MAX_RATIO, raw[:40], MAX_RATIO))
+    return ratio
+
+
+def unpack_limit(pack_bytes: int) -> int:
+    """The most bytes a pack of `pack_bytes` may declare unpacked: `_max_ratio()` times its size, at least
+    MIN_UNPACK_BYTES."""
+    return max(MIN_UNPACK_BYTES, int(_max_ratio() * pack_bytes))
 
 
 def _damaged(file: Path, e: BaseException) -> BundleError:
@@ -347,6 +410,12 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
         raise BundleError("pack %s: its manifest lists %d files of %d bytes in all, more than a pack may hold (%d "
                           "files, %d bytes); re-create the pack" % (file, len(files), total, MAX_MEMBERS,
                                                                    MAX_UNPACKED_BYTES))
+    limit = unpack_limit(tar.pack_bytes)
+    if total > limit:  # a zip bomb, or a damaged manifest: refused before a byte is written
+        raise BundleError("pack %s refused: its manifest declares %d bytes unpacked from a %d-byte pack, more than "
+                          "the %d allowed (%g bytes per byte of pack, at least %d); nothing was unpacked: re-create "
+                          "the pack with `laya-aot pack`, or set %s higher if this bundle honestly compresses that "
+                          "well" % (file, total, tar.pack_bytes, limit, _max_ratio(), MIN_UNPACK_BYTES, ENV_MAX_RATIO))
     tar.max_headers = min(tar.max_headers, (_EXTENSIONS_PER_MEMBER + 1) * (len(files) + 1))
     return raw, manifest
 
@@ -466,5 +535,5 @@ def _extract_all(file: Path, tmp: Path, out: Path) -> Tuple[Bundle, Dict[str, Fi
     return manifest, expected, seen
 
 
-__all__ = ["MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_UNPACKED_BYTES",
-           "PackInfo", "pack", "read_pack_manifest", "unpack"]
+__all__ = ["ENV_MAX_RATIO", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_RATIO", "MAX_UNPACKED_BYTES",
+           "MIN_UNPACK_BYTES", "PackInfo", "pack", "read_pack_manifest", "unpack", "unpack_limit"]

@@ -37,7 +37,14 @@ def example_size(device: str, max_rows: int, max_tokens: int, rows: Optional[int
     """The example batch's rows x tokens: asked for, or the device's default, within what the export declares.
 
     Every size must be > 1 (a size of 1 would be specialised) and tokens a multiple of TOKEN_MULTIPLE of at
-    least 2 * TOKEN_MULTIPLE (the exporter raises ModernBERT's minimum to 32)."""
+    least 2 * TOKEN_MULTIPLE (the exporter raises ModernBERT's minimum to 32). The export's own extents are checked
+    first, so a bad one is named rather than the example it makes."""
+    if max_tokens < 2 * TOKEN_MULTIPLE or max_tokens % TOKEN_MULTIPLE:
+        raise ValueError("export.max_tokens=%d must be a multiple of %d and at least %d"
+                         % (max_tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
+    if not 2 <= max_rows <= MAX_ROWS:
+        raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
+                         % (max_rows, MAX_ROWS))
     d_rows, d_tokens = GPU_EXAMPLE if str(device).startswith("cuda") else CPU_EXAMPLE
     got = min(rows or d_rows, max_rows), min(tokens or d_tokens, max_tokens)
     if got[0] < 2 or got[1] < 2 * TOKEN_MULTIPLE or got[1] % TOKEN_MULTIPLE:
@@ -79,12 +86,6 @@ def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int) -> Dict[str
 def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max_markers: int,
                  pad_id: int, device: str = "cpu", example: Optional[Tuple[Optional[int], Optional[int]]] = None
                  ) -> ExportedProgram:
-    if max_tokens < 2 * TOKEN_MULTIPLE or max_tokens % TOKEN_MULTIPLE:
-        raise ValueError("export.max_tokens=%d must be a multiple of %d and at least %d"
-                         % (max_tokens, TOKEN_MULTIPLE, 2 * TOKEN_MULTIPLE))
-    if not 2 <= max_rows <= MAX_ROWS:
-        raise ValueError("export.max_rows=%d must be between 2 and %d (wider requests run in slices of it)"
-                         % (max_rows, MAX_ROWS))
     args = example_inputs(max_tokens, pad_id, device, max_rows, *(example or (None, None)))
     with torch.no_grad():
         return torch.export.export(module.to(device), args, strict=False,

@@ -354,7 +354,7 @@ def _prune_unlisted(stage_dir: Path, bundle: Bundle) -> None:
         for name in filenames:
             p = Path(dirpath) / name
             rel = p.relative_to(stage_dir).as_posix()
-            if rel not in listed and rel != staging.OWNER:
+            if rel not in listed and rel != staging.MARKER:
                 log.info("not publishing %s: no artifact of the manifest lists it", rel)
                 p.unlink()
         for name in dirnames:

@@ -217,7 +217,7 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     reason in `rejected`.
     """
     t0 = time.perf_counter()
-    near_ties = _checked_arguments(prefer, near_ties, eager_module, chunk_tokens)
+    near_ties = _checked_arguments(bundle, prefer, near_ties, eager_module, chunk_tokens)
     ckpt = ckpt_mod.locate(str(checkpoint))
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
@@ -288,8 +288,13 @@ class _Options(NamedTuple):
     handover: bool = True
 
 
-def _checked_arguments(prefer: Optional[str], near_ties: bool | str, eager_module: str, chunk_tokens: int) -> str:
-    """The caller's mistakes (not the bundle's) raise ValueError; returns the near-tie mode."""
+def _checked_arguments(bundle: Any, prefer: Optional[str], near_ties: bool | str, eager_module: str,
+                       chunk_tokens: int) -> str:
+    """The caller's mistakes (not the bundle's) raise TypeError or ValueError; returns the near-tie mode."""
+    if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
+        raise TypeError("bundle=%s is not a path (its type is %s); pass bundle= a bundle directory (written by "
+                        "`laya-aot build`), a pack, a directory of packs or an hf:// address, as a str or os.PathLike"
+                        % (repr(bundle)[:60], type(bundle).__name__))
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
         raise ValueError("chunk_tokens=%r is not a token count; use a whole number >= 0 (0: no token budget)"
                          % (chunk_tokens,))

@@ -9,6 +9,7 @@ import pytest
 from laya_aot import demo
 from laya_aot.demo import PRESETS, make_checkpoint
 from laya_aot.files import sha256_file
+from tests.leftovers import killed_leftover
 
 QUESTIONS = {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
@@ -87,7 +88,7 @@ def _killed_after_writing(path):
 
 def test_an_interrupted_write_leaves_what_was_there_and_its_partial_goes_next_time(tmp_path, monkeypatch):
     out = tmp_path / "c"
-    (tmp_path / ".c.partial-left").mkdir()            # a make-demo killed before this one (no builder alive)
+    killed_leftover(out)                              # a make-demo killed before this one (its process gone)
     monkeypatch.setattr(demo, "_pin_tokenizer_class", _killed_after_writing)
     with pytest.raises(KeyboardInterrupt):
         make_checkpoint(out, "tiny", seed=0)
