@@ -234,7 +234,8 @@ def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, 
     """`app`'s (laya or laya-aot) own ceiling: the same load against its HTTP app over a Router that answers at
     once (laya-aot's: its batcher merging the requests into calls that cost nothing)."""
     port = http_bench._free_port()
-    env = dict(os.environ, LAYA_MAX_CONCURRENT=str(max(64, 2 * clients)), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, LAYA_MAX_CONCURRENT=str(max(64, 2 * clients)),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-c", INSTANT, app, str(port)], cwd=ROOT, env=env)
 
     def ready() -> None:
