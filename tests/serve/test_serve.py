@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -434,6 +435,10 @@ def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo
     venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
     env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
     assert readme_demo.returncode == 0, readme_demo.output
+    # a fresh directory: the demo made the checkpoint and the bundle first, counted in its start and named apart
+    start = re.search(r"first answer ([\d.]+) s after the process started; of it finding or making the demo "
+                      r"checkpoint ([\d.]+) s, building the bundle ([\d.]+) s; ", readme_demo.output)
+    assert start and float(start[1]) > float(start[2]) + float(start[3]), readme_demo.output
     port = _free_port()
     assert "LAYA_PORT=8000 " in serve_line and all(a.startswith("curl -s localhost:8000/") for a in ask)
     serve_line = serve_line.replace("LAYA_PORT=8000 ", "LAYA_PORT=%d " % port).replace(".venv/bin/", venv_bin)
