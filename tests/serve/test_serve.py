@@ -197,6 +197,22 @@ def test_answers_over_http_equal_laya_serves_eager_answers(servers):
     assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
 
 
+@pytest.mark.slow  # `laya-aot demo` trains and builds (conftest.readme_demo)
+def test_the_readmes_typed_questions_in_python_answer_from_the_bundle(readme_demo):
+    """The README's Python example, run as written where command 1's `laya-aot demo` ran: one question of each of
+    laya's types, for two states."""
+    assert readme_demo.returncode == 0, readme_demo.output
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+    ran = subprocess.run([sys.executable, "-c", readme_python("### Ask typed questions")], cwd=readme_demo.dir,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = ran.stdout.strip().splitlines()
+    assert len(lines) == 2, ran.stdout
+    for line in lines:
+        assert re.fullmatch(r".+ \| team: (billing|technical|account) \((0\.\d\d|1\.00)\) \| "
+                            r"urgency: ([0-3]\.\d\d) of 3 \| angry: (0\.\d\d|1\.00)", line), line
+
+
 def test_a_checkpoint_without_a_bundle_loads_as_laya_serve_loads_it(servers):
     aot, eager = servers["aot"], servers["laya"]
     _same(_ask(aot, DEMO_STATES[0], "plain"), _ask(eager, DEMO_STATES[0], "plain"))
@@ -473,6 +489,14 @@ def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo
         assert report["bundles"]["demo"]["backend"].startswith("aot:"), report
         assert report["bundles"]["demo"]["refused"] == [], report
         assert "served by aot:" in log_path.read_text(errors="replace")
+        # 4. laya's own Python client, as written
+        client = readme_python("## Serving")
+        assert client.count("http://localhost:8000") == 1
+        asked = subprocess.run([sys.executable, "-c", client.replace("localhost:8000", "127.0.0.1:%d" % port)],
+                               cwd=readme_demo.dir, env=env, capture_output=True, text=True, timeout=120)
+        assert asked.returncode == 0, asked.stderr[-3000:]
+        team, urgency, angry = asked.stdout.split()
+        assert team in ("billing", "technical") and 0 <= float(urgency) <= 1 and 0 <= float(angry) <= 1, asked.stdout
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
