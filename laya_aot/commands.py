@@ -280,7 +280,7 @@ def _torch_needed(artifacts: List[Artifact], here: str) -> Optional[str]:
 
     by_torch: Dict[str, List[str]] = {}
     for e in artifacts:
-        if e.built and e.needs.torch and kinds.get(e.kind).serves:
+        if e.built and not e.invalid and e.needs.torch and kinds.get(e.kind).serves:  # invalid: no version to name
             by_torch.setdefault(str(e.needs.torch).split("+")[0], []).append(e.name)
     if not by_torch:
         return None
