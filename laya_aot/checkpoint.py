@@ -332,11 +332,18 @@ def from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
     return ckpt
 
 
+def path_name(path: str | os.PathLike) -> str:
+    """The name a checkpoint given as a directory goes by (its bundle's default output, artifacts/NAME): the
+    directory's own name."""
+    return Path(os.path.expanduser(str(path))).resolve().name
+
+
 def describe(ckpt: Path, cfg: Any) -> Dict[str, Any]:
     """Name, context length and dtype: from the config when given, else from the checkpoint."""
     rl = read_config(ckpt)
-    # `checkpoint.path=DIR` over the default demo config names the bundle after DIR, not "demo"
-    name = ckpt.resolve().name if (cfg.path and cfg.demo_shape) or not cfg.name else cfg.name
+    # `checkpoint.path=DIR` over the default demo config names the bundle after DIR, not "demo" (the command line
+    # says so itself: `usage.implied_overrides`)
+    name = path_name(ckpt) if (cfg.path and cfg.demo_shape) or not cfg.name else cfg.name
     return {
         "name": name,
         "path": str(ckpt.resolve()),

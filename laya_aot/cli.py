@@ -48,6 +48,16 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def _build(argv: List[str]) -> int:
+    """`laya-aot build`; Ctrl-C is one line: the staging transaction has already discarded what was half made."""
+    try:
+        return _hydra_build(argv)
+    except KeyboardInterrupt:
+        print("laya-aot build: interrupted; nothing was published (what was at the output is unchanged)",
+              file=sys.stderr)
+        return 130
+
+
+def _hydra_build(argv: List[str]) -> int:
     if "-h" in argv or "--help" in argv:
         from .build_help import text
 
@@ -57,12 +67,14 @@ def _build(argv: List[str]) -> int:
         argv = [("--help" if a == "--hydra-help" else a) for a in argv]
     import hydra
     from omegaconf import DictConfig
+    from rich.markup import escape
 
     from .config import register
     from .pipeline.report import Reporter, summary_table
+    from .usage import implied_overrides
 
     register()
-    sys.argv = ["laya-aot build"] + argv
+    sys.argv = ["laya-aot build"] + argv + implied_overrides(argv)
     status = {"code": 0}
 
     @hydra.main(version_base="1.3", config_path="configs", config_name="build")
@@ -89,7 +101,7 @@ def _build(argv: List[str]) -> int:
             try:
                 result = build(cfg, report=rep.update)
             except BuildError as e:
-                rep.console.print("[bold red]build failed:[/] %s" % e)
+                rep.console.print("[bold red]build failed:[/] %s" % escape(str(e)), soft_wrap=True)  # one line
                 if multirun:  # the launcher runs the other jobs, then reports this one and exits non-zero
                     raise BuildError(str(e)) from None
                 status["code"] = 2

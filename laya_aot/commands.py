@@ -71,7 +71,9 @@ def _demo(a: argparse.Namespace, start: float) -> int:
     con = _console()
     t0 = time.perf_counter()
     ckpt = Path(a.checkpoint) if a.checkpoint else _demo_checkpoint()
-    built_s = time.perf_counter() - t0  # the demo checkpoint is trained on first use: not part of a start
+    # part of this run's time to its first answer, shown apart: the demo checkpoint (trained on first use, checked
+    # against its record after) and the bundle (built when missing)
+    apart = {"finding or making the demo checkpoint": time.perf_counter() - t0}
     if not (Path(a.bundle) / MANIFEST).exists():
         con.print("no bundle at %s: building it (laya-aot build output_dir=%s)" % (a.bundle, a.bundle))
         t0 = time.perf_counter()
@@ -82,7 +84,7 @@ def _demo(a: argparse.Namespace, start: float) -> int:
         if rc != 0:
             con.print("[red]the build failed (exit %d); see its output above[/]" % rc)
             return rc
-        built_s += time.perf_counter() - t0
+        apart["building the bundle"] = time.perf_counter() - t0
     import laya_aot
 
     t_load = time.perf_counter()
@@ -90,6 +92,12 @@ def _demo(a: argparse.Namespace, start: float) -> int:
     loaded = time.perf_counter()
     results = agent.predict_batch(DEMO_STATES, DEMO_QUESTIONS)
     first = time.perf_counter()
+    age = process_age_s(start)  # read at once: what is printed is this process's time to its first answer
+    parts = ["%s %.2f s" % (what, seconds) for what, seconds in apart.items() if seconds >= 0.05]
+    con.print("first answer [bold]%.2f s[/] after the process started; %sloading the bundle %.2f s, the first "
+              "predict_batch %.3f s" % (age, "of it %s; " % ", ".join(parts) if parts else "", loaded - t_load,
+                                         first - loaded), soft_wrap=True)
+    sys.stdout.flush()
     t = Table(title="decisions (backend %s)" % agent.backend)
     for col in ("state", "team", "urgency (score)", "angry (noul)"):
         t.add_column(col)
@@ -105,12 +113,40 @@ def _demo(a: argparse.Namespace, start: float) -> int:
     art = getattr(bo, "artifact", None)
     con.print("backend: [bold]%s[/]  artifact: %s  variant: %s" % (agent.backend, art.name if art else None,
                                                                    getattr(bo, "variant", None)))
-    for name, why in getattr(bo, "rejected", []):
-        con.print("  not used: %s: %s" % (name, why))
-    con.print("process start -> first answer: [bold]%.2f s[/] (bundle load %.2f s, first predict %.3f s%s)"
-              % (first - start - built_s, loaded - t_load, first - loaded,
-                 "; making the checkpoint and bundle before it took %.1f s" % built_s if built_s > 0.5 else ""))
+    for name, why in _not_used(Path(a.bundle), agent):
+        con.print("  not used: %s: %s" % (name, why), soft_wrap=True)
     return 0
+
+
+def process_age_s(start: float) -> float:
+    """Seconds since this process was started (the kernel's start time, Linux, 10 ms ticks: the interpreter's own
+    start and imports included); elsewhere since `start`, the command line's first moment."""
+    from .staging import start_ticks
+
+    ticks = start_ticks(os.getpid())
+    if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
+        return time.perf_counter() - start
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _not_used(bundle: Path, agent: Any) -> List[Any]:
+    """(name, reason) of each artifact not serving `agent`: the load's reasons, and the artifacts it never examined
+    (it stops at the first that serves) that this process's software refuses (`usable.refused_for_software`)."""
+    from . import kinds
+    from .usable import here_for, refused_for_software
+
+    bo = agent.backend_object
+    rejected = list(getattr(bo, "rejected", None) or [])
+    art = getattr(bo, "artifact", None)
+    if art is None:
+        return rejected  # a fall-back examined every artifact
+    examined = {art.name} | {name for name, _ in rejected}
+    try:
+        m = read_bundle(bundle, kinds.BY_NAME)
+    except BundleError:
+        return rejected
+    return rejected + refused_for_software([e for e in m.artifacts if e.name not in examined],
+                                           here_for(m, str(agent.device)))
 
 
 def _usable_here(bundle: Path, art: Artifact, here) -> str:
@@ -224,6 +260,9 @@ def _inspect(a: argparse.Namespace) -> int:
               soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
+    torch_line = _torch_needed(m.artifacts, machine.torch)
+    if torch_line:
+        con.print(torch_line, soft_wrap=True)
     probed = {r["name"]: r["probe_here"] for r in rows if r["here"] == "usable" and r["probe_here"]}
     if probed:
         con.print("probe child (native artifacts, on a start here): %s" % ", ".join(
@@ -231,6 +270,24 @@ def _inspect(a: argparse.Namespace) -> int:
     con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
               soft_wrap=True)
     return 0
+
+
+def _torch_needed(artifacts: List[Artifact], here: str) -> Optional[str]:
+    """Which torch the bundle's serving artifacts need where they serve, and how an environment gets it (None: none
+    is tied to one)."""
+    from . import kinds
+    from .variant import torch_tag
+
+    by_torch: Dict[str, List[str]] = {}
+    for e in artifacts:
+        if e.built and not e.invalid and e.needs.torch and kinds.get(e.kind).serves:  # invalid: no version to name
+            by_torch.setdefault(str(e.needs.torch).split("+")[0], []).append(e.name)
+    if not by_torch:
+        return None
+    return "torch: %s; this process has torch %s" % ("; ".join(
+        "%s need torch %s where they serve (`pip install torch==%s` before laya-aot)%s"
+        % (", ".join(names), version, version, "" if torch_tag(version) == torch_tag(here) else ", not this one")
+        for version, names in sorted(by_torch.items())), here)
 
 
 _PROBE_WORDS = {"cached": "none (probed here before)", "shipped": "none (the build's verdict fits this machine)",

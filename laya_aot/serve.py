@@ -24,7 +24,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import laya_internals as laya_api
 from .distribution import HF_SCHEME, PACK_SUFFIX
@@ -250,21 +250,27 @@ def _require_load_parameter(name: str, setting: str) -> None:
                                "laya-aot or unset %s" % (setting, name, setting))
 
 
-def precheck(spec: BundleSpec) -> Optional[str]:
-    """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may): a start-time
-    check for a checkpoint that loads only on first use. The load repeats it and checks everything else."""
+def precheck(spec: BundleSpec, device: Optional[str] = None) -> Tuple[Optional[str], List[str]]:
+    """Why `spec`'s bundle cannot serve its checkpoint, from its manifest alone (None: it may), and 'name: reason'
+    of each artifact this process's software refuses on `device` (default: `usable.default_device()`; see
+    `usable.refused_for_software`): a start-time check for a checkpoint that loads only on first use. The load
+    repeats it and checks everything else."""
     from . import kinds
     from .bundle_format import read_bundle
-    from .checkpoint import mismatch
+    from .checkpoint import mismatch, read_config
     from .manifest import BundleError
+    from .usable import here, refused_for_software
 
     try:
         kw = {"sha256": spec.sha256} if spec.sha256 else {}
         manifest = read_bundle(spec.bundle, kinds.BY_NAME, **kw)
     except BundleError as e:
-        return str(e)
+        return str(e), []
     why = mismatch(manifest, spec.checkpoint)
-    return None if why is None else "%s; rebuild it with `laya-aot build checkpoint.path=%s`" % (why, spec.checkpoint)
+    if why is not None:
+        return "%s; rebuild it with `laya-aot build checkpoint.path=%s`" % (why, spec.checkpoint), []
+    refused = refused_for_software(manifest.artifacts, here(read_config(spec.checkpoint), device))
+    return None, ["%s: %s" % kv for kv in refused]
 
 
 def describe(agent: Any) -> Dict[str, Any]:
@@ -296,14 +302,16 @@ def _pin_words(spec: BundleSpec, text: str) -> str:
     return text.replace(PIN_SETTING, "%s[%r]" % (ENV_PINS, spec.model))
 
 
-def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> List[str]:
-    """'name: reason' for each artifact that could serve this agent here but that the load never examined (it
-    stopped at the first that serves) and whose files do not match the manifest: a damaged bundle is named at
-    its first load, not when the artifact ranked above it fails. Digests are cached, so this is a few stats."""
+def _unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> List[str]:
+    """'name: reason' for each artifact the load never examined (it stopped at the first that serves) that would
+    serve this agent here but is refused for this process's software (another torch than the build's: the reason
+    names the fix, `usable.refused_for_software`), or whose files do not match the manifest: a damaged bundle or
+    a torch that disqualifies the fastest artifact is named at the first load, not when the artifact serving
+    fails. Digests are cached, so this is a few stats."""
     from . import kinds
     from .bundle_format import check_artifact_hash, read_bundle
     from .manifest import BundleError
-    from .usable import reject_reason
+    from .usable import Here, refused_for_software
     from .variant import current_machine
 
     examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}
@@ -311,13 +319,12 @@ def _damaged_unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> L
         manifest = read_bundle(spec.bundle, kinds.BY_NAME, **({"sha256": spec.sha256} if spec.sha256 else {}))
     except BundleError:
         return []  # the load read this manifest; a change since is the next load's to report
-    machine = current_machine(str(agent.device))
-    serving = laya_api.serving_dtype(agent)
-    out = []
-    for art in manifest.artifacts:
-        if art.name in examined or reject_reason(art, machine, agent.device.type, serving) is not None:
-            continue
-        why = check_artifact_hash(spec.bundle, art)
+    here = Here(str(agent.device), agent.device.type, current_machine(str(agent.device)),
+                laya_api.serving_dtype(agent))
+    others = [art for art in manifest.artifacts if art.name not in examined]
+    out = ["%s: %s" % kv for kv in refused_for_software(others, here)]
+    for art in others:
+        why = check_artifact_hash(spec.bundle, art) if here.reject_reason(art) is None else None
         if why is not None:
             out.append("%s: %s" % (art.name, why))
     return out
@@ -329,7 +336,7 @@ class BundleLoads:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.loads: Counter = Counter()
-        self.damaged: Dict[str, List[str]] = {}  # per checkpoint, from its last load: see _damaged_unexamined
+        self.unexamined: Dict[str, List[str]] = {}  # per checkpoint, from its last load: see _unexamined
         self.started = False  # a load that fails before the server started is reported once, by create_app's caller
         self._lock = threading.Lock()
 
@@ -360,10 +367,10 @@ class BundleLoads:
             raise
         took = time.perf_counter() - t0
         info = describe(agent)
-        damaged = [] if spec.remote or info["artifact"] is None else _damaged_unexamined(spec, agent, info)
+        unexamined = [] if spec.remote or info["artifact"] is None else _unexamined(spec, agent, info)
         with self._lock:
-            self.damaged[key] = damaged
-        refused = "; ".join(_pin_words(spec, r) for r in info["refused"] + damaged)
+            self.unexamined[key] = unexamined
+        refused = "; ".join(_pin_words(spec, r) for r in info["refused"] + unexamined)
         if info["artifact"] is not None:
             (log.warning if refused else log.info)(
                 "%r load #%d in %.2f s: served by %s (artifact %s, %s) from bundle %s%s%s", key, n, took,
@@ -390,7 +397,7 @@ class BundleLoads:
             agent = laya_api.resident_agent(router, name) if name in backends else None
             if agent is not None:
                 info = describe(agent)
-                info["refused"] = [_pin_words(spec, r) for r in info["refused"] + self.damaged.get(name, [])]
+                info["refused"] = [_pin_words(spec, r) for r in info["refused"] + self.unexamined.get(name, [])]
                 entry.update(info)
             bundles[name] = entry
         return {"backends": backends, "bundles": bundles, "strict": self.config.strict,
@@ -508,12 +515,13 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
 
 
 def _precheck_lazy(router: Any, config: ServeConfig) -> None:
-    """Bundled checkpoints that load on first use: their manifest checked now (under strict, a failure refuses)."""
+    """Bundled checkpoints that load on first use: their manifest checked now (under strict, a failure refuses),
+    and any artifact this process's torch refuses named now, with the fix."""
     resident = set(router.loaded)
     for spec in config.bundles.values():
         if spec.model in resident:
             continue
-        why = None if spec.remote else precheck(spec)
+        why, refused = (None, []) if spec.remote else precheck(spec, getattr(router, "device", None))
         why = None if why is None else _pin_words(spec, why)
         if why is not None and config.strict:
             raise ServeConfigError("bundle %s cannot serve %r (%s=1): %s" % (spec.bundle, spec.model, ENV_STRICT, why))
@@ -521,8 +529,10 @@ def _precheck_lazy(router: Any, config: ServeConfig) -> None:
             log.warning("%r loads on first use and will fall back to laya's eager forward: %s",
                         spec.model, why)
         else:
-            log.info("%r loads on first use from bundle %s (%s)", spec.model, spec.bundle,
-                     "fetched by laya_aot.load" if spec.remote else "manifest checked, built from this checkpoint")
+            (log.warning if refused else log.info)(
+                "%r loads on first use from bundle %s (%s)%s", spec.model, spec.bundle,
+                "fetched by laya_aot.load" if spec.remote else "manifest checked, built from this checkpoint",
+                "; not usable with this process's software: %s" % "; ".join(refused) if refused else "")
 
 
 def _setup_logging() -> None:
@@ -553,7 +563,8 @@ def main(argv: List[str], start: float) -> int:
         host, port, level = laya_api.serve_settings()
         app = create_app()
     except (ServeConfigError, NoArtifactError, laya_api.LayaIncompatible) as e:
-        print("laya-aot serve: %s" % e, file=sys.stderr)
+        # the loader's own messages start "laya-aot: " (a warning's prefix): said once, as this command's
+        print("laya-aot serve: %s" % re.sub(r"^laya-aot: ", "", str(e)), file=sys.stderr)
         return 2
     except SystemExit as e:  # laya's own refusals (LAYA_EXTRA_MODELS, LAYA_PORT, ...) carry their message
         if isinstance(e.code, str):

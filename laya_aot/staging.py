@@ -47,7 +47,7 @@ _TOKEN_BYTES = 8  # 16 hex digits in the name: unique beside one output, short e
 _LEFTOVER = re.compile(r"\.(partial|old)-([0-9a-f]{%d})" % (2 * _TOKEN_BYTES))
 
 
-def _start_ticks(pid: int) -> Optional[int]:
+def start_ticks(pid: int) -> Optional[int]:
     """When process `pid` started (clock ticks since boot, Linux), which tells a pid reused by another process
     from the one that wrote a marker; None where /proc cannot say."""
     try:
@@ -66,14 +66,14 @@ def process_alive(pid: int, started: Optional[int] = None) -> bool:
         return False
     except PermissionError:
         pass  # another user's process: alive
-    now = _start_ticks(pid) if started is not None else None
+    now = start_ticks(pid) if started is not None else None
     return now is None or now == started
 
 
 def _mark(directory: Path, token: str) -> None:
     """Write the marker that makes `directory` this process's to remove once it is gone."""
     record = {"written_by": _WRITTEN_BY, "uid": os.getuid(), "pid": os.getpid(),
-              "started": _start_ticks(os.getpid()), "token": token}
+              "started": start_ticks(os.getpid()), "token": token}
     fd = os.open(directory / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(record, f)
@@ -160,6 +160,47 @@ def _remove(directory: Path) -> None:
         os.rmdir(directory)
 
 
+@contextlib.contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Hold `out` for this process while it writes it: an exclusive lock (`flock`) on `.NAME.lock` beside it, which
+    the kernel releases when the process ends, however it ends. Another command writing `out` meanwhile is refused
+    at once (`OutputBusy`, naming this process): two commands never both publish at one output, and the second
+    never silently replaces the first's. The lock file goes when the lock is released."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / (".%s.lock" % out.name)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, _MARKER_MAX_BYTES, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise OutputBusy("%s is being written by another laya-aot command (%s); wait for it to finish, or write "
+                             "to another output" % (out, "process %s" % holder if holder.isdigit() else
+                                                    "its lock is %s" % path)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the previous holder may have removed the file between this open and the lock: lock the new one
+            held = os.fstat(fd)
+            current = os.stat(path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still held: a waiting opener then finds another file and tries again
+        os.close(fd)
+
+
 def new_staging(out: Path) -> Path:
     """A new marked `.NAME.partial-<token>` directory beside `out` (0755), after removing killed ones' leftovers."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,33 +234,38 @@ def staged(out: Path, unwritable: Optional[Callable[[OSError], BaseException]] =
 
     `same`, for a deterministic result that concurrent writers make alike (a multirun's jobs making one demo
     checkpoint): when `same(out)` holds at publishing, another writer published this result first; it stays,
-    and this staging is discarded, so whoever already reads or fingerprinted the first never sees it swapped."""
-    try:
-        tmp = new_staging(out)
-    except OSError as e:
-        if unwritable is None:
+    and this staging is discarded, so whoever already reads or fingerprinted the first never sees it swapped.
+    Without `same`, the transaction holds `out` (`writing`): another command writing it meanwhile is refused."""
+    with contextlib.ExitStack() as held:
+        try:
+            if same is None:
+                held.enter_context(writing(out))
+            tmp = new_staging(out)
+        except OSError as e:
+            if unwritable is None:
+                raise
+            raise unwritable(e) from None
+        try:
+            yield tmp
+            publish(tmp, out, same)
+        except BaseException:
+            discard(tmp)
             raise
-        raise unwritable(e) from None
-    try:
-        yield tmp
-        publish(tmp, out, same)
-    except BaseException:
-        discard(tmp)
-        raise
 
 
 @contextlib.contextmanager
 def staged_file(out: Path) -> Iterator[Path]:
     """`staged` for a command that writes one file (`pack`): the path to write, inside a marked staging directory
     beside `out`, renamed onto `out` when the block ends; the directory goes either way, and a killed command's
-    is removed by the next one writing `out`."""
-    tmp = new_staging(out)
-    try:
-        path = tmp / out.name
-        yield path
-        os.replace(path, out)
-    finally:
-        discard(tmp)
+    is removed by the next one writing `out`. It holds `out` as `staged` does (`writing`)."""
+    with writing(out):
+        tmp = new_staging(out)
+        try:
+            path = tmp / out.name
+            yield path
+            os.replace(path, out)
+        finally:
+            discard(tmp)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -292,6 +338,10 @@ def discard(staging: Path) -> None:
 
 class OutputRefused(BundleError):
     """An output path holds something this project did not write (or cannot be read); nothing was touched."""
+
+
+class OutputBusy(OutputRefused):
+    """Another running command is writing the output (`writing`); nothing was touched."""
 
 
 Proof = Callable[[Path], Optional[str]]  # why a path is not something this project wrote (None: it is)

@@ -8,11 +8,11 @@ machine's variant and laya's precision policy, never an artifact's bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
 from . import kinds, precision
 from .manifest import Artifact, Bundle
-from .variant import Machine, current_machine, mismatch
+from .variant import Machine, current_machine, mismatch, with_software_of
 
 
 def default_device() -> str:
@@ -65,6 +65,20 @@ def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Ar
         else:
             skipped.append((a.name, why))
     return ok, skipped
+
+
+def refused_for_software(arts: Iterable[Artifact], h: Here) -> List[Tuple[str, str]]:
+    """(name, reason) of each artifact of `arts` refused here only for this process's software (torch, its CUDA
+    runtime, Python, the traced packages): with what it was built with installed, it could serve. A load stops at
+    the first artifact that serves and never examines these; `laya-aot serve` and `laya-aot demo` name them, with
+    the fix, beside the load's own reasons."""
+    out: List[Tuple[str, str]] = []
+    for art in arts:
+        why = h.reject_reason(art)
+        if why is not None and reject_reason(art, with_software_of(h.machine, art.needs), h.device_type,
+                                             h.serving) is None:
+            out.append((art.name, why))
+    return out
 
 
 def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str) -> Optional[str]:

@@ -3,10 +3,12 @@
 torch, laya and transformers take seconds to import; a typo should not. `cli.py` asks `mistake` before it
 dispatches: a build override naming no key of the schema (`export.max_row=32`: did you mean
 `export.max_rows`?) or no option of a config group (`target=sm90`: did you mean `sm_90`?), a value of the
-wrong type, a file where a directory is expected (`inspect .../bundle.json`, `checkpoint.path=<a file>`)
-and swapped `pack`/`unpack` arguments. What it does not recognise it leaves to the command itself.
-Only the standard library and the schema (`config.py`, which loads omegaconf and hydra's config store,
-not torch) are imported here.
+wrong type, a file where a directory is expected (`inspect .../bundle.json`, `checkpoint.path=<a file>`), a
+`checkpoint.path` that is not a Laya checkpoint (`checkpoint.check_layout`), a `--config-dir` that is not a
+directory, the same mistakes inside the YAML files of a `--config-dir` the build would use, and swapped
+`pack`/`unpack` arguments. What it does not recognise it leaves to the command itself.
+Only the standard library, PyYAML, `checkpoint.py` (no torch) and the schema (`config.py`, which loads omegaconf
+and hydra's config store, not torch) are imported here.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from .distribution import PACK_SUFFIX
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GROUPS = ("checkpoint", "target")
+DEFAULTS = {"checkpoint": "demo", "target": "cpu"}  # configs/build.yaml's defaults list
 # the Hydra flags that take a value (the value is not an override)
 _HYDRA_VALUE_FLAGS = {"--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp", "--cfg", "-c",
                       "--package", "-p", "--info", "-i", "--experimental-rerun"}
@@ -178,10 +181,22 @@ def _nearest(word: str, choices: List[str]) -> Optional[str]:
 
 def build_mistake(argv: List[str]) -> Optional[str]:
     """The first override of `laya-aot build ARGV` that names no key, no group option, or a value of the wrong
-    type or kind, as one line with the nearest valid one."""
+    type or kind, as one line with the nearest valid one; then the same of the `--config-dir` files it selects."""
     keys = schema_keys()
     dirs = _config_dirs(argv)
+    for d in dirs:
+        if not Path(d).expanduser().is_dir():
+            return "--config-dir %s %s; name the directory holding your config groups (checkpoint/NAME.yaml, " \
+                   "target/NAME.yaml)" % (d, "is a file" if Path(d).expanduser().exists() else "does not exist")
+    why = _override_mistake(argv, keys, dirs)
+    return why or _config_dir_mistake(argv, keys, dirs)
+
+
+def _override_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) -> Optional[str]:
     sweep = "-m" in argv or "--multirun" in argv
+    # a sweep's jobs may run on other machines, and printing the config (--cfg, --info) builds nothing: neither
+    # needs checkpoint.path to be a checkpoint here
+    builds_here = not sweep and not any(a in ("--cfg", "-c", "--info", "-i") for a in argv)
     # another search path or primary config may add group options this check cannot list: Hydra judges those
     other_configs = any(a.startswith(("hydra.searchpath", "+hydra.searchpath", "--config-path", "-cp"))
                         for a in argv)
@@ -204,15 +219,112 @@ def build_mistake(argv: List[str]) -> Optional[str]:
             near = _nearest(key, list(keys) + list(GROUPS))
             return "`%s=%s`: laya-aot build has no key %s; %s" % (
                 key, value, key, "did you mean `%s`?" % near if near else "`laya-aot build --help` lists every key")
-        why = _wrong_value(key, value, keys[key], sweep)
+        why = _wrong_value(key, value, keys[key], sweep, builds_here)
         if why:
             return why
     return None
 
 
-def _wrong_value(key: str, value: str, t: Any, sweep: bool) -> Optional[str]:
+def _config_dir_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) -> Optional[str]:
+    """The first mistake inside a `--config-dir` YAML file of a group option this build selects, as one line naming
+    the file: YAML that does not parse, a key the group's schema lacks (with the nearest), a value of the wrong
+    type. A packaged option of the same name is the one Hydra composes: a config dir's file of that name is not
+    read."""
+    chosen = {group: [DEFAULTS[group]] for group in GROUPS}
+    sweep = "-m" in argv or "--multirun" in argv
+    for prefix, key, value in _overrides(argv):
+        if not prefix and key in GROUPS:
+            chosen[key] = value.split(",") if sweep else [value]
+    for group, options in chosen.items():
+        for root in dirs:
+            for option in options:
+                path = Path(root).expanduser() / group / ("%s.yaml" % option)
+                if path.is_file() and not (CONFIGS / group / ("%s.yaml" % option)).is_file():
+                    why = _yaml_mistake(path, group, keys)
+                    if why:
+                        return "--config-dir %s: %s" % (root, why)
+    return None
+
+
+def _yaml_mistake(path: Path, group: str, keys: Dict[str, Any]) -> Optional[str]:
+    """What is wrong in one group option's YAML file, against the schema (None: nothing this check knows)."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as e:
+        return "%s cannot be read (%s)" % (path, getattr(e, "strerror", None) or e)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        return "%s is not valid YAML (%s%s); fix that line" % (
+            path, getattr(e, "problem", None) or type(e).__name__, ", line %d" % (mark.line + 1) if mark else "")
+    package = re.search(r"^#\s*@package\s+(\S+)", text, re.M)
+    if package and package.group(1) != "_global_":
+        return None  # placed elsewhere in the config: Hydra judges it
+    base = "" if package else group + "."
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        return "%s holds a YAML %s; a %s config is a mapping of its keys (name: ..., ...)" % (
+            path, type(data).__name__, group)
+    for key, value in _flat(data, base):
+        if key in (base + "defaults", "defaults"):
+            continue
+        if key not in keys:
+            near = _nearest(key[len(base):], [k[len(base):] for k in keys if k.startswith(base)])
+            return "%s: `%s: %s`: a %s config has no key %s; %s" % (
+                path, key[len(base):], value, group, key[len(base):],
+                "did you mean `%s`?" % near if near else "`laya-aot build --help` lists every key")
+        if not isinstance(value, (list, dict)):
+            text_value = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            why = _wrong_value(key, text_value, keys[key], False, True)
+            if why:
+                return "%s: %s" % (path, why)
+    return None
+
+
+def _flat(data: Dict[str, Any], prefix: str) -> Iterator[Tuple[str, Any]]:
+    """(dotted key, value) of a nested mapping; a mapping value that is a section of the schema is walked."""
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, "%s%s." % (prefix, key))
+        else:
+            yield "%s%s" % (prefix, key), value
+
+
+def implied_overrides(argv: List[str]) -> List[str]:
+    """What `checkpoint.path=DIR` over the default (demo) checkpoint config means, spelled out for Hydra, so that
+    the config the build prints (`--cfg job`) is the one it builds: the checkpoint named after DIR
+    (`checkpoint.path_name`, as `checkpoint.describe` names it), no demo shape. Nothing where the command line picks
+    a checkpoint config, a name or a demo shape itself, or sweeps paths."""
+    from .checkpoint import path_name
+
+    sweep = "-m" in argv or "--multirun" in argv
+    found = {key: value for prefix, key, value in _overrides(argv) if not prefix}
+    path = found.get("checkpoint.path")
+    if not path or path == "null" or _quoted_or_interpolated(path) or (sweep and "," in path) or \
+            any(k in found for k in ("checkpoint", "checkpoint.name", "checkpoint.demo_shape")):
+        return []
+    name = path_name(path).replace("\\", "\\\\").replace("'", "\\'")
+    return ["checkpoint.name='%s'" % name, "checkpoint.demo_shape=null"]
+
+
+def _quoted_or_interpolated(value: str) -> bool:
+    """A value Hydra reads in its own grammar (quoted, or an interpolation): not a plain path to look at."""
+    return "${" in value or value[:1] in ("'", '"')
+
+
+def _wrong_value(key: str, value: str, t: Any, sweep: bool, builds_here: bool) -> Optional[str]:
     if key == "checkpoint.path" and Path(value).expanduser().is_file():
         return "checkpoint.path=%s is a file; pass the checkpoint directory%s" % (value, _parent_hint(Path(value)))
+    if key == "checkpoint.path" and builds_here and value not in ("null", "") and not _quoted_or_interpolated(value):
+        from .checkpoint import CheckpointError, check_layout
+
+        try:
+            check_layout(Path(value).expanduser())
+        except CheckpointError as e:
+            return str(e)
     if key == "output_dir" and Path(value).is_file():
         return "output_dir=%s is a file; pass the directory the bundle goes to (absent, empty, or a bundle)" % value
     base = [a for a in typing.get_args(t) if a is not type(None)] or [t]

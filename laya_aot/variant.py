@@ -173,7 +173,8 @@ def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
     if exact:  # the precompiled function's own key, which includes torch's minor version: one reason, its fix
         return exact
     if needs.get("torch") and torch_tag(str(needs["torch"])) != torch_tag(m.torch):
-        why.append("built for torch %s, this process has torch %s" % (needs["torch"], m.torch))
+        why.append(torch_fix("built for torch %s, this process has torch %s" % (needs["torch"], m.torch),
+                             str(needs["torch"])))
     if "cxx11_abi" in needs and needs["cxx11_abi"] is not None and bool(needs["cxx11_abi"]) != m.cxx11_abi:
         why.append("built with cxx11_abi=%s, torch here has %s" % (needs["cxx11_abi"], m.cxx11_abi))
     if needs.get("machine") and needs["machine"] != m.machine:
@@ -193,6 +194,27 @@ def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
             if needs.get("cuda") and m.cuda and str(needs["cuda"]).split(".")[0] != str(m.cuda).split(".")[0]:
                 why.append("built against CUDA %s, torch here uses CUDA %s" % (needs["cuda"], m.cuda))
     return "; ".join(why) or None
+
+
+def torch_fix(why: str, torch: str) -> str:
+    """`why` an artifact tied to torch `torch` is refused, with the fix: that torch here, or a build with this one."""
+    return ("%s: install the torch it was built with (`pip install torch==%s`), or rebuild the bundle with this "
+            "torch (`laya-aot build`)" % (why, torch.split("+")[0]))
+
+
+SOFTWARE = ("torch", "cxx11_abi", "cuda", "torch_build", "python_build", "triton", "traced_packages")
+
+
+def with_software_of(m: Machine, needs: "Needs") -> Machine:
+    """`m` with the installed software an artifact needing `needs` was built with (torch and its C++ ABI and CUDA
+    runtime, Python, triton, the traced packages); its hardware stays `m`'s. An artifact `mismatch` refuses on `m`
+    but not on this is refused for what an install changes, not for the machine."""
+    got = {k: getattr(needs, k) for k in SOFTWARE if getattr(needs, k) is not None}
+    if "torch" in got:
+        got["torch"] = str(got["torch"]).split("+")[0]
+    if m.cuda is None:
+        got.pop("cuda", None)  # no GPU here: no CUDA runtime to match; a CUDA artifact is refused for the GPU
+    return replace(m, **got)
 
 
 def _exact_build_mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]:

@@ -193,6 +193,31 @@ def other_facts_bundle(demo_bundle, tmp_path) -> Path:
     return dst
 
 
+def another_torch() -> str:
+    """A torch version this process does not have (the minor version before its own)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return "%d.%d.0" % ((major, minor - 1) if minor else (major - 1, 99))
+
+
+def built_with_torch(bundle: Path, version: str) -> List[str]:
+    """Make `bundle`'s manifest say its AOTInductor packages were built with torch `version` (their needs and
+    variant, as a build under that torch writes them); returns their names. The files are untouched: only the
+    manifest changes, and with it its sha256."""
+    from laya_aot.variant import torch_tag
+
+    data = json.loads((bundle / "bundle.json").read_text())
+    names = []
+    for art in data["artifacts"]:
+        if art["kind"] == "aoti":
+            art["needs"]["torch"] = version
+            art["variant"] = torch_tag(version) + art["variant"][art["variant"].index("-"):]
+            names.append(art["name"])
+    (bundle / "bundle.json").write_text(json.dumps(data))
+    return names
+
+
 def readme_serving_blocks() -> Tuple[List[str], List[str]]:
     """The README's Serving section: the block that builds and serves, and the block that asks."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -203,6 +228,18 @@ def readme_serving_blocks() -> Tuple[List[str], List[str]]:
     serve = next(c for c in commands if any(line.endswith("laya-aot serve") for line in c))
     ask = next(c for c in commands if all(line.startswith("curl ") for line in c))
     return serve, ask
+
+
+def readme_python(heading: str) -> str:
+    """The Python block of the README's section whose heading is `heading` (`## Serving`, `### Ask typed
+    questions`), as written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("\n%s\n" % heading) + 1:]
+    level = heading.split(" ", 1)[0]
+    ends = [i for i in (section.find("\n%s " % ("#" * n), 1) for n in range(2, len(level) + 1)) if i != -1]
+    section = section[:min(ends)] if ends else section
+    [block] = re.findall(r"```python\n(.*?)```", section, re.S)
+    return block
 
 
 class ReadmeDemo(NamedTuple):

@@ -329,13 +329,15 @@ def _run_stage(ctx: BuildContext, name: str, fn: Step, fatal: bool, enabled: boo
         rec["status"] = "ok"
     except Skip as e:
         rec.update(status="skipped", error=str(e))
+    except KeyboardInterrupt:
+        raise  # not a stage's failure: the command says it once (cli._build)
     except BaseException as e:  # noqa: BLE001 - recorded, then re-raised when fatal
         rec.update(status="failed", error="%s: %s" % (type(e).__name__, e))
         log.debug("stage %s failed:\n%s", name, traceback.format_exc())
-        if fatal or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if fatal or isinstance(e, SystemExit):
             rec["seconds"] = round(time.perf_counter() - t0, 3)
             report(rec)
-            if isinstance(e, (BuildError, KeyboardInterrupt, SystemExit)):
+            if isinstance(e, (BuildError, SystemExit)):
                 raise
             raise BuildError("stage %s failed: %s: %s" % (name, type(e).__name__, e)) from e
         if kind is not None:
@@ -394,18 +396,21 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     except ValueError as e:
         raise BuildError(str(e)) from e
     # the guard: compiler processes die with the build, even a build killed with SIGKILL
-    with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
-        ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=build_machine(device),
-                           device=device, dtypes=dtypes)
-        for name, fn, fatal, kind, dtype in stages(dtypes):
-            enabled = fatal or bool(getattr(cfg.stages, name))
-            _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
-        _require_something_usable(ctx)
-        _hash_artifacts(ctx)
-        bundle = bundle_of(ctx)
-        _prune_unlisted(stage_dir, bundle)
-        make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
-        write_manifest(stage_dir, bundle)
+    try:
+        with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
+            ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=build_machine(device),
+                               device=device, dtypes=dtypes)
+            for name, fn, fatal, kind, dtype in stages(dtypes):
+                enabled = fatal or bool(getattr(cfg.stages, name))
+                _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
+            _require_something_usable(ctx)
+            _hash_artifacts(ctx)
+            bundle = bundle_of(ctx)
+            _prune_unlisted(stage_dir, bundle)
+            make_readable(stage_dir)  # 0644/0755: a service running as another user must read the bundle
+            write_manifest(stage_dir, bundle)
+    except staging.OutputBusy as e:  # another build writes this output now: it alone publishes there
+        raise BuildError(str(e)) from None
     return BuildResult(bundle, out)
 
 

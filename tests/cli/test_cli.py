@@ -32,6 +32,13 @@ def place(tmp_path) -> Path:
     (tmp_path / "bdir" / "bundle.json").write_text("{}")
     (tmp_path / "x.tar.zst").write_bytes(b"")
     (tmp_path / "afile").write_text("")
+    # a user's --config-dir, one mistake a file
+    for group, name, yaml in [("checkpoint", "typo", "defaults:\n  - base_checkpoint\nname: mine\npth: /models/mine\n"),
+                              ("checkpoint", "badvalue", "name: mine\nmax_len: long\n"),
+                              ("checkpoint", "broken", "name: mine\npath: [unclosed\n"),
+                              ("target", "typo", "name: mine\ndevise: cpu\n")]:
+        (tmp_path / "cd" / group).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cd" / group / ("%s.yaml" % name)).write_text(yaml)
     return tmp_path
 
 
@@ -46,6 +53,19 @@ def place(tmp_path) -> Path:
     (["inspect", "bdir/bundle.json"], "is the bundle's manifest; pass the bundle directory: laya-aot inspect bdir"),
     (["verify", "bdir", "--checkpoint", "afile"], "--checkpoint afile is a file"),
     (["inpsect", "bdir"], "did you mean `inspect`?"),
+    # a wrong checkpoint path: refused by checkpoint.check_layout, before torch is imported
+    (["build", "checkpoint.path=nosuch"], "checkpoint directory nosuch does not exist; pass checkpoint.path=DIR"),
+    (["build", "checkpoint.path=bdir"], "bdir is not a Laya checkpoint: missing rl_agent_config.json"),
+    # a --config-dir: missing, or a mistake inside a file the build would compose, as on the command line
+    (["build", "--config-dir", "nodir", "checkpoint=mine"], "--config-dir nodir does not exist; name the directory"),
+    (["build", "--config-dir", "cd", "checkpoint=typo"],
+     "--config-dir cd: cd/checkpoint/typo.yaml: `pth: /models/mine`: a checkpoint config has no key pth; did you "
+     "mean `path`?"),
+    (["build", "--config-dir", "cd", "target=typo"], "cd/target/typo.yaml: `devise: cpu`: a target config has no "
+                                                     "key devise; did you mean `device`?"),
+    (["build", "--config-dir", "cd", "checkpoint=badvalue"], "cd/checkpoint/badvalue.yaml: `checkpoint.max_len=long`: "
+                                                             "checkpoint.max_len takes a whole number"),
+    (["build", "--config-dir", "cd", "checkpoint=broken"], "cd/checkpoint/broken.yaml is not valid YAML"),
 ])
 def test_a_mistake_is_one_line_with_the_fix_before_any_heavy_import(place, args, says):
     p = _cli(args, place)
@@ -73,7 +93,9 @@ def test_build_help_describes_every_key():
 
 
 @pytest.mark.parametrize("argv", [
-    ["checkpoint.path=/models/my-laya"], ["checkpoint=laya-typed-decisions", "target=sm_90", "export.max_rows=128"],
+    ["checkpoint.path=/models/my-laya", "--cfg", "job"],   # printing the config builds nothing: any path
+    ["-m", "checkpoint.path=/models/a,/models/b"],          # a sweep's jobs may run where the paths are
+    ["checkpoint=laya-typed-decisions", "target=sm_90", "export.max_rows=128"],
     ["--cfg", "job"], ["-m", "checkpoint=demo,laya", "target=cpu,sm_90", "stages.aoti=false", "jobs=1"],
     ["-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2", "target=choice(cpu,sm_90)"],
     ["verify.tolerance.fp32=1e-5", "target.dtypes=[fp16,bf16]", "output_dir=null", "aoti.cpu_frozen=false"],
@@ -81,6 +103,26 @@ def test_build_help_describes_every_key():
 ])
 def test_valid_build_arguments_pass_the_check(argv):
     assert build_mistake(argv) is None
+
+
+def test_a_real_checkpoint_path_passes_and_the_config_names_it(demo_ckpt, tmp_path):
+    """`checkpoint.path=DIR` over the default (demo) config: the resolved config `--cfg job` prints names the
+    checkpoint after DIR, as the build names it (`checkpoint.describe`), with no demo shape."""
+    import shutil
+
+    from laya_aot.usage import implied_overrides
+
+    mine = tmp_path / "my-laya"
+    shutil.copytree(demo_ckpt, mine)
+    assert build_mistake(["checkpoint.path=%s" % mine]) is None
+    p = _cli(["build", "--cfg", "job", "checkpoint.path=my-laya"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "  name: my-laya\n  path: my-laya\n" in p.stdout and "demo_shape: null" in p.stdout, p.stdout
+    assert "name: demo\n" not in p.stdout
+    # nothing implied where the command line chooses itself, sweeps paths, or has no path
+    for argv in (["checkpoint=local", "checkpoint.path=/x"], ["checkpoint.path=/x", "checkpoint.name=mine"],
+                 ["-m", "checkpoint.path=/x,/y"], ["checkpoint.path=${oc.env:CKPT}"], ["export.max_rows=8"]):
+        assert implied_overrides(argv) == [], argv
 
 
 def test_a_users_config_dir_adds_group_options(tmp_path):

@@ -2,7 +2,16 @@
 builds one first; CI's fresh clone runs that)."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+from tests.conftest import another_torch, built_with_torch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_answers_from_the_bundle_and_names_the_artifact(demo_bundle, demo_ckpt, capsys):
@@ -11,6 +20,52 @@ def test_demo_answers_from_the_bundle_and_names_the_artifact(demo_bundle, demo_c
     assert demo(["--bundle", str(demo_bundle), "--checkpoint", str(demo_ckpt)], time.perf_counter()) == 0
     out = capsys.readouterr().out
     assert "backend: aot:" in out and "artifact: aoti-cpu" in out and "first answer" in out
+    assert "not used" not in out   # built with this torch: nothing refused
+
+
+def test_the_demos_start_is_the_process_time_to_its_first_answer(demo_bundle, demo_ckpt):
+    """The printed figure is the whole process's, from its start (interpreter, imports and all) to the first
+    answer: measured here from just before the process was made to the moment its line arrives, it agrees within
+    0.1 s (and is never more: the process cannot have started before it was made; the kernel's start time is in
+    10 ms ticks)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "demo", "--bundle", str(demo_bundle),
+                             "--checkpoint", str(demo_ckpt)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("first answer "):
+                seen = time.monotonic() - t0
+                break
+        else:
+            raise AssertionError("no first-answer line")
+    finally:
+        rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, rest
+    printed = float(re.match(r"first answer ([\d.]+) s after the process started; ", line).group(1))
+    assert printed <= seen + 0.011 and seen - printed < 0.1, (printed, seen, line)
+    assert "building the bundle" not in line   # it was there: nothing else to name
+
+
+def test_demo_names_what_this_torch_refuses_with_the_fix(bundle_copy, demo_ckpt, capsys):
+    """A bundle built under another torch: ONNX answers, and the demo names each package the install would bring
+    back (the load stopped at ONNX and never examined them); `inspect` says which torch they need."""
+    from laya_aot.commands import demo, inspect
+
+    version = another_torch()
+    names = built_with_torch(bundle_copy, version)
+    assert demo(["--bundle", str(bundle_copy), "--checkpoint", str(demo_ckpt)], time.perf_counter()) == 0
+    out = capsys.readouterr().out
+    assert "backend: aot:onnx" in out
+    for name in names:
+        assert re.search(r"not used: %s: built for torch %s, this process has torch [\d.]+: install the torch it was "
+                         r"built with \(`pip install torch==%s`\), or rebuild" % (name, re.escape(version),
+                                                                                  re.escape(version)), out), out
+    assert inspect([str(bundle_copy)], time.perf_counter()) == 0
+    out = capsys.readouterr().out
+    assert "torch: %s need torch %s where they serve (`pip install torch==%s` before laya-aot), not this one; " \
+        % (", ".join(names), version, version) in out, out
 
 
 def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(demo_bundle, demo_ckpt, capsys):

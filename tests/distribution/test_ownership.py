@@ -405,3 +405,51 @@ def test_unpacked_bundles_load(small_bundle, small_pack, demo_ckpt, tmp_path):
         warnings.simplefilter("ignore")
         agent = laya_aot.load(str(demo_ckpt), bundle=str(out), device="cpu")
     assert agent.backend.startswith("aot:")
+
+
+# --- one writer at a time -------------------------------------------------------------------------------------
+
+_WRITER = """
+import os, sys
+from pathlib import Path
+from laya_aot import staging
+out, how = Path(sys.argv[1]), sys.argv[2]
+try:
+    if how == "file":
+        with staging.staged_file(out) as f:
+            f.write_bytes(b"second")
+    elif how == "killed":
+        held = staging.writing(out)
+        held.__enter__()
+        os._exit(0)  # gone holding the lock, as a command killed with SIGKILL is
+    else:
+        with staging.staged(out) as tmp:
+            (tmp / "f").write_text("second")
+except staging.OutputBusy as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def _writer(out: Path, how: str = "dir") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WRITER, str(out), how], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=120)
+
+
+def test_a_second_writer_of_an_output_is_refused_while_the_first_writes(tmp_path):
+    """Two commands writing one output at once cannot both publish: the second is refused at once, naming the
+    first, and touches nothing; once the first is done, or gone without releasing (SIGKILL), the next may write."""
+    out = tmp_path / "out"
+    with staging.staged(out) as tmp:
+        (tmp / "f").write_text("first")
+        for how in ("dir", "file"):
+            r = _writer(out, how)
+            assert r.returncode == 3, r.stderr
+            assert r.stdout.strip() == ("%s is being written by another laya-aot command (process %d); wait for it "
+                                        "to finish, or write to another output" % (out, os.getpid()))
+        assert not out.exists() and len(list(tmp_path.glob(".out.partial-*"))) == 1   # only this one's staging
+    assert (out / "f").read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert _writer(out, "killed").returncode == 0 and (tmp_path / ".out.lock").exists()
+    r = _writer(out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "f").read_text() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -18,3 +18,10 @@ def test_ci_runs_the_readme_test_commands():
     full, serve = tests
     assert "tilelang" in full and "tilelang" not in serve and '-e ".[serve]"' in serve, \
         "CI's second environment is serving as the README installs it, without the tilelang extra"
+
+
+def test_getting_started_is_one_screen_with_the_readmes_first_command():
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    setup = _commands()[0]
+    assert re.findall(r"```bash\n(?:#.*\n)*(.*)\n```", page) == [setup], "docs/getting-started.md and command 1 differ"
+    assert len(page.splitlines()) <= 40, "getting started is one screen"

@@ -1,4 +1,5 @@
-"""Builds killed with SIGKILL at random moments, and two builds into one output directory at once.
+"""Builds killed with SIGKILL at random moments, and two builds into one output directory at once (the second is
+refused).
 
 After each kill: the output directory holds nothing or a complete bundle whose every hash matches, no
 process the build started is still running (compilers included), and the next build cleans up.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -132,15 +134,52 @@ def test_twenty_builds_killed_at_random_moments(demo_ckpt, tmp_path):
 
 @pytest.mark.slow  # two `laya-aot build` processes
 def test_two_builds_into_one_output_at_once(demo_ckpt, tmp_path):
+    """A second build to an output the first is writing is refused at once, in one line naming the first; the first
+    publishes, alone. The first is held still (SIGSTOP) while the second runs, so the two overlap on any machine."""
     out = tmp_path / "out"
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))
     # the race is in staging and publishing, not compiling: ONNX only
     cmd = _cmd(demo_ckpt, out, "stages.aoti=false", "stages.onnx=true")
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (so, se) in zip(procs, outs):
-        assert "Traceback" not in so + se, se[-3000:]
-        assert p.returncode == 0, se[-2000:]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list(tmp_path.glob(".out.partial-*")):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    so, se = first.communicate(timeout=600)
+    assert "Traceback" not in so + se and first.returncode == 0, se[-3000:]
+    said = second.stdout + second.stderr
+    assert second.returncode == 2 and "Traceback" not in said, said[-3000:]
+    refusal = [line for line in said.splitlines() if "being written" in line]
+    assert refusal == ["build failed: %s is being written by another laya-aot command (process %d); wait for it to "
+                       "finish, or write to another output" % (out, first.pid)], said[-3000:]
     assert _bundle_state(out) == "complete"
     assert not list(tmp_path.glob(".out.partial-*")) and not list(tmp_path.glob(".out.old-*"))
+    assert not (tmp_path / ".out.lock").exists()
+
+
+@pytest.mark.slow  # a `laya-aot build` process
+def test_ctrl_c_in_a_build_is_one_line_and_publishes_nothing(demo_ckpt, tmp_path):
+    """Ctrl-C at a terminal signals the build's process group: the build says so in one line (no traceback) and
+    exits 130; its staging is gone and nothing is at the output."""
+    out = tmp_path / "out"
+    env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen(_cmd(demo_ckpt, out, "stages.aoti=false", "stages.onnx=true"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob(".out.partial-*")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside a stage
+    os.killpg(proc.pid, signal.SIGINT)
+    so, se = proc.communicate(timeout=120)
+    said = so + se
+    assert proc.returncode == 130, said[-3000:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert said.count("interrupted") == 1 and se.strip().splitlines()[-1] == (
+        "laya-aot build: interrupted; nothing was published (what was at the output is unchanged)"), said[-3000:]
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
-from tests.conftest import readme_serving_blocks
+from tests.conftest import another_torch, built_with_torch, readme_python, readme_serving_blocks
 from tests.questions import assert_same_answers
 
 KEY = "test-key"
@@ -135,15 +136,27 @@ def aoti_damaged(demo_bundle, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(demo_ckpt, demo_bundle, tampered, aoti_damaged, tmp_path_factory):
+def other_torch(demo_bundle, tmp_path_factory):
+    """The demo bundle as a build under another torch would record its AOTInductor packages: (bundle, their
+    names, that torch). A service whose torch is not the build's (a fresh `pip install` picks the newest) cannot
+    use them; ONNX serves."""
+    dst = tmp_path_factory.mktemp("serve") / "other-torch"
+    shutil.copytree(demo_bundle, dst)
+    version = another_torch()
+    return dst, built_with_torch(dst, version), version
+
+
+@pytest.fixture(scope="module")
+def servers(demo_ckpt, demo_bundle, tampered, aoti_damaged, other_torch, tmp_path_factory):
     """Started together so their starts overlap: bundled (idle unload after 2 s), laya's eager, tampered bundle,
-    and strict over a bundle whose AOTInductor packages are damaged."""
+    strict over a bundle whose AOTInductor packages are damaged, and a bundle whose packages need another torch."""
     tmp = tmp_path_factory.mktemp("servers")
     started = {
         "aot": Server(tmp, "aot", _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_IDLE_UNLOAD_SECONDS="2")),
         "laya": Server(tmp, "laya", _env(demo_ckpt), laya=True),
         "tampered": Server(tmp, "tampered", _env(demo_ckpt, {"demo": str(tampered[0])})),
         "strict": Server(tmp, "strict", _env(demo_ckpt, {"demo": str(aoti_damaged[0])}, LAYA_AOT_STRICT="1")),
+        "torch": Server(tmp, "torch", _env(demo_ckpt, {"demo": str(other_torch[0])})),
     }
     try:
         yield {k: s.wait_ready() for k, s in started.items()}
@@ -182,6 +195,22 @@ def test_answers_over_http_equal_laya_serves_eager_answers(servers):
     assert demo["near_ties"] == "off" and report["strict"] is False   # the default: the artifact's answers
     assert demo["handover"] is None   # no artifact of the demo bundle runs laya's module: nothing takes over
     assert "served by aot:" in aot.log() and "'demo' load #1" in aot.log()
+
+
+@pytest.mark.slow  # `laya-aot demo` trains and builds (conftest.readme_demo)
+def test_the_readmes_typed_questions_in_python_answer_from_the_bundle(readme_demo):
+    """The README's Python example, run as written where command 1's `laya-aot demo` ran: one question of each of
+    laya's types, for two states."""
+    assert readme_demo.returncode == 0, readme_demo.output
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
+    ran = subprocess.run([sys.executable, "-c", readme_python("### Ask typed questions")], cwd=readme_demo.dir,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = ran.stdout.strip().splitlines()
+    assert len(lines) == 2, ran.stdout
+    for line in lines:
+        assert re.fullmatch(r".+ \| team: (billing|technical|account) \((0\.\d\d|1\.00)\) \| "
+                            r"urgency: ([0-3]\.\d\d) of 3 \| angry: (0\.\d\d|1\.00)", line), line
 
 
 def test_a_checkpoint_without_a_bundle_loads_as_laya_serve_loads_it(servers):
@@ -266,6 +295,47 @@ def test_strict_names_every_damaged_artifact_once_when_another_serves(servers, a
     _same(_ask(server, DEMO_STATES[0]), _ask(eager, DEMO_STATES[0]))
 
 
+def _torch_reason(name: str, version: str) -> str:
+    """How the load's reasons name an AOTInductor package built with torch `version`: the refusal and its fix."""
+    import torch
+
+    return "%s: built for torch %s, this process has torch %s: install the torch it was built with (`pip install " \
+           "torch==%s`), or rebuild the bundle with this torch (`laya-aot build`)" % (
+               name, version, torch.__version__.split("+")[0], version)
+
+
+def test_artifacts_for_another_torch_are_named_with_the_fix_where_another_serves(servers, other_torch):
+    """The fastest artifacts need the build's torch; the load serves ONNX, never examining them, and still names
+    each with the install that fixes it: in its warning (the load's log line), in GET /v1/aot's `refused`."""
+    server, eager = servers["torch"], servers["laya"]
+    bundle, names, version = other_torch
+    demo = server.aot()["bundles"]["demo"]
+    assert demo["backend"] == "aot:onnx" and demo["artifact"] == "onnx-fp32", demo
+    assert sorted(demo["refused"]) == sorted(_torch_reason(name, version) for name in names), demo["refused"]
+    line = [x for x in server.log().splitlines() if "'demo' load #1" in x]
+    assert len(line) == 1 and line[0].startswith("WARNING") and "served by aot:onnx" in line[0], server.log()
+    for name in names:
+        assert _torch_reason(name, version) in line[0], line[0]
+    _same(_ask(server, DEMO_STATES[1]), _ask(eager, DEMO_STATES[1]))
+
+
+def test_a_checkpoint_loaded_on_first_use_names_them_at_start(demo_ckpt, other_torch, caplog):
+    """LAYA_PRELOAD=0: nothing loads at start, and the start's log already names what this torch refuses."""
+    import logging
+
+    from laya_aot import serve
+
+    bundle, names, version = other_torch
+    config = serve.config_from_env({"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}),
+                                    "LAYA_AOT_BUNDLES": json.dumps({"demo": str(bundle)})})
+    with caplog.at_level(logging.INFO, logger="laya_aot.serve"):
+        serve._precheck_lazy(type("Router", (), {"loaded": {}, "device": "cpu"})(), config)
+    [record] = [r for r in caplog.records if "loads on first use" in r.getMessage()]
+    assert record.levelname == "WARNING", record.getMessage()
+    for name in names:
+        assert _torch_reason(name, version) in record.getMessage()
+
+
 def _run_cli(env: Dict[str, str], timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess:
     full = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(_free_port()), LAYA_THREADS="1", **env)
     return subprocess.run([sys.executable, "-m", "laya_aot.cli", "serve"], env=full, capture_output=True,
@@ -277,7 +347,7 @@ def test_a_tampered_bundle_refuses_to_start_under_strict(demo_ckpt, tampered):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("laya-aot serve: ") and "no artifact of %s can serve" % tampered[0] in last
+    assert last.startswith("laya-aot serve: no artifact of %s can serve" % tampered[0]), last  # said once
     assert r.stderr.count("no artifact of") == 1, r.stderr  # said once, by the command
     assert "Uvicorn running" not in r.stderr
 
@@ -381,6 +451,10 @@ def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo
     venv_bin = shlex.quote(str(Path(sys.executable).parent)) + "/"
     env = dict(os.environ, PYTHONUNBUFFERED="1", LAYA_THREADS="1")
     assert readme_demo.returncode == 0, readme_demo.output
+    # a fresh directory: the demo made the checkpoint and the bundle first, counted in its start and named apart
+    start = re.search(r"first answer ([\d.]+) s after the process started; of it finding or making the demo "
+                      r"checkpoint ([\d.]+) s, building the bundle ([\d.]+) s; ", readme_demo.output)
+    assert start and float(start[1]) > float(start[2]) + float(start[3]), readme_demo.output
     port = _free_port()
     assert "LAYA_PORT=8000 " in serve_line and all(a.startswith("curl -s localhost:8000/") for a in ask)
     serve_line = serve_line.replace("LAYA_PORT=8000 ", "LAYA_PORT=%d " % port).replace(".venv/bin/", venv_bin)
@@ -415,6 +489,14 @@ def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo
         assert report["bundles"]["demo"]["backend"].startswith("aot:"), report
         assert report["bundles"]["demo"]["refused"] == [], report
         assert "served by aot:" in log_path.read_text(errors="replace")
+        # 4. laya's own Python client, as written
+        client = readme_python("## Serving")
+        assert client.count("http://localhost:8000") == 1
+        asked = subprocess.run([sys.executable, "-c", client.replace("localhost:8000", "127.0.0.1:%d" % port)],
+                               cwd=readme_demo.dir, env=env, capture_output=True, text=True, timeout=120)
+        assert asked.returncode == 0, asked.stderr[-3000:]
+        team, urgency, angry = asked.stdout.split()
+        assert team in ("billing", "technical") and 0 <= float(urgency) <= 1 and 0 <= float(angry) <= 1, asked.stdout
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
