@@ -3,20 +3,14 @@ that does not format (a literal brace) or does not compile fails only on the H20
 (session 17); here it fails in CI."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_start.py"
+from tests.bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_start():
-    spec = importlib.util.spec_from_file_location("gpu_start_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_start")
 
 
 @pytest.mark.parametrize("name", ["START", "START_EAGER"])
