@@ -6,8 +6,8 @@ On the GPU host, with the slim site and the peer site unpacked (/work/shared/gpu
       && { [ -d /tmp/psite/laya_cuda ] || tar -xJf .device-site/peer-site.tar.xz -C /tmp/psite; } \\
       && PYTHONPATH=/tmp/site:/tmp/psite:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/peer.py --out $OUT
 
-Resumable: checkpoints, bundles and every step's result live under --work (default /tmp/laya-aot-peer); a step
-whose result is there is skipped, so the same command run again (on the same, still warm, machine) goes on where
+Resumable: checkpoints, bundles and every step's result live under --work (default artifacts/benchmarks/peer/work);
+a step whose result is there is skipped, so the same command run again (on the same, still warm, machine) goes on where
 the last one stopped when its --budget-s ran out. Each run writes peer.json and peer.md to --out from what is there,
 finished or not (`"complete": false` lists what is missing).
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -48,8 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench  # noqa: E402 - beside this script: its fresh-cache environment, build step and bundle check
+import gpu_bench  # beside this script: its fresh-cache environment, build step and bundle check
+import harness
 
 SHAPES = ("large-1024", "base-1024")
 TORCH_MODES = ("fp32", "eager", "aot", "aot-laya")
@@ -349,8 +348,7 @@ def decisions(modes: Dict[str, Dict[str, Any]], near_gap: float) -> Dict[str, An
 
 
 def markdown(res: Dict[str, Any]) -> str:
-    lines = ["# laya eager, laya-aot and laya-cuda, one run", "", "Command: `%s`" % res["command"], "",
-             "Device: %s; complete: %s" % (res.get("gpu", res["device"]), res["complete"]), ""]
+    lines = ["Device: %s; complete: %s" % (res.get("gpu", res["device"]), res["complete"]), ""]
     cols = [m for m in ("eager", "aot", "aot-laya") + CUDA_MODES]
     for shape, s in res["shapes"].items():
         modes = s.get("modes", {})
@@ -397,9 +395,7 @@ def markdown(res: Dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/peer")
-    ap.add_argument("--work", default="/tmp/laya-aot-peer")
+    ap = harness.parser(__doc__, work=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--build-args", default="stages.onnx=false stages.tilelang=false stages.inductor_cache=false")
@@ -431,8 +427,7 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = [s for s in a.shapes.split(",") if s]
-    res: Dict[str, Any] = {"command": "python3 benchmarks/peer.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-                           "device": a.device, "shapes": {}, "complete": False}
+    res: Dict[str, Any] = {"device": a.device, "shapes": {}, "complete": False}
     for shape in shapes:
         ckpt = work / shape / "ckpt"
         ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -486,9 +481,7 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
                 res["gpu"] = r["versions"]["gpu"]
     res["complete"] = not missing
     res["missing"] = missing
-    (out / "peer.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "peer.md").write_text(markdown(res))
-    print(markdown(res))
+    harness.write(out, "peer" + a.tag, res, markdown(res), title="laya eager, laya-aot and laya-cuda on one GPU")
     return res
 
 
