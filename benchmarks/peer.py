@@ -304,6 +304,8 @@ def build_all(shapes: List[str], work: Path, args: argparse.Namespace, t_end: fl
     for shape in shapes:
         ckpt = work / shape / "ckpt"
         for mode, extra in BUNDLES.items():
+            if mode not in args.modes:
+                continue
             bundle = work / shape / ("bundle-" + mode)
             if not gpu_bench._built_from(bundle, ckpt):
                 todo.append((shape, mode, ckpt, bundle, "%s %s" % (args.build_args, extra)))
@@ -397,6 +399,8 @@ def markdown(res: Dict[str, Any]) -> str:
 def main() -> None:
     ap = harness.parser(__doc__, work=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--modes", default=",".join(TORCH_MODES + CUDA_MODES),
+                    help="the modes to run (fp32 always gives the reference decisions)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--build-args", default="stages.onnx=false stages.tilelang=false stages.inductor_cache=false")
     ap.add_argument("--parallel-builds", type=int, default=2)
@@ -416,6 +420,7 @@ def main() -> None:
     ap.add_argument("--requests")
     ap.add_argument("--start-only", action="store_true")
     a = ap.parse_args()
+    a.modes = {"fp32", *a.modes.split(",")}
     if a.child:
         child(a.child, a.ckpt, a.bundle, a.result, a)
         return
@@ -440,7 +445,7 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
         s = res["shapes"].setdefault(shape, {"builds": {k: v for k, v in builds.items() if k.startswith(shape)},
                                              "modes": {}, "starts": {}})
         ckpt = work / shape / "ckpt"
-        for mode in TORCH_MODES + CUDA_MODES:
+        for mode in [m for m in TORCH_MODES + CUDA_MODES if m in a.modes]:
             result = work / shape / ("%s.json" % mode)
             if mode in CUDA_MODES and why_peer:
                 s["modes"][mode] = {"skipped": why_peer}
@@ -455,7 +460,7 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
             else:
                 missing.append("%s/%s" % (shape, mode))
                 s["modes"].setdefault(mode, {"error": "not run yet (budget spent or it failed: see its log)"})
-        for mode in ("aot", "cuda"):
+        for mode in [m for m in ("aot", "cuda") if m in a.modes]:
             if mode == "cuda" and why_peer:
                 continue
             got = []
