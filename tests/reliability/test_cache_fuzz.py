@@ -159,16 +159,18 @@ def _fuzz(worker: CacheWorker, base: Path, routes: List[Dict[str, Any]], eager, 
 
 def test_a_damaged_cache_never_kills_hangs_raises_or_changes_an_answer(cache_worker, demo_bundle, demo_pack,
                                                                       tmp_path):
+    """ONNX serves (no probe child: a damaged verdict's child costs seconds a case, the heavy run's), from the
+    directory and from the pack; the verdicts' own reads are test_cache_entries.py's."""
     eager = cache_worker.ask({"eager": True}, "eager")["answers"]
-    routes = [{"bundle": str(demo_bundle)}, {"bundle": str(demo_pack)}]
+    routes = [{"bundle": str(demo_bundle), "prefer": "onnx"}, {"bundle": str(demo_pack), "prefer": "onnx"}]
     base = _warm(cache_worker, tmp_path / "warm", routes, eager)
     _fuzz(cache_worker, base, routes, eager, CASES, seed=0, work=tmp_path)
 
 
 @pytest.mark.heavy
 def test_a_damaged_cache_under_every_route_heavy(cache_worker, demo_bundle, demo_pack, tmp_path):
-    """The same with the AOTInductor packages (their probe verdicts: a damaged one runs the child again), pinned
-    and unpinned."""
+    """The same with the loader's own choice and the AOTInductor packages (their probe verdicts: a damaged one
+    runs the child again), pinned and unpinned."""
     from laya_aot.bundle_format import bundle_sha256
 
     eager = cache_worker.ask({"eager": True}, "eager")["answers"]
