@@ -28,7 +28,7 @@ from tests.reliability.cache_damage import GENERIC, damage, kind_of, poison
 
 HERE = Path(__file__).resolve().parent
 CASES = 200          # the default run's cases (each one load)
-HEAVY_CASES = 1000   # -m heavy, the AOTInductor packages' probe verdicts included
+HEAVY_CASES = 500    # -m heavy, the AOTInductor packages' probe verdicts included (a damaged one: a child, seconds)
 HANG_S = 240.0       # a load that takes longer is a hang (a probe child on a busy 2-core machine takes ~20 s)
 
 
