@@ -157,15 +157,16 @@ def _usable_here(bundle: Path, art: Artifact, here) -> str:
 
 def _probe_here(art: Artifact, here) -> Optional[str]:
     """What a start here does about a native artifact's probe child (`probe.cached_verdict`): "cached" (an earlier
-    start here probed it), "shipped" (the build's verdict fits this machine: no child) or "child" (one runs on the
-    first start); None for kinds without one."""
+    start here probed it), "shipped" (the build's verdict fits this machine: a start that pins the bundle runs no
+    child, an unpinned one does) or "child" (one runs on the first start); None for kinds without one."""
     from . import kinds
-    from .probe import cached_verdict
+    from .probe import cached_verdict, shipped_verdict
 
     if not art.built or not kinds.get(art.kind).native:
         return None
-    verdict = cached_verdict(art, here.machine, here.device)
-    return "child" if verdict is None else "shipped" if verdict.get("shipped") else "cached"
+    if cached_verdict(art, here.machine, here.device) is not None:
+        return "cached"
+    return "shipped" if shipped_verdict(art, here.machine, here.device) is not None else "child"
 
 
 def _guarded(name: str, run: Callable[[], int]) -> int:
@@ -295,7 +296,9 @@ def _torch_needed(artifacts: List[Artifact], here: str) -> Optional[str]:
         for version, names in sorted(by_torch.items())), here)
 
 
-_PROBE_WORDS = {"cached": "none (probed here before)", "shipped": "none (the build's verdict fits this machine)",
+_PROBE_WORDS = {"cached": "none (probed here before)",
+                "shipped": "none when the start pins the bundle (the build's verdict fits this machine), else one on "
+                           "the first start",
                 "child": "runs on the first start (no verdict for this machine yet)"}
 # below this many columns the table's thirteen columns fold every cell: a list reads better
 TABLE_WIDTH = 170

@@ -126,8 +126,9 @@ class FileRecord:
 
 @dataclass
 class ProbeVerdict:
-    """The build's passing probe of a native artifact (`probe.verdict_key`): a start on a machine whose facts give
-    the same key takes it as its own cached verdict instead of running a probe child (`probe.cached_verdict`)."""
+    """The build's passing probe of a native artifact (`probe.verdict_key`): a start of a pinned bundle on a machine
+    whose facts give the same key takes it instead of running a probe child (`probe.cached_verdict`); an unpinned
+    one runs the child (the key's inputs are public)."""
 
     # sha256 of the entry's loaded fields, the build machine's facts, the device and the probe's version
     key: str

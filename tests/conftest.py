@@ -320,6 +320,7 @@ SECONDS = {
     "tests/reliability/test_build_kills.py::test_builds_killed_mid_compile_leave_nothing_running_and_nothing_half_written":
         45,
     "tests/distribution/test_safety.py": 45,
+    "tests/reliability/test_cache_fuzz.py": 45,          # 200 whole loads against damaged caches
     "tests/pipeline/test_build.py::test_aoti_failure_is_recorded_and_the_build_goes_on": 35,
     "tests/pipeline/test_build.py::test_onnx_failure_is_recorded_and_the_build_goes_on": 40,
     "tests/shared/test_progress.py": 27,
