@@ -144,7 +144,7 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
     """The verdict of an artifact verified on this machine (cross-compiled TileLang) gives the smoke check its bound:
     anything but one `_store_verdict` wrote for this artifact is none, so the artifact is verified again."""
     from laya_aot.manifest import VerifyResult
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
     from laya_aot.tolerance import Agreement, DecisionAgreement
 
     art, twin = sample.artifact("aoti-cpu"), sample.artifact("onnx-fp32")
@@ -152,15 +152,15 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
                        decisions=DecisionAgreement(256, 0.99, 0.98, 1, 2, 0.5, 0.01), max_abs_option_prob=1e-3,
                        max_abs_action_prob=2e-3, argmax_agreement=1.0)
     path, other = cache / "probes" / "verify.json", cache / "probes" / "other-verify.json"
-    loader._store_verdict(path, art, res)
-    loader._store_verdict(other, twin, res)
-    assert loader._cached_verdict(path, art) == res
+    trial._store_verdict(path, art, res)
+    trial._store_verdict(other, twin, res)
+    assert trial._cached_verdict(path, art) == res
     for done in _damaged_entries(path, other, "verify"):
-        assert _within(10, loader._cached_verdict, path, art) is None, done
+        assert _within(10, trial._cached_verdict, path, art) is None, done
     for edit in ({"tolerance": None}, {"tolerance": -1.0}, {"eager_in_dtype": {"max_abs_option_prob": "1"}},
                  {"decisions": {"decisions": 1}}, {"figures": {}}, {"reason": 3}):
         files.write_json_atomic(path, dict(json.loads(other.read_text()), artifact=art.name, **edit))
-        assert loader._cached_verdict(path, art) is None, edit
+        assert trial._cached_verdict(path, art) is None, edit
 
 
 # ------------------------------------------------------------------------------------------------- start costs
