@@ -150,6 +150,9 @@ def _dispatch(argv: Optional[List[str]]) -> int:
         print("laya-aot %s" % __version__)
         return 0
     cmd, rest = argv[0], argv[1:]
+    from .kinds.cpu_threads import settle
+
+    settle()  # before torch is imported (every command): CPU threads that do not collapse on a busy machine
     if cmd not in COMMANDS:
         import difflib
 

@@ -79,6 +79,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
                     cuda_graphs=cuda_graphs, bundle_sha256=bundle_sha256, near_ties=near_ties,
                     eager_module=eager_module, host_path=host_path, chunk_tokens=chunk_tokens,
                     handover=handover).checked()
+    from ..kinds.cpu_threads import settle
+
+    settle()  # before torch is imported: CPU threads that do not collapse on a busy machine
     session = LoadSession.open(checkpoint, bundle, cfg)
     if not session.usable:
         from ..probe import end_ahead
