@@ -6,6 +6,11 @@ threads (`submit` returns a `concurrent.futures.Future`) and hands them to one w
 those that may share a call (same call-level controls; laya's own `predict_batch` then groups them by
 checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
 
+Each call is made for the oldest waiting request, with the queued requests that may share its call and whose rows
+are of its length class (`length_class`: estimated within 2x of each other, or all short): laya pads a call's
+rows to its longest, so a request is never computed at more than twice its own length, and none waits behind
+requests that came after it but for those that share a call ahead of it.
+
 What a caller sees does not depend on its neighbours, except in the last bits of a probability (a row of a
 wider, more padded batch): a request alone in the queue is laya's own call for one request (`system_one`,
 `Router.predict`); a request whose settings cannot be merged runs alone; a merged call that raises is split
@@ -31,16 +36,17 @@ from ..errors import LayaAotError
 log = logging.getLogger(__name__)
 
 # Defaults (docs/batching.md says why and what was measured): no wait, so that a request alone is never delayed
-# (under load, requests queue while a call runs and make the next call without waiting); a call bounded well above
-# 32 clients' short requests (96 rows), since the artifact itself runs a call in pieces of `padding.CHUNK_TOKENS`
-# padded tokens (runtime/backend.py) and a bigger call only makes its requests wait longer.
-DEFAULT_MAX_ROWS = 256       # question rows (states x questions) in one merged call
+# (under load, requests queue while a call runs and make the next call without waiting); a call of at most one
+# artifact piece of a GPU bundle (export.max_rows 64): a bigger call runs in pieces one after the other
+# (runtime/backend.py) and every request in it waits for the last, where calls of one piece answer the first
+# requests a piece earlier at the same throughput.
+DEFAULT_MAX_ROWS = 64        # question rows (states x questions) in one merged call
 DEFAULT_MAX_TOKENS = 65536   # estimated tokens in one merged call (rows x estimated row length)
 DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none)
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48
-SHORT_ROW = 128              # rows estimated shorter are one length class (their padding costs little)
+SHORT_ROW = 128              # rows estimated at most this long are one length class (their padding costs little)
 
 # histogram buckets: requests and rows per call, and milliseconds of waiting and of whole requests
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -63,7 +69,7 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     max_queue: int = DEFAULT_MAX_QUEUE
-    length_buckets: bool = True  # a merged call's requests split by row length, none padded past 2x: _buckets
+    length_buckets: bool = True  # a call's requests of one length class (`length_class`): none padded past 2x
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "max_queue"):
@@ -158,8 +164,13 @@ class Work:
 
     @property
     def row_tokens(self) -> int:
-        """Its rows' estimated length (at least SHORT_ROW: short rows share a call whatever their lengths)."""
-        return max(SHORT_ROW, self.tokens // max(1, self.rows))
+        """Its rows' estimated length."""
+        return self.tokens // max(1, self.rows)
+
+    @property
+    def length_class(self) -> int:
+        """`length_class` of its rows' estimated length."""
+        return length_class(self.row_tokens)
 
 
 @dataclass
@@ -169,6 +180,12 @@ class _Entry:
     submitted: float
     job: Optional[Callable[[], Any]] = None
     started: float = 0.0
+
+
+def length_class(row_tokens: int) -> int:
+    """0 for rows of at most SHORT_ROW tokens, then one class per doubling (129-256: 1, 257-512: 2, ...): the rows
+    of one class are within 2x of each other, so a call of one class pads none past twice its length."""
+    return max(0, (int(row_tokens) - 1) // SHORT_ROW).bit_length()
 
 
 def state_chars(state: Any) -> int:
@@ -408,8 +425,9 @@ class Batcher:
 
     # ------------------------------------------------------------------ the worker
     def _take(self) -> Optional[_Batch]:
-        """The next call's entries (under the lock): the first entry and, if it may share a call, every queued
-        entry with its key while the call stays within the limits; None once closed and drained."""
+        """The next call's entries (under the lock): the oldest entry and, if it may share a call, every queued entry
+        with its key and length class (`length_class`, unless `Limits.length_buckets` is off) while the call stays
+        within the limits; the others keep their places. None once closed and drained."""
         limits = self.limits
         self._cv.wait_for(lambda: self._queue or self._closed)
         if not self._queue:
@@ -417,33 +435,40 @@ class Batcher:
         head = self._queue[0]
         if head.job is not None or head.work is None or head.work.key is None:
             return _Batch([self._queue.popleft()])
+        key, cls = head.work.key, self._class(head.work)
+
+        def joins(work: Optional[Work]) -> bool:
+            return work is not None and work.key == key and self._class(work) == cls
+
         if limits.max_wait_ms > 0:  # let neighbours arrive, up to the wait or until the call is full
             deadline = head.submitted + limits.max_wait_ms / 1000.0
             while not self._closed:
-                rows = sum(e.work.rows for e in self._queue if e.work is not None and e.work.key == head.work.key)
+                rows = sum(e.work.rows for e in self._queue if e.job is None and joins(e.work))
                 left = deadline - time.perf_counter()
                 if rows >= limits.max_rows or left <= 0:
                     break
                 self._cv.wait(left)
         batch, rest = _Batch(), deque()
-        key = head.work.key
         while self._queue:
             entry = self._queue.popleft()
             work = entry.work
-            fits = (work is not None and entry.job is None and work.key == key
-                    and (not batch.entries or (batch.rows + work.rows <= limits.max_rows
-                                               and batch.tokens + work.tokens <= limits.max_tokens)))
+            fits = (entry.job is None and joins(work)
+                    and (not batch.entries or (batch.rows + work.rows <= limits.max_rows  # type: ignore[union-attr]
+                                               and batch.tokens + work.tokens <= limits.max_tokens)))  # type: ignore
             if fits:
                 batch.entries.append(entry)
-                batch.rows += work.rows
-                batch.tokens += work.tokens
+                batch.rows += work.rows  # type: ignore[union-attr]
+                batch.tokens += work.tokens  # type: ignore[union-attr]
             else:
                 rest.append(entry)
-                if work is not None and work.key == key:
-                    break  # the call is full: later requests of this key keep their place behind this one
+                if entry.job is None and joins(work):
+                    break  # the call is full: later requests of its kind keep their places behind this one
         rest.extend(self._queue)
         self._queue = rest
         return batch
+
+    def _class(self, work: Work) -> int:
+        return work.length_class if self.limits.length_buckets else 0
 
     def _worker(self) -> None:
         while True:
@@ -480,26 +505,7 @@ class Batcher:
             return
         for entry in live:
             self.stats.waited((now - entry.submitted) * 1000.0)
-        for group in self._buckets(live):
-            self._answer(group)
-
-    def _buckets(self, entries: List[_Entry]) -> List[List[_Entry]]:
-        """The requests of a merged call in calls by their rows' estimated length (`Work.row_tokens`), shortest
-        first, none of whose rows is estimated at less than half the call's longest: laya pads a call's rows to its
-        longest, so a request of 40 tokens merged with one of 1,000 would be computed at 1,000 (what the artifact
-        computes grows with the padded tokens; on a CPU, linearly). Each call keeps the requests' order."""
-        if not self.limits.length_buckets or len(entries) < 2:
-            return [entries]
-        order = sorted(range(len(entries)), key=lambda i: entries[i].work.row_tokens)  # type: ignore[union-attr]
-        groups: List[List[int]] = []
-        start = 0
-        for i in order:
-            tokens = entries[i].work.row_tokens  # type: ignore[union-attr]
-            if not groups or tokens > 2 * start:
-                groups.append([])
-                start = tokens
-            groups[-1].append(i)
-        return [[entries[i] for i in sorted(group)] for group in groups]
+        self._answer(live)
 
     def _answer(self, entries: List[_Entry]) -> None:
         """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
