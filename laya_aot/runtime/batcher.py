@@ -147,6 +147,31 @@ class Stats:
                     "queue_wait_ms": self.queue_wait_ms.as_dict(), "latency_ms": self.latency_ms.as_dict()}
 
 
+def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The sum of several `Stats.snapshot()`s (one server's worker processes): counts added, histograms added
+    bucket by bucket (the same bounds in every process of one version)."""
+    requests: Dict[Tuple[str, str], int] = {}
+    out: Dict[str, Any] = {"calls": {}, "refused": {}}
+    for snap in snapshots:
+        for row in snap.get("requests", []):
+            key = (row["model"], row["outcome"])
+            requests[key] = requests.get(key, 0) + row["count"]
+        for group in ("calls", "refused"):
+            for name, n in snap.get(group, {}).items():
+                out[group][name] = out[group].get(name, 0) + n
+        for name in ("batch_requests", "batch_rows", "queue_wait_ms", "latency_ms"):
+            hist = snap.get(name)
+            if hist is None:
+                continue
+            into = out.setdefault(name, {"count": 0, "sum": 0.0, "buckets": {}})
+            into["count"] += hist["count"]
+            into["sum"] = round(into["sum"] + hist["sum"], 3)
+            for bound, n in hist["buckets"].items():
+                into["buckets"][bound] = into["buckets"].get(bound, 0) + n
+    out["requests"] = [{"model": m, "outcome": o, "count": c} for (m, o), c in sorted(requests.items())]
+    return out
+
+
 @dataclass
 class Work:
     """One submitted request as a target runs it: `key` says which others it may share a call with (None: it runs
@@ -549,4 +574,4 @@ class Batcher:
 
 
 __all__ = ["AgentTarget", "Batcher", "BatcherClosed", "Histogram", "Limits", "Overloaded", "RouterTarget", "Stats",
-           "Work", "estimate_tokens", "target_for"]
+           "Work", "estimate_tokens", "length_class", "merge_snapshots", "target_for"]
