@@ -293,6 +293,8 @@ def describe(agent: Any) -> Dict[str, Any]:
         out["decisions"] = dataclasses.asdict(decisions) if decisions is not None else None
         # runtime/handover.py: the best mix taking over (or having taken over) from the artifact that started
         out["handover"] = dict((getattr(backend, "load_stats", None) or {}).get("handover") or {}) or None
+        # artifact calls, pieces, calls padded to a CUDA graph's shape, and the graphs captured, replayed, dropped
+        out["calls"] = {k: v for k, v in (getattr(backend, "stats", None) or {}).items() if k != "host_path"}
     out["refused"] = ["%s: %s" % (name, why) for name, why in (getattr(backend, "rejected", None) or [])]
     return out
 
