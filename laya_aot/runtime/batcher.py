@@ -7,9 +7,10 @@ those that may share a call (same call-level controls; laya's own `predict_batch
 checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
 
 Each call is made for the oldest waiting request, with the queued requests that may share its call and whose rows
-are of its length class (`length_class`: estimated within 2x of each other, or all short): laya pads a call's
-rows to its longest, so a request is never computed at more than twice its own length, and none waits behind
-requests that came after it but for those that share a call ahead of it.
+are of its length group (`length_groups`: rows estimated within 2x of each other, rows under SHORT_ROW tokens
+counted as SHORT_ROW): laya pads a call's rows to its longest, so no row is computed at more than twice its
+estimated length (or 2 x SHORT_ROW), and no request waits behind requests that came after it but for those that
+share a call ahead of it.
 
 What a caller sees does not depend on its neighbours, except in the last bits of a probability (a row of a
 wider, more padded batch): a request alone in the queue is laya's own call for one request (`system_one`,
@@ -46,7 +47,9 @@ DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for nei
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48
-SHORT_ROW = 128              # rows estimated at most this long are one length class (their padding costs little)
+SHORT_ROW = 128              # rows estimated shorter count as this long in length groups (their padding costs little)
+GROUP_RATIO = 2.0            # the longest row of a length group against its shortest
+GROUPED = 256                # queued requests of the oldest one's kind looked at for its length group
 
 # histogram buckets: requests and rows per call, and milliseconds of waiting and of whole requests
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -69,7 +72,7 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     max_queue: int = DEFAULT_MAX_QUEUE
-    length_buckets: bool = True  # a call's requests of one length class (`length_class`): none padded past 2x
+    length_buckets: bool = True  # a call's requests of one length group (`length_groups`): none padded past 2x
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "max_queue"):
@@ -189,13 +192,8 @@ class Work:
 
     @property
     def row_tokens(self) -> int:
-        """Its rows' estimated length."""
-        return self.tokens // max(1, self.rows)
-
-    @property
-    def length_class(self) -> int:
-        """`length_class` of its rows' estimated length."""
-        return length_class(self.row_tokens)
+        """Its rows' estimated length (at least SHORT_ROW: short rows share a call whatever their lengths)."""
+        return max(SHORT_ROW, self.tokens // max(1, self.rows))
 
 
 @dataclass
@@ -207,10 +205,17 @@ class _Entry:
     started: float = 0.0
 
 
-def length_class(row_tokens: int) -> int:
-    """0 for rows of at most SHORT_ROW tokens, then one class per doubling (129-256: 1, 257-512: 2, ...): the rows
-    of one class are within 2x of each other, so a call of one class pads none past twice its length."""
-    return max(0, (int(row_tokens) - 1) // SHORT_ROW).bit_length()
+def length_groups(lengths: Sequence[int]) -> List[int]:
+    """Each length's group: the lengths sorted, a group started at the shortest not yet grouped and holding every
+    length up to twice it. No length of a group is more than twice another's; groups adapt to the lengths present
+    (fixed classes by powers of two split close lengths at their bounds and made more, emptier calls)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    group, start, out = -1, 0, [0] * len(lengths)
+    for i in order:
+        if group < 0 or lengths[i] > GROUP_RATIO * start:
+            group, start = group + 1, lengths[i]
+        out[i] = group
+    return out
 
 
 def state_chars(state: Any) -> int:
@@ -450,9 +455,10 @@ class Batcher:
 
     # ------------------------------------------------------------------ the worker
     def _take(self) -> Optional[_Batch]:
-        """The next call's entries (under the lock): the oldest entry and, if it may share a call, every queued entry
-        with its key and length class (`length_class`, unless `Limits.length_buckets` is off) while the call stays
-        within the limits; the others keep their places. None once closed and drained."""
+        """The next call's entries (under the lock): the oldest entry and, if it may share a call, the queued entries
+        with its key (of the first GROUPED) in its length group (`length_groups`, unless `Limits.length_buckets` is
+        off), oldest first, while the call stays within the limits; the others keep their places. None once closed
+        and drained."""
         limits = self.limits
         self._cv.wait_for(lambda: self._queue or self._closed)
         if not self._queue:
@@ -460,40 +466,32 @@ class Batcher:
         head = self._queue[0]
         if head.job is not None or head.work is None or head.work.key is None:
             return _Batch([self._queue.popleft()])
-        key, cls = head.work.key, self._class(head.work)
-
-        def joins(work: Optional[Work]) -> bool:
-            return work is not None and work.key == key and self._class(work) == cls
-
+        key = head.work.key
         if limits.max_wait_ms > 0:  # let neighbours arrive, up to the wait or until the call is full
             deadline = head.submitted + limits.max_wait_ms / 1000.0
             while not self._closed:
-                rows = sum(e.work.rows for e in self._queue if e.job is None and joins(e.work))
+                rows = sum(e.work.rows for e in self._queue if e.job is None and e.work is not None
+                           and e.work.key == key)
                 left = deadline - time.perf_counter()
                 if rows >= limits.max_rows or left <= 0:
                     break
                 self._cv.wait(left)
-        batch, rest = _Batch(), deque()
-        while self._queue:
-            entry = self._queue.popleft()
+        kind = [e for e in self._queue if e.job is None and e.work is not None and e.work.key == key][:GROUPED]
+        if limits.length_buckets and len(kind) > 1:
+            groups = length_groups([e.work.row_tokens for e in kind])  # type: ignore[union-attr]
+            kind = [e for e, g in zip(kind, groups) if g == groups[0]]  # kind[0] is the head
+        batch = _Batch()
+        for entry in kind:
             work = entry.work
-            fits = (entry.job is None and joins(work)
-                    and (not batch.entries or (batch.rows + work.rows <= limits.max_rows  # type: ignore[union-attr]
-                                               and batch.tokens + work.tokens <= limits.max_tokens)))  # type: ignore
-            if fits:
-                batch.entries.append(entry)
-                batch.rows += work.rows  # type: ignore[union-attr]
-                batch.tokens += work.tokens  # type: ignore[union-attr]
-            else:
-                rest.append(entry)
-                if entry.job is None and joins(work):
-                    break  # the call is full: later requests of its kind keep their places behind this one
-        rest.extend(self._queue)
-        self._queue = rest
+            if batch.entries and (batch.rows + work.rows > limits.max_rows  # type: ignore[union-attr]
+                                  or batch.tokens + work.tokens > limits.max_tokens):  # type: ignore[union-attr]
+                break  # the call is full: later requests keep their places behind this one
+            batch.entries.append(entry)
+            batch.rows += work.rows  # type: ignore[union-attr]
+            batch.tokens += work.tokens  # type: ignore[union-attr]
+        taken = {id(e) for e in batch.entries}
+        self._queue = deque(e for e in self._queue if id(e) not in taken)
         return batch
-
-    def _class(self, work: Work) -> int:
-        return work.length_class if self.limits.length_buckets else 0
 
     def _worker(self) -> None:
         while True:
@@ -574,4 +572,4 @@ class Batcher:
 
 
 __all__ = ["AgentTarget", "Batcher", "BatcherClosed", "Histogram", "Limits", "Overloaded", "RouterTarget", "Stats",
-           "Work", "estimate_tokens", "length_class", "merge_snapshots", "target_for"]
+           "Work", "estimate_tokens", "length_groups", "merge_snapshots", "target_for"]

@@ -146,7 +146,7 @@ def test_a_merged_call_splits_by_row_length_so_short_rows_are_not_padded_to_long
     assert [c[1] for c in one.calls[1:]] == [[short[0], long_[0]]]
 
 
-def test_each_call_is_made_for_the_oldest_request_with_those_of_its_length_class():
+def test_each_call_is_made_for_the_oldest_request_with_those_of_its_length_group():
     agent = Agent()
     b = _held(agent)
     long_, short = ["word " * (300 + i) for i in range(2)], ["s%d" % i for i in range(2)]
@@ -159,11 +159,11 @@ def test_each_call_is_made_for_the_oldest_request_with_those_of_its_length_class
 
 def test_no_call_pads_a_row_past_twice_its_length_and_none_passes_an_older_request_by():
     """Random lengths (20-4,000 characters) and question counts, queued behind a held call: every call's rows are
-    of one length class (within 2x of each other, or all at most SHORT_ROW tokens), every call holds the oldest
-    request not yet answered, and the limits hold."""
+    estimated within 2x of each other (rows under SHORT_ROW tokens counted as SHORT_ROW), every call holds the
+    oldest request not yet answered, and the limits hold."""
     import random
 
-    from laya_aot.runtime.batcher import SHORT_ROW, estimate_tokens, length_class
+    from laya_aot.runtime.batcher import SHORT_ROW, estimate_tokens
 
     rng = random.Random(3)
     agent = Agent()
@@ -181,17 +181,17 @@ def test_no_call_pads_a_row_past_twice_its_length_and_none_passes_an_older_reque
         ids = [index[s] for s in states]
         assert min(ids) == min(set(range(len(reqs))) - served)        # the oldest left is in this call
         served |= set(ids)
-        rows = [estimate_tokens(reqs[i][0], reqs[i][1], None) // len(reqs[i][1]) for i in ids]
-        assert len({length_class(r) for r in rows}) == 1
-        assert max(rows) <= SHORT_ROW or max(rows) < 2 * min(rows)
+        rows = [max(SHORT_ROW, estimate_tokens(reqs[i][0], reqs[i][1], None) // len(reqs[i][1])) for i in ids]
+        assert max(rows) <= 2 * min(rows)
         assert sum(len(reqs[i][1]) for i in ids) <= limits.max_rows or len(ids) == 1
     assert served == set(range(len(reqs))) and len(agent.calls) > 30
 
 
-def test_length_classes_double_from_the_short_rows():
-    from laya_aot.runtime.batcher import length_class
+def test_length_groups_start_at_the_shortest_and_hold_up_to_twice_it():
+    from laya_aot.runtime.batcher import length_groups
 
-    assert [length_class(t) for t in (1, 128, 129, 256, 257, 512, 513, 1024, 1025)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    assert length_groups([300, 128, 250, 257, 600, 129, 601]) == [1, 0, 0, 1, 2, 0, 2]
+    assert length_groups([]) == [] and length_groups([500]) == [0]
 
 
 def test_a_full_queue_refuses_at_once():
