@@ -64,8 +64,8 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BATCH_MAX_TOKENS  estimated tokens in one merged call (default %d)
   LAYA_AOT_BATCH_MAX_WAIT_MS  longest a call's first request waits for neighbours (default %g: none)
   LAYA_AOT_BATCH_QUEUE     requests waiting for a call; one more gets laya's 503 at once (default %d)
-  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call's requests split by their rows' estimated length, none
-                           padded to more than twice its own (short rows are not padded to long ones); 0: one call
+  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call holds requests whose rows are estimated within 2x of each
+                           other (short rows are not padded to long ones); 0: requests of any length share a call
   LAYA_AOT_METRICS         1: GET /metrics in Prometheus's text format, authorised as /v1/aot (default 0)
   LAYA_AOT_WORKERS         worker processes answering on LAYA_PORT (default 1), each a whole server with its
                            own copy of every resident model on the same device: more requests/s where one

@@ -10,7 +10,7 @@ one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothin
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
 LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
-LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call's requests split by row length; 0: one call), and
+LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call holds requests of one length group; 0: of any length), and
 LAYA_AOT_METRICS (0, the default; 1: `GET /metrics` in Prometheus's text format).
 """
 from __future__ import annotations
