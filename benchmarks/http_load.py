@@ -394,7 +394,7 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
             bodies = [json.dumps(r).encode() for r in reqs]
             ref = _alone(srv.port, bodies)
             for c in a.clients:  # warm-up: every level's call shapes seen (and captured as CUDA graphs) before
-                load(srv.port, bodies, c, min(0.6, a.seconds), a.client_procs)
+                load(srv.port, bodies, c, min(1.0, a.seconds), a.client_procs)
             levels = []
             for c in a.clients:
                 with GpuSampler() if gpu else _Null() as sampler:
@@ -501,7 +501,7 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
                 for name, submit in engines.items():
                     levels = []
                     for c in a.clients:  # warm-up: every level's call shapes seen (and captured) before
-                        _callers(submit, reqs, c, min(0.6, a.seconds))
+                        _callers(submit, reqs, c, min(1.0, a.seconds))
                     for c in a.clients:
                         lv = _callers(submit, reqs, c, a.seconds)
                         kept = lv.pop("answers")
