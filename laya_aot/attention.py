@@ -143,7 +143,7 @@ def fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_e
     query, key, value = (t.transpose(1, 2) for t in qkv.unbind(dim=-3))
     cos, sin = position_embeddings
     rows, heads, length, dim = query.shape
-    dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    dtype = kernel_dtype(self, query)
     q, k, v = (t.to(dtype) for t in (query, key, value))
     keep = attention_mask if attention_mask is not None else \
         torch.ones(rows, length, dtype=torch.bool, device=query.device)
@@ -155,6 +155,15 @@ def fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_e
         q, k = rotate(q, k, cos, sin)
         out = reference(q, k, v, keep, window, dim ** -0.5)
     return self.out_drop(self.Wo(out.reshape(*input_shape, -1))), None
+
+
+def kernel_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
+    """The dtype the attention takes q, k and v in: the faithful path's matrix-product dtype where the module has one
+    (`model.ExplicitDtypeModel`, no autocast there), else autocast's on a GPU, else the query's."""
+    dtype = getattr(module, "laya_aot_dtype", None)
+    if dtype is not None:
+        return dtype
+    return torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -192,7 +201,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs: Any) -> tuple:
     """transformers' attention interface: query, key, value rows x heads x L x D in; rows x L x heads x D out."""
     rows, heads, length, dim = query.shape
-    dtype = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    dtype = kernel_dtype(module, query)
     q, k, v = (t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous() for t in (query, key, value))
     keep = attention_mask if attention_mask is not None else \
         torch.ones(rows, length, dtype=torch.bool, device=query.device)

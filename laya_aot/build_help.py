@@ -35,6 +35,11 @@ Keys (KEY=VALUE overrides one value):
                           the largest batch an artifact accepts: rows, options per question, tokens
   export.action_head_dtype
                           the dtype of the action head (default fp32)
+  export.precision        how a 16-bit artifact computes: faithful (default: fp32 but for the matrix products,
+                          which take 16-bit inputs with fp32 accumulation, fp16 where the checkpoint's measured
+                          activations leave room, else bf16) or laya (autocast in the target dtype, as laya serves)
+  export.fp16_headroom    the faithful path takes fp16 only where the largest activation times this (default 16)
+                          stays below fp16's 65504
   export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
                           rotary embedding fused into it; slower on the H200) or stock
   export.rotary           table (default: the rotary cos/sin read from a table made at export) or computed
@@ -56,6 +61,9 @@ Keys (KEY=VALUE overrides one value):
   verify.tolerance.decisions, verify.tolerance.decisions_alpha
                           a 16-bit artifact's decision suite: its size (default 2048) and the significance
                           level at which it fails for being less faithful to fp32 than laya eager (0.01)
+  verify.tolerance.near_ties, verify.tolerance.near_tie_pool
+                          the statement's near-tie part: up to this many rows whose fp32 top two options are
+                          within the 16-bit error (default 512), found among at most this many seeded rows (8192)
   verify.latency_repeats  calls per artifact when measuring latency
   output_dir              where the bundle goes (default artifacts/<checkpoint name>)
   overwrite               replace output_dir even if laya-aot did not write it (default false)
@@ -83,5 +91,5 @@ def described_keys() -> List[str]:
     """The keys this help names (for the test that keeps it complete)."""
     import re
 
-    return re.findall(r"\b(?:checkpoint|target|export|aoti|stages|verify)\.[a-z_]+(?:\.[a-z_0-9]+)?|\boutput_dir\b|"
+    return re.findall(r"\b(?:checkpoint|target|export|aoti|stages|verify)\.[a-z_0-9]+(?:\.[a-z_0-9]+)?|\boutput_dir\b|"
                       r"\bjobs\b|\boverwrite\b", _TEXT)

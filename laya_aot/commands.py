@@ -157,15 +157,16 @@ def _usable_here(bundle: Path, art: Artifact, here) -> str:
 
 def _probe_here(art: Artifact, here) -> Optional[str]:
     """What a start here does about a native artifact's probe child (`probe.cached_verdict`): "cached" (an earlier
-    start here probed it), "shipped" (the build's verdict fits this machine: no child) or "child" (one runs on the
-    first start); None for kinds without one."""
+    start here probed it), "shipped" (the build's verdict fits this machine: a start that pins the bundle runs no
+    child, an unpinned one does) or "child" (one runs on the first start); None for kinds without one."""
     from . import kinds
-    from .probe import cached_verdict
+    from .probe import cached_verdict, shipped_verdict
 
     if not art.built or not kinds.get(art.kind).native:
         return None
-    verdict = cached_verdict(art, here.machine, here.device)
-    return "child" if verdict is None else "shipped" if verdict.get("shipped") else "cached"
+    if cached_verdict(art, here.machine, here.device) is not None:
+        return "cached"
+    return "shipped" if shipped_verdict(art, here.machine, here.device) is not None else "child"
 
 
 def _guarded(name: str, run: Callable[[], int]) -> int:
@@ -240,6 +241,7 @@ def _inspect(a: argparse.Namespace) -> int:
                      "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
                      "tie_margin": v.tie_margin() if v else None,
                      "decisions": dataclasses.asdict(v.decisions) if v and v.decisions else None,
+                     "precision": dataclasses.asdict(e.precision) if e.precision else None,
                      "here": _usable_here(Path(a.bundle), e, here), "probe_here": _probe_here(e, here)})
     if a.json:
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
@@ -253,8 +255,12 @@ def _inspect(a: argparse.Namespace) -> int:
         con.print(_artifact_table(title, rows, m.artifacts))
     else:
         con.print(_artifact_list(title, rows, m.artifacts) + "\n", soft_wrap=not con.is_terminal)
-    con.print("decisions: a 16-bit artifact's top options on the seeded decision suite agreeing with fp32's, and "
-              "laya's eager forward's in the same dtype (p: the one-sided exact McNemar test, %s). near-tie margin: "
+    con.print("dtype: what the agents it serves run in, and how it computes (faithful: fp32 but for the matrix "
+              "products, in the dtype named; laya: as laya serves). decisions: a 16-bit artifact's top options "
+              "agreeing with fp32's on the seeded decision suite and on its near ties (rows whose fp32 top two "
+              "options are within the 16-bit error), beside laya's eager forward's in the dtype its products run in "
+              "(and as laya serves, where that differs; p: the one-sided exact McNemar test of each part, %s). "
+              "near-tie margin: "
               "with near_ties=\"call\" or \"rows\" (off by default), a row whose top two option probabilities "
               "are closer than this is answered by laya's eager forward" % "artifact fails below alpha",
               soft_wrap=True)
@@ -290,7 +296,9 @@ def _torch_needed(artifacts: List[Artifact], here: str) -> Optional[str]:
         for version, names in sorted(by_torch.items())), here)
 
 
-_PROBE_WORDS = {"cached": "none (probed here before)", "shipped": "none (the build's verdict fits this machine)",
+_PROBE_WORDS = {"cached": "none (probed here before)",
+                "shipped": "none when the start pins the bundle (the build's verdict fits this machine), else one on "
+                           "the first start",
                 "child": "runs on the first start (no verdict for this machine yet)"}
 # below this many columns the table's thirteen columns fold every cell: a list reads better
 TABLE_WIDTH = 170
@@ -350,6 +358,7 @@ def _cells(r: Dict[str, Any]) -> Dict[str, str]:
         "argmax": "%.1f%%" % (100 * r["argmax_agreement"]) if r["argmax_agreement"] is not None else "-",
         "margin": "%.2g" % r["tie_margin"] if r["tie_margin"] is not None else "-",
         "decisions": _decisions_cell(r["decisions"]),
+        "dtype": _dtype_cell(r),
         "here": "[green]usable[/]" if r["here"] == "usable" else "[red]%s[/]" % escape(r["here"]),
     }
 
@@ -357,8 +366,28 @@ def _cells(r: Dict[str, Any]) -> Dict[str, str]:
 def _decisions_cell(d: Optional[Dict[str, Any]]) -> str:
     if not d:
         return "-"
-    return "%.1f%% of %d (laya eager %.1f%%, p %.2g)" % (100 * d["artifact"], d["decisions"],
-                                                        100 * d["eager_in_dtype"], d["p_value"])
+    text = _decision_part(d)
+    if d.get("near_ties"):
+        text += "; near ties " + _decision_part(d["near_ties"])
+    return text
+
+
+def _decision_part(d: Dict[str, Any]) -> str:
+    """One part of a decision statement: the artifact's agreement with fp32, laya eager's it is paired with (in its
+    products' dtype where that is not the agents'), and laya eager's as it serves beside."""
+    eager = "laya eager %s%.1f%%" % ("%s " % d["compared_with"] if d.get("compared_with") else "",
+                                     100 * d["eager_in_dtype"])
+    if d.get("laya_serving") is not None:
+        eager += ", as served %.1f%%" % (100 * d["laya_serving"])
+    return "%.1f%% of %d (%s, p %.2g)" % (100 * d["artifact"], d["decisions"], eager, d["p_value"])
+
+
+def _dtype_cell(r: Dict[str, Any]) -> str:
+    """The agents' dtype, and how the artifact computes where the manifest says (`manifest.Precision`)."""
+    p = r["precision"]
+    if not p or p["gemm"] == "fp32":
+        return str(r["dtype"])
+    return "%s (%s, %s products)" % (r["dtype"], p["policy"], p["gemm"])
 
 
 def _artifact_table(title: str, rows: List[Dict[str, Any]], artifacts: List[Artifact]) -> Table:
@@ -369,7 +398,7 @@ def _artifact_table(title: str, rows: List[Dict[str, Any]], artifacts: List[Arti
         t.add_column(col, overflow="fold")
     for r, e in zip(rows, artifacts):
         c = _cells(r)
-        t.add_row(r["name"], str(r["variant"]), str(r["dtype"]), c["size"], str(r["status"]), c["diff"], c["eager"],
+        t.add_row(r["name"], str(r["variant"]), c["dtype"], c["size"], str(r["status"]), c["diff"], c["eager"],
                   c["allowed"], c["argmax"], c["decisions"], c["margin"], _build_latency(e), c["here"])
     return t
 
@@ -379,10 +408,11 @@ def _artifact_list(title: str, rows: List[Dict[str, Any]], artifacts: List[Artif
     lines = [title]
     for r, e in zip(rows, artifacts):
         c = _cells(r)
-        lines += ["", "%s: %s, %s, %s, %s" % (r["name"], r["status"], r["dtype"], c["size"], r["variant"]),
+        lines += ["", "%s: %s, %s, %s, %s" % (r["name"], r["status"], c["dtype"], c["size"], r["variant"]),
                   "  max |dp| option / action: %s (allowed %s), argmax agreement %s; laya eager in dtype: %s"
                   % (c["diff"], c["allowed"], c["argmax"], c["eager"]),
                   "  decisions vs fp32: %s" % c["decisions"],
+                  "  computes: %s" % ((r["precision"] or {}).get("reason") or "as laya serves in %s" % r["dtype"]),
                   "  near-tie margin: %s; build latency: %s" % (c["margin"], _build_latency(e)),
                   "  on this machine: %s" % c["here"]]
     return "\n".join(lines)
@@ -494,7 +524,8 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, machines: Dict[str
     try:
         runner = kind.load(artifact_path(a.bundle, e), e, kinds.LoadEnv(device=e.device, tensors=tensors,
                                                                           model=model))
-        res = verification.verify_artifact(runner, e.dtype, reference(e.ranges), e.device, label=e.name)
+        res = verification.verify_artifact(runner, e.dtype, reference(e.ranges), e.device, label=e.name,
+                                           gemm=e.precision.gemm if e.precision else None)
     except Exception as exc:  # noqa: BLE001 - reported in the table as this artifact's failure
         t.add_row(e.name, "ok", "[red]FAILED[/] %s: %s" % (type(exc).__name__, exc))
         return 1

@@ -3,6 +3,11 @@
 Kept apart from the manifest and the checkpoint so that both can hash files without importing each
 other. Digests of large files are cached keyed by the file's (size, mtime, ctime, inode): any write to
 the file changes its ctime, which no tool can set back, so a cached digest is never stale.
+
+A cache entry is a hint, never an authority: every module reads its entries through `read_cache_bytes` or
+`read_cache_json`, which answer None (a miss: the caller recomputes) for anything but a regular file of a bounded
+size holding what the caller expects, typed strictly. A damaged, swapped or hand-made entry, a FIFO, a link (to
+/dev/zero or anywhere) or a directory in its place can make a start slower, never wrong, hung or dead.
 """
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
+import stat
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,115 @@ def cache_dir() -> Path:
     root = os.environ.get("LAYA_AOT_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "laya-aot")
     return Path(root)
+
+
+# the most bytes a cache entry of laya-aot's may hold (a verdict, a digest, a start cost, a tokenizer snapshot's
+# facts: all under a few KiB); a caller with larger entries passes its own bound
+MAX_CACHE_ENTRY_BYTES = 1 << 20
+
+
+def read_cache_bytes(path: str | os.PathLike, max_bytes: int = MAX_CACHE_ENTRY_BYTES) -> Optional[bytes]:
+    """The bytes of a cache entry, or None (a miss) unless it is a regular file of at most `max_bytes`.
+
+    The entry is opened without following a link and without blocking (a FIFO in its place opens at once and
+    is refused by its type), and never more than `max_bytes` + 1 bytes are read (a file that grows meanwhile
+    is refused too): whatever is at `path`, this returns within a read of `max_bytes`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a link (ELOOP), a directory opened oddly, no permission: a miss
+        _not_used(path, "it cannot be opened as a file (%s)" % (e.strerror or e))
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _not_used(path, "it is not a regular file")
+            return None
+        if st.st_size > max_bytes:
+            _not_used(path, "it is %d bytes, more than such an entry ever is (%d)" % (st.st_size, max_bytes))
+            return None
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            block = os.read(fd, min(left, _CHUNK))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            _not_used(path, "it grew past %d bytes while it was read" % max_bytes)
+            return None
+        return data
+    except OSError as e:
+        _not_used(path, "it cannot be read (%s)" % (e.strerror or e))
+        return None
+    finally:
+        os.close(fd)
+
+
+# what `read_cache_json` checks a field against: a type, a tuple of types (bool is never an int or a float unless
+# named), or a predicate
+FieldCheck = Union[type, Tuple[type, ...], Callable[[Any], bool]]
+
+
+def finite_number(value: Any) -> bool:
+    """A field check: an int or a float (not a bool), finite."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def sha256_hex(value: Any) -> bool:
+    """A field check: a sha256 as 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _fits(value: Any, check: FieldCheck) -> bool:
+    if isinstance(check, (type, tuple)):
+        types = check if isinstance(check, tuple) else (check,)
+        if isinstance(value, bool) and bool not in types:
+            return False
+        return isinstance(value, types)
+    try:
+        return bool(check(value))
+    except Exception:  # noqa: BLE001 - a predicate that cannot judge a value refuses it
+        return False
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError("%s is not JSON a cache entry holds" % name)
+
+
+def read_cache_json(path: str | os.PathLike, fields: Mapping[str, FieldCheck],
+                    max_bytes: int = MAX_CACHE_ENTRY_BYTES) -> Optional[Dict[str, Any]]:
+    """A cache entry's JSON object when it is one (`read_cache_bytes`) and each of `fields` is present with a value
+    that passes its check, else None (a miss). Valid JSON of another shape, NaN or Infinity, nesting too deep to
+    parse: a miss, never a TypeError or a RecursionError in the caller."""
+    data = read_cache_bytes(path, max_bytes)
+    return None if data is None else parse_cache_json(data, fields, path)
+
+
+def parse_cache_json(data: bytes, fields: Mapping[str, FieldCheck], source: str | os.PathLike
+                     ) -> Optional[Dict[str, Any]]:
+    """`read_cache_json` for bytes already read (`source` names them in the log): what a cache entry would hold."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        _not_used(source, "it is not JSON (%s)" % str(e)[:80])
+        return None
+    if not isinstance(value, dict):
+        _not_used(source, "it holds a JSON %s, not an object" % type(value).__name__)
+        return None
+    for name, check in fields.items():
+        if name not in value or not _fits(value[name], check):
+            _not_used(source, "its %r is %s" % (name, "missing" if name not in value else
+                                               "%s %.40r" % (type(value[name]).__name__, value[name])))
+            return None
+    return value
+
+
+def _not_used(path: str | os.PathLike, why: str) -> None:
+    log.info("laya-aot: cache entry %s not used: %s; recomputed", path, why)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -91,6 +207,7 @@ def _stat_key(path: Path) -> str:
     return "%s:%d:%d:%d:%d" % (path.resolve(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
+_DIGEST_ENTRY_BYTES = 64 << 10  # a digest entry: a path and a sha256
 _DIGESTING: Dict[str, threading.Lock] = {}  # one lock per file and digest being computed (`_cached`)
 _DIGESTING_GUARD = threading.Lock()
 # the piece of a file each thread of `sha256_parts` hashes (what a build records; a check uses the recorded size)
@@ -157,15 +274,14 @@ def _cached(path: Path, name: str, digest_of: Callable[[Path], str]) -> str:
         lock = _DIGESTING.setdefault(key + name, threading.Lock())
     with lock:
         store = cache_dir() / "digests" / (key + (".json" if name == "sha256" else ".%s.json" % name))
-        try:
-            with open(store, encoding="utf-8") as f:
-                return json.load(f)[name]
-        except (OSError, ValueError, KeyError):
-            pass
+        where = str(path.resolve())
+        cached = read_cache_json(store, {name: sha256_hex, "path": str}, _DIGEST_ENTRY_BYTES)
+        if cached is not None and cached["path"] == where:  # the path: an entry copied from another file's is not
+            return cached[name]                               # this one's
         digest = digest_of(path)
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(store, {"path": str(path.resolve()), name: digest})
+            write_json_atomic(store, {"path": where, name: digest})
         except OSError as e:  # a read-only home must not stop a load
             log.debug("could not cache digest of %s: %s", path, e)
         return digest

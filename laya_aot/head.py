@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import gemm
+
 HEADS = ("answer_rows", "full")
 
 
@@ -41,25 +43,53 @@ def batch_first_ready(attn: torch.nn.Module) -> bool:
 def attention(attn: torch.nn.MultiheadAttention, q_in: torch.Tensor, kv_in: torch.Tensor,
               key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """`attn(q_in, kv_in, kv_in, key_padding_mask=..., need_weights=False)[0]` for batch-first inputs, with the
-    projections on the rows as laid out. key_padding_mask: rows x keys, True (bool) or -inf (float) = not a key."""
+    projections on the rows as laid out. key_padding_mask: rows x keys, True (bool) or -inf (float) = not a key.
+    On the faithful path (`faithful`) the projections are `gemm.linear`'s and the attention takes the weights'
+    16-bit dtype (softmax in fp32 inside SDPA); the result is fp32."""
     e, heads = attn.embed_dim, attn.num_heads
     w, b = attn.in_proj_weight, attn.in_proj_bias
+    faithful = getattr(attn, "laya_aot_faithful", False)
+    name = getattr(attn, "laya_aot_name", "")
+
+    def project(x: torch.Tensor, rows: slice) -> torch.Tensor:
+        bias = None if b is None else b[rows]
+        return gemm.linear(x, w[rows], bias, name + ".in_proj") if faithful else F.linear(x, w[rows], bias)
+
     if q_in is kv_in:
-        q, k, v = F.linear(q_in, w, b).chunk(3, -1)
+        q, k, v = project(q_in, slice(None)).chunk(3, -1)
     else:
-        q = F.linear(q_in, w[:e], None if b is None else b[:e])
-        k, v = F.linear(kv_in, w[e:], None if b is None else b[e:]).chunk(2, -1)
+        q = project(q_in, slice(None, e))
+        k, v = project(kv_in, slice(e, None)).chunk(2, -1)
     n, lq = q.shape[0], q.shape[1]
     q, k, v = (t.reshape(n, t.shape[1], heads, e // heads).transpose(1, 2) for t in (q, k, v))
+    if faithful:
+        q, k, v = (t.to(w.dtype) for t in (q, k, v))
     # laya's own test: 0 (bool False, or the float mask TransformerEncoderLayer makes) = a key to attend
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :] == 0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if faithful:
+        out = out.float()
     return attn.out_proj(out.transpose(1, 2).reshape(n, lq, e))
 
 
 class BatchFirstLayer(torch.nn.TransformerEncoderLayer):
     """laya's head layer with its self-attention computed by `attention` (the stock block where that does not
-    apply); `install` gives the existing layer this class, so its parameters keep their names."""
+    apply); `install` gives the existing layer this class, so its parameters keep their names. `plain` (the
+    faithful path, `faithful`): the layer's plain forward always, never torch's fused encoder-layer kernel, which
+    takes its weights and input in one dtype."""
+
+    plain: bool = False
+
+    def forward(self, src: torch.Tensor, src_mask=None, src_key_padding_mask=None, is_causal: bool = False):
+        if not self.plain or src_mask is not None or is_causal:
+            return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                                   is_causal=is_causal)
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), None, src_key_padding_mask)
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._sa_block(x, None, src_key_padding_mask))
+        return self.norm2(x + self._ff_block(x))
 
     def _sa_block(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor],
                   key_padding_mask: Optional[torch.Tensor], is_causal: bool = False) -> torch.Tensor:
@@ -103,6 +133,28 @@ class AnswerRowsLayer(BatchFirstLayer):
 def answer_rows(marker_pos: torch.Tensor) -> torch.Tensor:
     """Position 0 and every marker position (as laya reads them: clamped at 0), (N, 1 + markers)."""
     return torch.cat([torch.zeros_like(marker_pos[:, :1]), marker_pos.clamp(min=0)], 1)
+
+
+def faithful(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Put laya's DecisionModel `model`'s decision head (a copy's) on the faithful path: every layer a
+    BatchFirstLayer taking its plain forward, the self-attention's projections and the feed-forward's products
+    `gemm.linear`s with their weights in `dtype`. False, changing nothing, where a layer is not the plain
+    `nn.TransformerEncoderLayer` laya builds with the self-attention `attention` computes (its products then stay
+    in fp32, as precise as laya's fp32 forward)."""
+    layers = getattr(getattr(model, "head", None), "layers", None)
+    if not layers:
+        return True
+    if not all(isinstance(layer, torch.nn.TransformerEncoderLayer) and batch_first_ready(layer.self_attn)
+               for layer in layers):
+        return False
+    for i, layer in enumerate(layers):
+        if type(layer) is torch.nn.TransformerEncoderLayer:
+            layer.__class__ = BatchFirstLayer
+        layer.plain = True
+        attn = layer.self_attn
+        attn.laya_aot_faithful, attn.laya_aot_name = True, "head.layers.%d.self_attn" % i
+        gemm.cast_weight(attn, "in_proj_weight", dtype)
+    return True
 
 
 def install(model: torch.nn.Module) -> Optional[AnswerRowsLayer]:

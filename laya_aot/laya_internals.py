@@ -287,14 +287,24 @@ def vocab(agent: Any) -> int:
     return min(int(agent.model.encoder.config.vocab_size), len(agent.tok))
 
 
+def embedding_rows(agent: Any) -> Optional[int]:
+    """The encoder's embedding rows (None: a stand-in agent with no encoder config)."""
+    rows = getattr(getattr(getattr(agent.model, "encoder", None), "config", None), "vocab_size", None)
+    return None if rows is None else int(rows)
+
+
 def embedding_rows_short(agent: Any) -> Optional[int]:
     """The encoder's embedding rows when laya's tokenizer can make ids past them (tokens added to the tokenizer
-    without resizing the embeddings), else None (also for a stand-in agent with no encoder or tokenizer)."""
-    rows = getattr(getattr(getattr(agent.model, "encoder", None), "config", None), "vocab_size", None)
+    without resizing the embeddings, or a special token laya inserts with an id past them), else None (also for a
+    stand-in agent with no encoder or tokenizer)."""
+    rows = embedding_rows(agent)
     tok = getattr(agent, "tok", None)
     if rows is None or tok is None:
         return None
-    return int(rows) if len(tok) > int(rows) else None
+    ids = [getattr(tok, name, None) for name in ("cls_token_id", "sep_token_id", "mask_token_id", "pad_token_id")]
+    if len(tok) > rows or any(i is not None and not 0 <= i < rows for i in ids):
+        return rows
+    return None
 
 
 def context_len(agent: Any) -> int:
@@ -576,6 +586,9 @@ def _install_thin_hooks() -> None:
                 stamp = (os.path.abspath(tok_dir), os.path.getmtime(os.path.join(tok_dir, "tokenizer_config.json")))
             except OSError:
                 return tokenizer_original(tok_dir, cfg)
+            ready = getattr(_THIN, "before_tokenizer", None)
+            if ready is not None:  # the loader's say on the bundle's snapshot (`runtime/loader._Seed`) comes first
+                ready()
             snap = tokenizer_snapshot.load(tok_dir, lambda: tokenizer_original(tok_dir, cfg))
             if snap is not None:
                 return snap
@@ -605,21 +618,23 @@ def _install_thin_hooks() -> None:
         laya.agent._load_tokenizer = load_tokenizer
 
 
-def thin_agent(checkpoint: str, **kwargs: Any) -> Any:
+def thin_agent(checkpoint: str, before_tokenizer: Optional[Callable[[], None]] = None, **kwargs: Any) -> Any:
     """A `laya.Agent` made by laya's own constructor whose model is a shell of meta tensors (no weights read).
 
     Its forward must be replaced (an artifact's backend) before any call; `build_eager_module` makes the
-    real module when laya's eager forward is needed."""
+    real module when laya's eager forward is needed. `before_tokenizer` is called (in this thread) just before
+    the agent's tokenizer is looked up."""
     import os
 
     import laya
 
     _install_thin_hooks()
     _THIN.on, _THIN.weights = True, os.path.join(checkpoint, "model.safetensors")
+    _THIN.before_tokenizer = before_tokenizer
     try:
         agent = laya.load(checkpoint, **kwargs)
     finally:
-        _THIN.on = False
+        _THIN.on, _THIN.before_tokenizer = False, None
     agent.model.__dict__.pop("to", None)
     return agent
 
@@ -732,7 +747,7 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 __all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable",
            "aot_router_class", "bucket_rows",
            "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
-           "embedding_rows_short", "head_attention_classes",
+           "embedding_rows", "embedding_rows_short", "head_attention_classes",
            "install_backend", "is_thin",
            "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
            "router_agent_kwargs", "serve_settings", "serving_dtype", "serving_paused", "set_model",

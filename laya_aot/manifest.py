@@ -126,8 +126,9 @@ class FileRecord:
 
 @dataclass
 class ProbeVerdict:
-    """The build's passing probe of a native artifact (`probe.verdict_key`): a start on a machine whose facts give
-    the same key takes it as its own cached verdict instead of running a probe child (`probe.cached_verdict`)."""
+    """The build's passing probe of a native artifact (`probe.verdict_key`): a start of a pinned bundle on a machine
+    whose facts give the same key takes it instead of running a probe child (`probe.cached_verdict`); an unpinned
+    one runs the child (the key's inputs are public)."""
 
     # sha256 of the entry's loaded fields, the build machine's facts, the device and the probe's version
     key: str
@@ -136,8 +137,29 @@ class ProbeVerdict:
 
 
 @dataclass
+class Precision:
+    """How an artifact computes (`export.precision`, `precision.gemm_dtype`): its policy, the dtype of its matrix
+    products and why; for a measured choice, the largest |input| and |output| of a product on the verify suite's
+    cases in fp32 and the headroom fp16 had to leave."""
+
+    policy: str = field(metadata=_choices("faithful", "laya"))
+    gemm: str = field(metadata=_choices(*DTYPES))
+    reason: str = ""
+    max_abs_gemm_input: Optional[float] = None
+    max_abs_gemm_output: Optional[float] = None
+    fp16_headroom: Optional[float] = None
+
+    def describe(self) -> str:
+        if self.policy == "laya":
+            return "laya's policy (%s products under autocast)" % self.gemm
+        return "faithful: %s products, fp32 elsewhere" % self.gemm
+
+
+@dataclass
 class Artifact:
-    """One artifact of a bundle: where it is, what it needs, what it is, and how it verified."""
+    """One artifact of a bundle: where it is, what it needs, what it is, and how it verified. `dtype` is the dtype
+    of the agents it serves (what laya serves the checkpoint in); `precision`, how it computes (None: as laya serves
+    in `dtype`, every artifact built before `export.precision`)."""
 
     name: str
     kind: str
@@ -148,6 +170,7 @@ class Artifact:
     variant: Optional[str] = None
     dtype: Optional[str] = field(default=None, metadata=_choices(*DTYPES))
     action_head_dtype: Optional[str] = field(default=None, metadata=_choices(*DTYPES))
+    precision: Optional[Precision] = None
     ranges: Optional[Ranges] = None
     sha256: Optional[str] = None
     size: Optional[int] = None
@@ -418,6 +441,14 @@ def _value_problem(a: Artifact, at: str) -> Optional[str]:
             return bad("verify.rows_compared", "a count of rows", v.rows_compared)
         if not seconds(v.seconds):
             return bad("verify.seconds", "a duration in seconds", v.seconds)
+    p = a.precision
+    if p is not None:
+        for name in ("max_abs_gemm_input", "max_abs_gemm_output"):
+            v = getattr(p, name)
+            if v is not None and not (math.isfinite(v) and v >= 0.0):
+                return bad("precision." + name, "a finite number >= 0", v)
+        if p.fp16_headroom is not None and not (math.isfinite(p.fp16_headroom) and p.fp16_headroom >= 1.0):
+            return bad("precision.fp16_headroom", "a finite factor >= 1", p.fp16_headroom)
     if not seconds(a.build_seconds):
         return bad("build_seconds", "a duration in seconds", a.build_seconds)
     if a.size is not None and a.size < 0:

@@ -3,9 +3,12 @@
 A native artifact can kill the process that loads it (an AOTInductor package built with the wrong
 compiler segfaults inside the loader), and a segfault cannot be caught. So the first time an artifact
 meets a machine, a child process loads it, runs one small batch and reports; the verdict is cached on
-disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing. The build probes
-every native artifact the same way and ships its passing verdict's key in the manifest: a first start on a
-machine whose facts give the same key (the build's GPU, torch, Python, CPU ISA) takes it instead of a child.
+disk keyed by the artifact's sha256 and the machine's facts, so later starts pay nothing. The boundary is the
+machine's: native code of a bundle runs in the service process only after this machine's own child passed it,
+or when the caller pinned the bundle (`bundle_sha256`). The build probes every native artifact the same way and
+ships its passing verdict's key in the manifest; a first start of a pinned bundle on a machine whose facts give
+the same key (the build's GPU, torch, Python, CPU ISA) takes it instead of a child. An unpinned manifest's verdict
+is never taken: its key's inputs are public, so any manifest can carry one that matches.
 
 Run as a module it is the child: `python -m laya_aot.probe BUNDLE CHECKPOINT DEVICE`, with the artifact's
 manifest entry (exactly the one the parent checked) in the file $LAYA_AOT_PROBE_ENTRY_FILE names, its sha256 in
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from .errors import LayaAotError
-from .files import cache_dir, write_json_atomic
+from .files import cache_dir, read_cache_json, write_json_atomic
 from .manifest import Artifact
 from .variant import Machine
 
@@ -144,8 +147,8 @@ class Pending:
 
 
 ENV_AHEAD = "LAYA_AOT_PROBE_AHEAD"
-# "0": the build's shipped verdicts are not taken; every machine's first start runs the child (a fleet whose
-# drivers or system libraries differ from the build machine's, which the machine's facts leave out)
+# "0": the build's shipped verdicts are not taken even for a pinned bundle; every machine's first start runs the
+# child (a fleet whose drivers or system libraries differ from the build machine's, which its facts leave out)
 ENV_SHIPPED = "LAYA_AOT_PROBE_SHIPPED"
 
 WAIT_S = 300.0  # how long a child started ahead waits for its artifact before it exits on its own
@@ -229,31 +232,45 @@ def _end(proc: subprocess.Popen) -> None:
         pass
 
 
-def cached_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[Dict[str, Any]]:
-    """The verdict an earlier start recorded for `entry` on this machine, else the build's passing one where the
-    build's machine had this machine's facts (`Artifact.probe_verdict`: read from the bundle at every start, never
-    copied into the cache); None: a probe child will run."""
-    key = verdict_key(entry, machine, device)
-    path = verdict_path(entry, machine, device, key)
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        cached = None
-    if isinstance(cached, dict) and (cached.get("reason") is None or isinstance(cached.get("reason"), str)):
-        return cached
+def cached_verdict(entry: Artifact, machine: Machine, device: str, pinned: bool = False
+                   ) -> Optional[Dict[str, Any]]:
+    """The verdict an earlier start's child recorded for `entry` on this machine, else, for a `pinned` bundle only,
+    the build's passing one where the build's machine had this machine's facts (`shipped_verdict`); None: a probe
+    child will run."""
+    own = _recorded_verdict(entry, verdict_path(entry, machine, device))
+    if own is not None or not pinned:
+        return own
+    return shipped_verdict(entry, machine, device)
+
+
+def _recorded_verdict(entry: Artifact, path: Path) -> Optional[Dict[str, Any]]:
+    """The verdict `_collect` wrote at `path` for `entry` (None: none, or not one: `files.read_cache_json`). An entry
+    naming another artifact or sha256 (copied from another key's) is not this one's."""
+    cached = read_cache_json(path, {"reason": (str, type(None)), "graphs": (str, type(None)), "artifact": str,
+                                    "sha256": str})
+    if cached is None or cached["artifact"] != entry.name or cached["sha256"] != entry.sha256:
+        return None
+    return cached
+
+
+def shipped_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[Dict[str, Any]]:
+    """The build's passing verdict shipped in the entry (`Artifact.probe_verdict`, read from the bundle at every
+    start, never copied into the cache) where its key is this machine's: a hint that only a pinned bundle may take
+    (`cached_verdict`), since anyone can recompute a key from the entry and the machine's published facts."""
     shipped = entry.probe_verdict  # keyed by the build with the artifact's device type: cuda:1's is cuda's
     if shipped is None or _off(ENV_SHIPPED):
         return None
     device_type = str(device).split(":")[0]
-    if shipped.key != (key if device_type == device else verdict_key(entry, machine, device_type)):
+    if shipped.key != verdict_key(entry, machine, device_type):
         return None
     return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 
 
-def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine) -> Pending:
-    """Start the probe child for `entry` (or read its cached verdict) without waiting for it."""
+def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
+          pinned: bool = False) -> Pending:
+    """Start the probe child for `entry` (or read its cached verdict: `cached_verdict`) without waiting for it."""
     path = verdict_path(entry, machine, device)
-    cached = cached_verdict(entry, machine, device)
+    cached = cached_verdict(entry, machine, device, pinned)
     if cached is not None:
         return Pending(entry, path, machine, device, cached=cached)
     try:
@@ -384,9 +401,9 @@ def _collect(pending: Pending, stats: Dict[str, Any]) -> Optional[str]:
 
 
 def probe(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
-          stats: Optional[Dict[str, Any]] = None) -> Optional[str]:
+          stats: Optional[Dict[str, Any]] = None, pinned: bool = False) -> Optional[str]:
     """None when the artifact loads and runs in a child process on this machine, else the reason."""
-    return finish(start(bundle, entry, checkpoint, device, machine), stats)
+    return finish(start(bundle, entry, checkpoint, device, machine, pinned), stats)
 
 
 def _wait_for_artifact() -> int:

@@ -1,4 +1,4 @@
-"""laya's tokenizer without importing transformers: a snapshot of it, proven equal on this machine.
+"""laya's tokenizer without importing transformers: the checkpoint's tokenizer files read directly, proven equal.
 
 A thin start needs laya's tokenizer, and `from transformers import PreTrainedTokenizerFast` alone costs
 0.5-0.7 s of every start (transformers scans its whole model tree to build its lazy import table), a
@@ -6,14 +6,19 @@ quarter of a CPU start and time that competes with the artifact's load for the G
 path asks of its tokenizer is small: `tok(text or texts, add_special_tokens=False[, truncation=True,
 max_length=N])["input_ids"]`, `tok.decode(ids)`, the special tokens and their ids, and `len(tok)`.
 
-So the first start on a machine loads the real tokenizer (laya's path) and stores a snapshot of it in the
-per-machine cache: the Rust backend exactly as transformers set it up (`to_str()`, with its added tokens and
-flags), the special tokens, and how its `decode` cleans up. The snapshot is written only after it gave the
-real tokenizer's answers on a fixed set of texts (encode one and many, truncated, decode of whole and cut id
-lists), and it is keyed by the tokenizer directory's bytes and the versions of transformers, tokenizers and
-laya, so an upgrade or an edited tokenizer makes a new one. Later starts build `SnapshotTokenizer` from it
-with `tokenizers` alone. Anything it does not answer itself (other keyword arguments, `save_pretrained`,
-tensors) goes to the real tokenizer, loaded on first such use.
+`derive` answers those from the checkpoint's tokenizer files alone, with `tokenizers`: the Rust backend from
+tokenizer.json, the special tokens and settings from tokenizer_config.json and special_tokens_map.json as
+transformers reads them, each special token's id from that backend. Whether that is exactly transformers'
+tokenizer is proven once per machine (or by the build): the first start loads the real tokenizer (laya's path)
+and `make` checks the derived one against it (the same backend, the same facts, the same answers on a fixed set
+of texts: encode one and many, truncated, decode of whole and cut id lists). Only then is a snapshot stored in
+the per-machine cache, keyed by the tokenizer directory's bytes and the versions of transformers, tokenizers and
+laya. It holds the derived facts (no vocabulary): a later start derives them again from the files, and uses the
+derived tokenizer only when they match the snapshot's. So the cache vouches only that the proof ran for these
+files; what is used comes from the files, and a snapshot of another tokenizer, a swapped id or a special token
+out of range (an edited entry, or one a bundle shipped) is refused with a message naming the entry, and the
+real tokenizer serves that start and replaces it. Anything `SnapshotTokenizer` does not answer itself (other
+keyword arguments, `save_pretrained`, tensors) goes to the real tokenizer, loaded on first such use.
 """
 from __future__ import annotations
 
@@ -21,23 +26,30 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import threading
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from .files import cache_dir, cached_sha256, sha256_tree, write_bytes_atomic
+from .files import cache_dir, cached_sha256, parse_cache_json, read_cache_json, sha256_tree, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the facts derived from the files, no backend (1 stored the backend itself)
+# a snapshot holds a few hundred bytes of facts; anything much larger is not one
+MAX_SNAPSHOT_BYTES = 64 << 10
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _VERSIONED = ("transformers", "tokenizers", "laya")
 _LOCK = threading.Lock()
 _LOADED: Dict[str, "SnapshotTokenizer"] = {}  # one per snapshot key per process, like laya's own cache
 _REFUSED: set = set()  # keys whose tokenizer the snapshot cannot reproduce: checked once per process
 _OWN = frozenset(("_backend", "_special", "_len", "_cleanup", "_names", "_right", "_load_real", "_real",
-                  "_real_lock"))
+                  "_real_lock", "_source"))
+_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the fields of a call the snapshot answers
+# transformers' own defaults for what tokenizer_config.json leaves out (PreTrainedTokenizerBase); a transformers
+# with others gets no snapshot (`make` finds the difference) until these follow it
+_DEFAULT_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 # The texts a snapshot must answer exactly as the real tokenizer before it is stored: words, punctuation that
 # transformers' clean-up rewrites, whitespace runs, accents, scripts, emoji, control characters, the special
@@ -99,20 +111,18 @@ class Encoded(dict):
 
 
 class SnapshotTokenizer:
-    """laya's tokenizer answered from a stored snapshot (module docstring); the real one on anything else."""
+    """laya's tokenizer answered from the checkpoint's tokenizer files (`derive`, proven by a snapshot: module
+    docstring); the real one on anything else."""
 
-    def __init__(self, snap: Dict[str, Any], load_real: Callable[[], Any]):
-        from tokenizers import Tokenizer
-
-        self._backend = Tokenizer.from_str(snap["backend"])
-        self._backend.no_truncation()
-        self._backend.no_padding()
-        self._backend.encode_special_tokens = bool(snap["encode_special_tokens"])
-        self._special: Dict[str, Any] = dict(snap["special"])
-        self._len = int(snap["len"])
-        self._cleanup = bool(snap["decode_cleanup"])
-        self._names: List[str] = list(snap["model_input_names"])
-        self._right = snap["truncation_side"] == "right"
+    def __init__(self, derived: "Derived", load_real: Callable[[], Any], source: Optional[Path] = None):
+        facts = derived.facts
+        self._backend = derived.backend
+        self._special: Dict[str, Any] = dict(facts["special"])
+        self._len = int(facts["len"])
+        self._cleanup = bool(facts["decode_cleanup"])
+        self._names: List[str] = list(facts["model_input_names"])
+        self._right = facts["truncation_side"] == "right"
+        self._source = source  # the cache entry it was checked against (None: made here)
         self._load_real, self._real, self._real_lock = load_real, None, threading.Lock()
 
     # what laya's serving path reads
@@ -188,22 +198,120 @@ def _same(obj: Any) -> Any:
     return obj
 
 
-def _snapshot_of(real: Any) -> Dict[str, Any]:
+class Derived(NamedTuple):
+    """What `derive` reads from a checkpoint's tokenizer files: the backend and the facts a snapshot records."""
+
+    backend: Any  # tokenizers.Tokenizer, no truncation or padding, special tokens encoded as the config says
+    facts: Dict[str, Any]
+
+
+class Underivable(ValueError):
+    """The tokenizer files say something `derive` does not read as transformers does: no snapshot for them."""
+
+
+def _json_file(path: str, missing: Any) -> Any:
+    if not os.path.exists(path):
+        return missing
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _content(value: Any) -> Optional[str]:
+    """A special token as tokenizer_config.json or special_tokens_map.json spell it: a string or an AddedToken's."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise Underivable("a special token written as %.60r" % (value,))
+
+
+def derive(tok_dir: str) -> Derived:
+    """The tokenizer laya's serving path needs, read from the files in `tok_dir` alone (module docstring), as
+    transformers' fast tokenizer reads them; raises Underivable (or OSError, ValueError) where it cannot."""
+    from tokenizers import Tokenizer
+
+    config = _json_file(os.path.join(tok_dir, "tokenizer_config.json"), {})
+    named = _json_file(os.path.join(tok_dir, "special_tokens_map.json"), {})  # transformers: this one wins
+    if not isinstance(config, dict) or not isinstance(named, dict):
+        raise Underivable("tokenizer_config.json or special_tokens_map.json is not a JSON object")
+    backend = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    backend.no_truncation()
+    backend.no_padding()
+    special: Dict[str, Any] = {}
+    for name in SPECIAL:
+        tok = _content(named[name] if name in named else config.get(name))
+        tid = None if tok is None else backend.token_to_id(tok)
+        if tok is not None and tid is None:  # transformers adds it to the vocabulary
+            raise Underivable("its %s %r is not in tokenizer.json's vocabulary" % (name, tok))
+        special[name], special[name + "_id"] = tok, tid
+    split = config.get("split_special_tokens", False)
+    side = config.get("truncation_side", "right")
+    names = config.get("model_input_names", _DEFAULT_INPUT_NAMES)
+    cleanup = config.get("clean_up_tokenization_spaces", False)
+    force = config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if not (type(split) is bool and side in ("left", "right") and type(cleanup) is bool and type(force) is bool
+            and isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise Underivable("a setting of tokenizer_config.json of another type than transformers reads")
+    if cleanup and type(backend.model).__name__ == "BPE" and not force:
+        cleanup = False  # transformers' decode skips its clean-up for a BPE model unless forced
+    backend.encode_special_tokens = split
+    return Derived(backend, {"special": special, "len": backend.get_vocab_size(with_added_tokens=True),
+                             "encode_special_tokens": split, "truncation_side": side, "decode_cleanup": cleanup,
+                             "model_input_names": [n for n in names if n in _NAMES]})
+
+
+def _special_record(value: Any) -> bool:
+    ok = isinstance(value, dict) and set(value) == {n + s for n in SPECIAL for s in ("", "_id")}
+    return ok and all(value[n] is None or isinstance(value[n], str) for n in SPECIAL) and \
+        all(value[n + "_id"] is None or type(value[n + "_id"]) is int for n in SPECIAL)
+
+
+# a snapshot as stored: every fact typed (files.read_cache_json), the format this laya-aot writes
+_FIELDS = {"format": lambda v: type(v) is int and v == FORMAT, "special": _special_record,
+           "len": lambda v: type(v) is int and v >= 0, "encode_special_tokens": bool, "decode_cleanup": bool,
+           "truncation_side": str, "model_input_names": lambda v: isinstance(v, list) and
+           all(isinstance(n, str) for n in v)}
+
+
+def _facts_of(real: Any) -> Dict[str, Any]:
+    """The facts of transformers' tokenizer `real` that `derive` reads from the files (the clean-up of its decode
+    is found by the check texts instead)."""
+    special: Dict[str, Any] = {}
+    for name in SPECIAL:
+        tok = getattr(real, name, None)
+        special[name] = None if tok is None else str(tok)
+        special[name + "_id"] = None if tok is None else getattr(real, name + "_id", None)
+    return {"special": special, "len": len(real), "encode_special_tokens": bool(getattr(real, "split_special_tokens",
+                                                                                        False)),
+            "truncation_side": getattr(real, "truncation_side", "right"),
+            "model_input_names": [n for n in getattr(real, "model_input_names", ["input_ids"]) if n in _NAMES]}
+
+
+def _mismatch(stored: Dict[str, Any], facts: Dict[str, Any]) -> Optional[str]:
+    """How a snapshot's facts differ from those derived from the files now (None: they do not)."""
+    if stored["len"] != facts["len"]:
+        return ("it has %d tokens and the checkpoint's tokenizer files %d: it was made from another tokenizer"
+                % (stored["len"], facts["len"]))
+    for name in SPECIAL:
+        mine, theirs = stored["special"], facts["special"]
+        if (mine[name], mine[name + "_id"]) != (theirs[name], theirs[name + "_id"]):
+            return ("its %s is %.40r (id %s), the checkpoint's tokenizer files say %.40r (id %s)"
+                    % (name, mine[name], mine[name + "_id"], theirs[name], theirs[name + "_id"]))
+    for name in ("encode_special_tokens", "truncation_side", "decode_cleanup", "model_input_names"):
+        if stored[name] != facts[name]:
+            return "its %s is %.40r, the checkpoint's tokenizer files give %.40r" % (name, stored[name], facts[name])
+    return None
+
+
+def _backend_of(real: Any, encode_special_tokens: bool) -> str:
+    """transformers' backend as a call the snapshot answers runs it (no truncation or padding), serialised."""
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(real.backend_tokenizer.to_str())
     backend.no_truncation()
     backend.no_padding()
-    special = {}
-    for name in SPECIAL:
-        tok = getattr(real, name, None)
-        special[name] = None if tok is None else str(tok)
-        special[name + "_id"] = None if tok is None else getattr(real, name + "_id", None)
-    return {"format": FORMAT, "backend": backend.to_str(), "special": special, "len": len(real),
-            "encode_special_tokens": bool(getattr(real, "split_special_tokens", False)),
-            "model_input_names": [n for n in getattr(real, "model_input_names", ["input_ids"])
-                                  if n in ("input_ids", "attention_mask", "token_type_ids")],
-            "truncation_side": getattr(real, "truncation_side", "right"), "decode_cleanup": False}
+    backend.encode_special_tokens = encode_special_tokens
+    return backend.to_str()
 
 
 def _differences(snap_tok: SnapshotTokenizer, real: Any, texts: Sequence[str]) -> List[str]:
@@ -230,20 +338,28 @@ def _differences(snap_tok: SnapshotTokenizer, real: Any, texts: Sequence[str]) -
 
 
 def make(tok_dir: str, real: Any) -> Optional[Tuple[str, str]]:
-    """The snapshot of `real` (laya's tokenizer for `tok_dir`) as (key, JSON text) when it answers as `real` does
-    on every check, else None (logged). What the machine cache stores and what a build ships in its bundle."""
+    """The snapshot of `real` (laya's tokenizer for `tok_dir`) as (key, JSON text) when the tokenizer `derive` reads
+    from the files is `real`'s (the same backend and facts, the same answers on every check), else None (logged).
+    What the machine cache stores and what a build ships in its bundle."""
     k = key(tok_dir)
     if k is None or k in _REFUSED or not hasattr(real, "backend_tokenizer"):
         return None
     try:
-        snap = _snapshot_of(real)
-        specials = [v for n, v in snap["special"].items() if not n.endswith("_id") and v]
-        texts = list(_CHECK_TEXTS) + [" ".join(specials)]
-        for cleanup in (False, True):  # which decode the real one does is found, not assumed per version
-            snap["decode_cleanup"] = cleanup
-            bad = _differences(SnapshotTokenizer(snap, lambda: real), real, texts)
+        try:
+            derived = derive(tok_dir)
+        except (Underivable, OSError, ValueError) as e:
+            bad = ["its files (%s)" % e]
+        else:
+            facts = dict(derived.facts)
+            bad = [name for name, value in _facts_of(real).items() if facts[name] != value]
+            if not bad and _backend_of(real, facts["encode_special_tokens"]) != derived.backend.to_str():
+                bad.append("the backend (transformers changed what tokenizer.json says)")
             if not bad:
-                return k, json.dumps(snap)
+                specials = [v for n, v in facts["special"].items() if not n.endswith("_id") and v]
+                bad = _differences(SnapshotTokenizer(derived, lambda: real), real,
+                                   list(_CHECK_TEXTS) + [" ".join(specials)])
+            if not bad:
+                return k, json.dumps(dict(facts, format=FORMAT))
         _REFUSED.add(k)
         log.info("laya-aot: no tokenizer snapshot for %s (it differs from transformers' on %s)",
                  tok_dir, ", ".join(bad[:3]))
@@ -270,9 +386,10 @@ def cached(tok_dir: str) -> bool:
 def seed(tok_dir: str, snap_key: str, text: str) -> Optional[str]:
     """Put a snapshot a build made (a bundle's, `manifest.TokenizerSnapshot`) into this machine's cache, so that
     the first start here reads it instead of importing transformers. It is used only under the key it was
-    proven under: the same tokenizer files and the same transformers, tokenizers and laya versions as here
-    (the check ran against those on the build machine; tokenizers' answers do not depend on the machine).
-    Returns why it was not used (None: the cache holds it now)."""
+    proven under (the same tokenizer files and the same transformers, tokenizers and laya versions as here: the
+    check ran against those on the build machine; tokenizers' answers do not depend on the machine) and only
+    when its facts are those derived from the files here (`_checked`). Returns why it was not used (None: the
+    cache holds it now)."""
     here = key(tok_dir)
     if here is None:
         return "the checkpoint has no readable tokenizer directory"
@@ -281,8 +398,34 @@ def seed(tok_dir: str, snap_key: str, text: str) -> Optional[str]:
                 "these (%s)" % ", ".join("%s %s" % kv for kv in sorted(_versions().items())))
     if _path(here).is_file():
         return None
-    # stored as it is: `load` reads it next (once), and treats an unreadable entry as none (the real tokenizer)
+    data = text.encode("utf-8")
+    stored = parse_cache_json(data, _FIELDS, "the bundle's tokenizer snapshot") \
+        if len(data) <= MAX_SNAPSHOT_BYTES else None
+    if stored is None:
+        return "it is not a tokenizer snapshot this laya-aot reads (format %d)" % FORMAT
+    checked = _checked(tok_dir, stored, "the bundle's tokenizer snapshot", lambda: None)
+    if checked is None:
+        return "it does not match this checkpoint's tokenizer files (the log says how)"
     return None if _write(here, text) is not None else "this machine's laya-aot cache cannot be written"
+
+
+def _checked(tok_dir: str, stored: Dict[str, Any], source: Any, load_real: Callable[[], Any]
+             ) -> Optional[SnapshotTokenizer]:
+    """The tokenizer derived from the files now, when its facts are the snapshot's `stored` ones (None, logged:
+    they are not, or the files cannot be derived from any more)."""
+    try:
+        derived = derive(tok_dir)
+    except (Underivable, OSError, ValueError) as e:
+        log.info("laya-aot: tokenizer snapshot %s not used: the tokenizer files cannot be read as it was proven "
+                 "on (%s)", source, e)
+        return None
+    why = _mismatch(stored, derived.facts)
+    if why is not None:
+        log.warning("laya-aot: tokenizer snapshot %s does not match the checkpoint's tokenizer files in %s (%s); not "
+                    "used: laya's own tokenizer serves, and a snapshot proven against it replaces this one (an "
+                    "edited or swapped entry: deleting it is safe)", source, tok_dir, why)
+        return None
+    return SnapshotTokenizer(derived, load_real, source if isinstance(source, Path) else None)
 
 
 def _write(k: str, text: str) -> Optional[Path]:
@@ -297,22 +440,19 @@ def _write(k: str, text: str) -> Optional[Path]:
 
 
 def load(tok_dir: str, load_real: Callable[[], Any]) -> Optional[SnapshotTokenizer]:
-    """The snapshot tokenizer for `tok_dir` when this machine stored one for these exact files and versions."""
+    """The tokenizer derived from `tok_dir`'s files when this machine proved it for these exact files and versions
+    (its snapshot, checked against them: `_checked`); None: laya's own tokenizer serves."""
     k = key(tok_dir)
     if k is None:
         return None
     with _LOCK:
         if k in _LOADED:
             return _LOADED[k]
-        try:
-            snap = json.loads(_path(k).read_bytes())
-            if not isinstance(snap, dict) or snap.get("format") != FORMAT:
-                return None
-            tok = SnapshotTokenizer(snap, load_real)
-        except FileNotFoundError:
+        path = _path(k)
+        stored = read_cache_json(path, _FIELDS, MAX_SNAPSHOT_BYTES)
+        if stored is None:
             return None
-        except Exception as e:  # noqa: BLE001 - a damaged cache entry costs one real load, never the start
-            log.info("laya-aot: tokenizer snapshot %s not used: %s: %s", _path(k), type(e).__name__, e)
-            return None
-        _LOADED[k] = tok
+        tok = _checked(tok_dir, stored, path, load_real)
+        if tok is not None:
+            _LOADED[k] = tok
         return tok

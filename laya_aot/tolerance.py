@@ -5,13 +5,16 @@ against laya's own eager forward in that dtype, whose distance from fp32 depends
 within max(absolute tolerance, `relative` x that distance), top option agreeing on that share of rows
 minus `argmax_margin`. It also carries a decision statement (`DecisionAgreement`: a one-sided McNemar
 test that it agrees with fp32 as often as laya eager in its dtype), which is why the runtime serves its
-answers at near-ties. The numbers live in the manifest; every check asks `rule_for`.
+answers at near-ties. The statement has two parts: the seeded decision suite (mostly clear decisions, where
+any 16-bit forward agrees with fp32), and its near ties: rows whose fp32 top two options are within the 16-bit
+error (`near_tie_gap`), where a less faithful forward shows, each part tested at half the significance level.
+The numbers live in the manifest; every check asks `rule_for`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 
 def _required() -> Dict[str, Any]:
@@ -35,6 +38,10 @@ class Tolerance:
     # the decision suite of a 16-bit artifact: this many decisions, and the significance level of the test
     decisions: int = 2048
     decisions_alpha: float = 0.01
+    # and its near-tie part: up to this many rows whose fp32 top two options are within the 16-bit error
+    # (`near_tie_gap`), found among at most `near_tie_pool` seeded rows run in fp32; 0 leaves the part out
+    near_ties: int = 512
+    near_tie_pool: int = 8192
 
 
 @dataclass
@@ -99,11 +106,24 @@ def tie_margin(artifact: Agreement, eager_in_dtype: Optional[Agreement] = None) 
 TEST = "one-sided exact McNemar test on paired decisions (artifact vs laya eager in the same dtype, each against fp32)"
 
 
+def near_tie_gap(eager_in_dtype: Agreement) -> float:
+    """The fp32 top-two option gap below which a row is a near tie for 16-bit forwards in a dtype: twice the
+    largest option-probability error of laya's eager forward in that dtype on the verification cases (each of
+    the two options may move by that much). Chosen from fp32 and other cases only, so it favours neither the
+    artifact nor laya eager."""
+    return 2.0 * eager_in_dtype.max_abs_option_prob
+
+
 @dataclass
 class DecisionAgreement:
     """Decisions on the seeded decision suite, each compared with fp32's: the artifact's and laya eager's in the
     same dtype, paired. `p_value`: the chance of the artifact being at least this much worse than laya eager if
-    both were equally faithful (the one-sided exact McNemar test on the decisions where exactly one is wrong)."""
+    both were equally faithful (the one-sided exact McNemar test on the decisions where exactly one is wrong).
+    `near_ties`: the same on the near-tie part (`gap`: its fp32 top-two gap bound); both parts must hold, each
+    tested at `alpha` (half the configured level when both exist). `compared_with`: the dtype of the laya eager
+    forward paired with, where it is not the agents' dtype (a faithful artifact's matrix-product dtype), and
+    `laya_serving` laya eager's agreement in the agents' dtype beside it. The fields after `test` are absent in
+    bundles built before they existed."""
 
     decisions: int
     artifact: float
@@ -113,16 +133,29 @@ class DecisionAgreement:
     p_value: float
     alpha: float
     test: str = TEST
+    near_ties: Optional["DecisionAgreement"] = None
+    gap: Optional[float] = None
+    compared_with: Optional[str] = None
+    laya_serving: Optional[float] = None
 
     @property
     def holds(self) -> bool:
-        return self.p_value >= self.alpha
+        return self.p_value >= self.alpha and (self.near_ties is None or self.near_ties.holds)
+
+    def _part(self) -> str:
+        which = "laya eager in %s" % self.compared_with if self.compared_with else "laya eager in the same dtype"
+        serving = ("; laya eager as it serves: %.2f%%" % (100 * self.laya_serving)
+                   if self.laya_serving is not None else "")
+        return ("%.2f%% of %d (%s: %.2f%%; %d wrong only here, %d only in laya eager; p = %.3g, alpha %.3g%s)"
+                % (100 * self.artifact, self.decisions, which, 100 * self.eager_in_dtype, self.artifact_only_wrong,
+                   self.eager_only_wrong, self.p_value, self.alpha, serving))
 
     def describe(self) -> str:
-        return ("decisions agree with fp32 on %.2f%% of %d (laya eager in the same dtype: %.2f%%; %d wrong only "
-                "here, %d only in laya eager; p = %.3g, alpha %.3g)" % (
-                    100 * self.artifact, self.decisions, 100 * self.eager_in_dtype, self.artifact_only_wrong,
-                    self.eager_only_wrong, self.p_value, self.alpha))
+        text = "decisions agree with fp32 on %s" % self._part()
+        near = self.near_ties
+        if near is not None:
+            text += "; on near ties (fp32 top two within %.3g) on %s" % (near.gap or 0.0, near._part())
+        return text
 
 
 def mcnemar_one_sided(only_artifact_wrong: int, only_eager_wrong: int) -> float:
@@ -134,8 +167,20 @@ def mcnemar_one_sided(only_artifact_wrong: int, only_eager_wrong: int) -> float:
     return tail / 2 ** n
 
 
-def decision_statement(artifact_right: Sequence[bool], eager_right: Sequence[bool], alpha: float) -> DecisionAgreement:
-    """The statement from paired per-decision agreement with fp32 (same decisions, same order)."""
+def decision_statement(artifact_right: Sequence[bool], eager_right: Sequence[bool], alpha: float,
+                       near: Optional[Tuple[Sequence[bool], Sequence[bool], float]] = None) -> DecisionAgreement:
+    """The statement from paired per-decision agreement with fp32 (same decisions, same order); `near`: the
+    near-tie part's (artifact right, laya eager right, gap), left out when it holds no decision. With both parts
+    each is tested at alpha / 2, so an artifact as faithful as laya eager fails at most `alpha` of the time."""
+    if near is not None and len(near[0]):
+        overall = _statement(artifact_right, eager_right, alpha / 2)
+        overall.near_ties = _statement(near[0], near[1], alpha / 2)
+        overall.near_ties.gap = near[2]
+        return overall
+    return _statement(artifact_right, eager_right, alpha)
+
+
+def _statement(artifact_right: Sequence[bool], eager_right: Sequence[bool], alpha: float) -> DecisionAgreement:
     n = len(artifact_right)
     if n != len(eager_right) or n == 0:
         raise ValueError("the decision statement needs the same non-empty decisions for both forwards")

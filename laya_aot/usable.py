@@ -103,4 +103,5 @@ def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dt
         return refused
     if art.needs.device != agent_device:
         return "built for %s, the agent runs on %s" % (art.needs.device, agent_device)
-    return mismatch(art.needs, machine) or precision.why_not(str(art.dtype), serving_dtype, agent_device)
+    return mismatch(art.needs, machine) or precision.why_not(str(art.dtype), serving_dtype, agent_device,
+                                                             art.precision.gemm if art.precision else None)

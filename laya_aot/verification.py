@@ -24,7 +24,7 @@ from . import progress
 from .dtypes import torch_dtype
 from .manifest import SmokeRecord, VerifyResult
 from .padding import Ranges, action_probs, chunks, for_runner, option_probs, pad_batch
-from .tolerance import Agreement, DecisionAgreement, Rule, Tolerance, decision_statement, rule_for
+from .tolerance import Agreement, DecisionAgreement, Rule, Tolerance, decision_statement, near_tie_gap, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -198,23 +198,84 @@ def decision_cases(seed: int, ranges: Ranges, vocab: int, pad_id: int, context: 
     return out
 
 
+def near_tie_pool(seed: int, ranges: Ranges, vocab: int, pad_id: int, context: Optional[int], n: int) -> List[Case]:
+    """`n` seeded candidate rows for the near-tie part: the decision suite's shapes (`decision_cases`), each row's
+    options made alike, as options that differ by little are in real questions: the tokens at and after the first
+    marker (2 to 8 of them) are copied to every other marker, so the options differ in their positions and
+    neighbours only. Which of them are near ties, fp32's forward decides (`near_tie_cases`)."""
+    out = decision_cases(seed, ranges, vocab, pad_id, context, n)
+    g = torch.Generator().manual_seed(seed)
+    for case in out:
+        ids, att, mpos, mmask, _ = case.batch
+        for i in range(ids.shape[0]):
+            length, pos = int(att[i].sum()), mpos[i][mmask[i]].tolist()
+            span = int(torch.randint(2, 9, (1,), generator=g))
+            src = ids[i, pos[0]:min(pos[0] + span, length)].clone()
+            for p in pos[1:]:
+                w = min(len(src), length - p)
+                ids[i, p:p + w] = src[:w]
+    return out
+
+
 def _decisions(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The top option of every row (all rows of the decision suite have two options or more)."""
     return option_probs(logits.float().cpu(), batch[2].shape[1]).argmax(-1)
 
 
+def _row(batch: Batch, i: int) -> Batch:
+    """Row `i` of a batch, cut to its own tokens and markers."""
+    ids, att, mpos, mmask, qtype = batch
+    n, k = int(att[i].sum()), int(mmask[i].sum())
+    return ids[i, :n], att[i, :n], mpos[i, :k], mmask[i, :k], qtype[i:i + 1]
+
+
+def stack_rows(rows: List[Batch], pad_id: int) -> Batch:
+    """Rows cut by `_row` as one batch, padded to its longest row and widest marker count (pad id, masked)."""
+    t, k = max(r[0].shape[0] for r in rows), max(r[2].shape[0] for r in rows)
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    att = torch.zeros((len(rows), t), dtype=torch.long)
+    mpos = torch.zeros((len(rows), k), dtype=torch.long)
+    mmask = torch.zeros((len(rows), k), dtype=torch.bool)
+    for i, (a, b, c, d, _) in enumerate(rows):
+        ids[i, :a.shape[0]], att[i, :b.shape[0]], mpos[i, :c.shape[0]], mmask[i, :d.shape[0]] = a, b, c, d
+    return ids, att, mpos, mmask, torch.cat([r[4] for r in rows])
+
+
+def near_tie_cases(model: torch.nn.Module, pool: List[Case], gap: float, n: int, pad_id: int, device: str,
+                   rows_per_call: int = 32) -> List[Case]:
+    """Up to `n` rows of `pool` whose top two option probabilities in `model`'s fp32 forward on `device` are at most
+    `gap` apart (the near ties: `tolerance.near_tie_gap`), in calls of up to `rows_per_call` rows of similar length.
+    The pool is run in order and only as far as it takes."""
+    found: List[Batch] = []
+    with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        for case in pool:
+            if len(found) >= n:
+                break
+            logits = model(*(x.to(device) for x in case.batch))[0]
+            top2 = option_probs(logits.float().cpu(), case.batch[2].shape[1]).topk(2, -1).values
+            close = ((top2[:, 0] - top2[:, 1]) <= gap).nonzero().flatten().tolist()
+            found += [_row(case.batch, i) for i in close]
+    found = sorted(found[:n], key=lambda r: r[0].shape[0])
+    return [Case("near_ties_%d" % (i // rows_per_call), stack_rows(found[i:i + rows_per_call], pad_id))
+            for i in range(0, len(found), rows_per_call)]
+
+
 class EagerFigures:
-    """laya's eager forward in each 16-bit dtype on one set of cases (and, given one, on the decision suite),
-    per device: computed once each, shared by every artifact of that dtype."""
+    """laya's eager forward in each 16-bit dtype on one set of cases (and, given one, on the decision suite and
+    the near ties found in `pool`), per device: computed once each, shared by every artifact of that dtype."""
 
     def __init__(self, model: torch.nn.Module, case_list: List[Case], references: Dict[str, Batch],
-                 suite: Optional[List[Case]] = None, alpha: float = 0.01):
+                 suite: Optional[List[Case]] = None, alpha: float = 0.01, pool: Optional[List[Case]] = None,
+                 near_ties: int = 0, pad_id: int = 0):
         self._model, self._cases, self._refs = model, case_list, references
         self._done: Dict[Tuple[str, str], Agreement] = {}
         self._suite, self._alpha = suite or [], alpha
-        self._suite_ref: Dict[str, List[torch.Tensor]] = {}
-        self._suite_eager: Dict[Tuple[str, str], List[torch.Tensor]] = {}
         self._models: Dict[str, torch.nn.Module] = {}
+        self._pool, self._near_n, self._pad_id = pool or [], near_ties, pad_id
+        # (device, serving dtype) -> the near-tie cases and their gap
+        self._near: Dict[Tuple[str, str], Tuple[List[Case], float]] = {}
+        # (device, which suite, "fp32" or the autocast dtype) -> laya eager's decisions
+        self._eager: Dict[Tuple[str, str, str], torch.Tensor] = {}
 
     def _on(self, device: str) -> torch.nn.Module:
         """The model on `device` (one copy per device)."""
@@ -225,26 +286,71 @@ class EagerFigures:
             self._models[device] = copy.deepcopy(self._model).to(device)
         return self._models[device]
 
-    def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int) -> Optional[DecisionAgreement]:
-        """The artifact's decisions on the suite against fp32's, paired with laya eager's in `dtype` on the
-        artifact's device (None for fp32, which laya serves as the reference itself, or without a suite)."""
+    def _eager_decisions(self, device: str, dtype: str, suite: List[Case], name: str) -> torch.Tensor:
+        """laya's eager forward's decisions on `suite` (called `name`) on `device`, in fp32 or under autocast in
+        `dtype` as laya's Agent runs it: once per device, suite and dtype."""
+        key = (device, name, dtype)
+        if key not in self._eager:
+            model = self._on(device)  # on the artifact's device: a GPU build's CPU reference would take minutes
+            # autocast keeps its casts of the weights until the outermost autocast region ends, and the caller's
+            # (verify_artifact's, disabled) is still open: without clearing, a run in fp16 after one in bf16 got the
+            # bf16 copies ("expected m1 and m2 to have the same dtype")
+            torch.clear_autocast_cache()
+            with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=dtype != "fp32",
+                                                 dtype=None if dtype == "fp32" else torch_dtype(dtype)):
+                self._eager[key] = torch.cat([_decisions(model(*(x.to(device) for x in c.batch))[0], c.batch)
+                                              for c in suite]) if suite else torch.zeros(0, dtype=torch.long)
+            torch.clear_autocast_cache()
+        return self._eager[key]
+
+    def near_ties(self, device: str, dtype: str) -> Tuple[List[Case], float]:
+        """The near-tie part for artifacts serving `dtype` on `device`: rows of the pool whose fp32 top two options
+        are within `tolerance.near_tie_gap` of laya eager's error in `dtype` on the verification cases, and that
+        gap."""
+        key = (device, dtype)
+        if key not in self._near:
+            gap = near_tie_gap(self.get(dtype, device))
+            self._near[key] = (near_tie_cases(self._on(device), self._pool, gap, self._near_n, self._pad_id, device),
+                               gap)
+            log.info("near ties for %s on %s: %d rows with fp32's top two within %.3g", dtype, device,
+                     sum(c.batch[0].shape[0] for c in self._near[key][0]), gap)
+        return self._near[key]
+
+    def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int,
+                  gemm: Optional[str] = None) -> Optional[DecisionAgreement]:
+        """The artifact's decisions on the suite, and on its near ties, against fp32's, paired with laya eager's on
+        the artifact's device in the dtype its matrix products run in (`gemm`, its `manifest.Precision.gemm`; None:
+        `dtype`), and beside laya eager's in `dtype`, the agents' (None for fp32, which laya serves as the
+        reference itself, or without a suite). A faithful artifact with fp16 products is held to laya eager fp16:
+        on near ties that is far above laya eager bf16, so an artifact only as faithful as bf16 fails."""
         if dtype == "fp32" or not self._suite:
             return None
-        device = str(runner.device)
-        model = self._on(device)  # fp32 on the artifact's device too: a GPU build's CPU reference would take minutes
+        device, against = str(runner.device), gemm if gemm in ("bf16", "fp16") else dtype
+        parts = [("suite", self._suite, None)]
+        if self._pool and self._near_n:
+            cases_near, gap = self.near_ties(device, dtype)
+            parts.append(("near", cases_near, gap))
+        rights = []
+        for name, suite, gap in parts:
+            ref = self._eager_decisions(device, "fp32", suite, name)
+            got = self._artifact_decisions(runner, suite, ranges, pad_id)
+            rights.append(((got == ref).tolist(), (self._eager_decisions(device, against, suite, name) == ref).tolist(),
+                           gap, float((self._eager_decisions(device, dtype, suite, name) == ref).float().mean())
+                           if len(ref) else None))
+        st = decision_statement(rights[0][0], rights[0][1], self._alpha, rights[1][:3] if len(rights) > 1 else None)
+        if against != dtype:
+            st.compared_with, st.laya_serving = against, rights[0][3]
+            if st.near_ties is not None:
+                st.near_ties.compared_with, st.near_ties.laya_serving = against, rights[1][3]
+        return st
+
+    @staticmethod
+    def _artifact_decisions(runner, suite: List[Case], ranges: Ranges, pad_id: int) -> torch.Tensor:
+        if not suite:
+            return torch.zeros(0, dtype=torch.long)
         with torch.no_grad():
-            if device not in self._suite_ref:
-                with torch.autocast(torch.device(device).type, enabled=False):
-                    self._suite_ref[device] = [_decisions(model(*(x.to(device) for x in c.batch))[0], c.batch)
-                                               for c in self._suite]
-            if (device, dtype) not in self._suite_eager:
-                with torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype)):
-                    self._suite_eager[(device, dtype)] = [
-                        _decisions(model(*(x.to(device) for x in c.batch))[0], c.batch) for c in self._suite]
-            got = [_decisions(run_padded(runner, c.batch, ranges, pad_id, runner.device)[0], c.batch)
-                   for c in self._suite]
-        ref, eager = torch.cat(self._suite_ref[device]), torch.cat(self._suite_eager[(device, dtype)])
-        return decision_statement((torch.cat(got) == ref).tolist(), (eager == ref).tolist(), self._alpha)
+            return torch.cat([_decisions(run_padded(runner, c.batch, ranges, pad_id, runner.device)[0], c.batch)
+                              for c in suite])
 
     def get(self, dtype: str, device: str) -> Optional[Agreement]:
         """None for fp32 (its rule needs no eager figures)."""
@@ -282,8 +388,8 @@ def verify_runner(runner, reference_model: torch.nn.Module, case_list: List[Case
                % (a.max_abs_option_prob, a.max_abs_action_prob, 100 * a.argmax_agreement, rule.describe()))
     elif decisions is not None and not decisions.holds:
         ok = False
-        why = ("its decisions are less faithful to fp32 than laya's eager forward in the same dtype: %s"
-               % decisions.describe())
+        why = ("its decisions are less faithful to fp32 than laya's eager forward in %s: %s"
+               % (decisions.compared_with or "the same dtype", decisions.describe()))
     return VerifyResult(passed=ok, reason=why, tolerance=rule.max_abs, argmax_required=rule.argmax_share,
                         max_abs_option_prob=a.max_abs_option_prob, max_abs_action_prob=a.max_abs_action_prob,
                         argmax_agreement=a.argmax_agreement, rows_compared=sum(c["rows"] for c in per_case.values()),
@@ -305,26 +411,39 @@ class Reference:
     figures: EagerFigures
 
 
+def suites(seed: int, ranges: Ranges, vocab: int, pad_id: int, tolerance: Tolerance,
+           context: Optional[int] = None) -> Tuple[List[Case], List[Case]]:
+    """The verify suite's cases (`seed`) and its decision suite (`seed + 1`, `tolerance.decisions` rows) inside
+    `ranges` and, when given, the checkpoint's `context`: what `reference` checks artifacts on, and what the build
+    measures the faithful path's activations on (`kinds/exported_program.choose_precision`)."""
+    return (cases(seed, ranges, vocab, pad_id, context),
+            decision_cases(seed + 1, ranges, vocab, pad_id, context, tolerance.decisions))
+
+
 def reference(model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int, seed: int, tolerance: Tolerance,
               context: Optional[int] = None) -> Reference:
-    """The cases (`seed`) and the decision suite (`seed + 1`, `tolerance.decisions` rows) inside `ranges` and, when
-    given, the checkpoint's `context`, and `model`'s fp32 outputs on them (autocast off, whatever the caller's)."""
-    case_list = cases(seed, ranges, vocab, pad_id, context)
+    """The cases and the decision suite (`suites`), and `model`'s fp32 outputs on the cases (autocast off,
+    whatever the caller's)."""
+    case_list, suite = suites(seed, ranges, vocab, pad_id, tolerance, context)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):
         outputs = reference_outputs(model, case_list)
-    suite = decision_cases(seed + 1, ranges, vocab, pad_id, context, tolerance.decisions)
+    pool = near_tie_pool(seed + 2, ranges, vocab, pad_id, context, tolerance.near_tie_pool) \
+        if tolerance.near_ties else []
     return Reference(model, ranges, pad_id, tolerance, case_list, outputs,
-                     EagerFigures(model, case_list, outputs, suite, tolerance.decisions_alpha))
+                     EagerFigures(model, case_list, outputs, suite, tolerance.decisions_alpha, pool,
+                                  tolerance.near_ties, pad_id))
 
 
-def verify_artifact(runner, dtype: str, ref: Reference, device: str, label: str = "artifact") -> VerifyResult:
-    """One artifact (`runner`, in `dtype`) against laya's eager fp32 forward: the one verification the build,
-    `laya-aot verify` and the loader (a cross-compiled artifact on its first GPU) all run. The rule is
-    `tolerance.rule_for` with laya eager's figures in `dtype` on `device` (the artifact's); a 16-bit artifact
-    also needs its decision statement (`EagerFigures.decisions`). `label` names it on the live line."""
+def verify_artifact(runner, dtype: str, ref: Reference, device: str, label: str = "artifact",
+                    gemm: Optional[str] = None) -> VerifyResult:
+    """One artifact (`runner`, for agents serving in `dtype`, its matrix products in `gemm`: None, as laya serves)
+    against laya's eager fp32 forward: the one verification the build, `laya-aot verify` and the loader (a
+    cross-compiled artifact on its first GPU) all run. The rule is `tolerance.rule_for` with laya eager's figures
+    in `dtype` on `device` (the artifact's); a 16-bit artifact also needs its decision statement
+    (`EagerFigures.decisions`, against laya eager in `gemm`). `label` names it on the live line."""
     with torch.no_grad(), torch.autocast(torch.device(runner.device).type, enabled=False):
         eager = ref.figures.get(dtype, device)
-        decisions = ref.figures.decisions(runner, dtype, ref.ranges, ref.pad_id)
+        decisions = ref.figures.decisions(runner, dtype, ref.ranges, ref.pad_id, gemm)
         return verify_runner(runner, ref.model, ref.cases, ref.ranges, ref.pad_id, runner.device,
                              rule_for(dtype, ref.tolerance, eager), ref.outputs, eager, label=label,
                              decisions=decisions)

@@ -14,11 +14,11 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import kinds, progress, staging
-from ..bundle_format import check_files, parse_bundle, read_bundle
-from ..files import cache_dir, cached_sha256
+from ..bundle_format import MAX_MANIFEST_BYTES, check_files, parse_bundle, read_bundle
+from ..files import cache_dir, cached_sha256, read_cache_bytes
 from ..manifest import MANIFEST, BundleError, FileRecord
 from ..usable import usable_here
 from . import HF_SCHEME, PACK_SUFFIX
@@ -130,15 +130,32 @@ def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[P
 
 
 def _from_pack(file: Path, device: Optional[str], out: Optional[Path], overwrite: bool = False) -> Fetched:
-    from .pack import read_pack_manifest, unpack
+    from .pack import read_pack_manifest_bytes, unpack
 
-    target = out or cache_dir() / "packs" / cached_sha256(file)[:32]
-    if not (out is None and (target / MANIFEST).is_file()):  # unpacked before: the loader re-checks every hash
-        unpack(file, target, overwrite)
-    manifest = read_pack_manifest(file)
+    raw, manifest = read_pack_manifest_bytes(file)
     ok, skipped = usable_here(manifest, device)
+    if out is not None:
+        unpack(file, out, overwrite)
+        target = out
+    else:  # the cache's unpacking of this pack, used only while it is that: unpacked again otherwise
+        target = cache_dir() / "packs" / cached_sha256(file)[:32]
+        why = _unpacked_problem(target, raw, ok)
+        if why is not None:
+            if os.path.lexists(target):
+                log.info("laya-aot: the unpacked copy of %s in the cache is not used (%s); unpacking it again",
+                         file, why)
+            unpack(file, target, overwrite=True)  # the cache's own directory, keyed by the pack's sha256
     files = [r for a in manifest.artifacts if a.built for r in a.files.values()]
     return Fetched(target, str(file), [a.name for a in ok], skipped, len(files), sum(r.size for r in files))
+
+
+def _unpacked_problem(target: Path, raw: bytes, usable: List[Any]) -> Optional[str]:
+    """Why the cache's directory `target` is not the pack whose manifest bytes are `raw` (None: it is): its
+    bundle.json must be those bytes (a regular file, bounded: `files.read_cache_bytes`) and the files of the
+    artifacts usable here at their sizes and sha256 (digests cached per file, so a warm start reads no file)."""
+    if read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) != raw:
+        return "its %s is not the pack's" % MANIFEST
+    return check_files(target, {rel: rec for a in usable for rel, rec in a.files.items()}, cached_sha256)
 
 
 def _choose_pack(d: Path, device: Optional[str], checkpoint: Optional[Path]) -> Path:
@@ -206,7 +223,7 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
             line.advance(wanted[rel].size)
     folder = "%s--%s" % tuple(repo.split("/"))
     target = out or cache_dir() / "hub" / folder / commit / (sub.replace("/", "--") or "_")
-    _link_bundle(target, raw, local, wanted, spec, overwrite)
+    _link_bundle(target, raw, local, wanted, spec, overwrite or out is None)  # the cache's own: made again
     log.info("fetched %s: %s (%d files, %d downloaded)", spec, ", ".join(a.name for a in ok) or "nothing usable",
              len(wanted), downloaded)
     return Fetched(target, spec, [a.name for a in ok], skipped, len(wanted), sum(r.size for r in wanted.values()),
@@ -216,8 +233,8 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
 def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str,
                  overwrite: bool = False) -> None:
     """A bundle directory at `target` of the manifest's bytes and the fetched files (hard links, or copies)."""
-    if (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == raw \
-            and check_files(target, wanted, cached_sha256) is None:
+    if read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) == raw and check_files(target, wanted, cached_sha256) \
+            is None:
         return  # fetched before (another device's variant may be missing: then it is made again below)
     staging.may_replace(target, "fetch", overwrite)
     with staging.staged(target) as tmp:

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def _portable_facts(a: Artifact) -> Tuple:
-    return (a.dtype, a.ranges, a.action_head_dtype, a.variant, a.needs.torch)
+    p = a.precision  # how it computes: a faithful fp16 program and a laya-policy bf16 one are not the same program
+    return (a.dtype, a.ranges, a.action_head_dtype, a.variant, a.needs.torch, p and (p.policy, p.gemm))
 
 
 def _smoke_conflict(first: Bundle, other: Bundle) -> str:
@@ -86,8 +87,9 @@ def _join(parts: List[Tuple[Path, Bundle]]) -> Tuple[List[Tuple[Path, Artifact]]
                     continue
                 if kinds.get(a.kind).interchangeable:
                     if _portable_facts(a) != _portable_facts(a0):
-                        conflicts.append("%s: different programs in %s and %s (dtype, ranges, action head or torch "
-                                         "differ); build every part with the same export.* settings and torch"
+                        conflicts.append("%s: different programs in %s and %s (dtype, precision, ranges, action "
+                                         "head or torch differ); build every part with the same export.* settings "
+                                         "and torch"
                                          % (a.name, p0, path))
                     continue  # the same export made twice: the exporters are not byte-reproducible, keep the first
                 conflicts.append("artifact %s is in %s and %s with different content (sha256 %s... and %s...); "

@@ -422,11 +422,16 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
 
 def read_pack_manifest(file: str | os.PathLike) -> Bundle:
     """The manifest of a pack, read from its first member only (the rest is not decompressed)."""
+    return read_pack_manifest_bytes(file)[1]
+
+
+def read_pack_manifest_bytes(file: str | os.PathLike) -> Tuple[bytes, Bundle]:
+    """`read_pack_manifest`, with the manifest's bytes (what `fetch` compares a pack's cached unpacking with)."""
     file = Path(file)
     try:
         reader, tar = _open(file)
         with reader:
-            return _read_manifest_member(tar, file)[1]
+            return _read_manifest_member(tar, file)
     except BundleError:
         raise
     except _broken() as e:
@@ -536,4 +541,5 @@ def _extract_all(file: Path, tmp: Path, out: Path) -> Tuple[Bundle, Dict[str, Fi
 
 
 __all__ = ["ENV_MAX_RATIO", "MAX_MEMBERS", "MAX_NAME_BYTES", "MAX_PAX_BYTES", "MAX_RATIO", "MAX_UNPACKED_BYTES",
-           "MIN_UNPACK_BYTES", "PackInfo", "pack", "read_pack_manifest", "unpack", "unpack_limit"]
+           "MIN_UNPACK_BYTES", "PackInfo", "pack", "read_pack_manifest", "read_pack_manifest_bytes", "unpack",
+           "unpack_limit"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..checkpoint import ENCODER_CONFIG, read_config
-from ..files import cache_dir, sha256_file, write_bytes_atomic
+from ..files import cache_dir, parse_cache_json, read_cache_bytes, sha256_file, write_bytes_atomic
 from .astlock import serial_ast_parse
 from .catalogue import KernelSpec, catalogue
 
@@ -162,16 +162,20 @@ def kernel_cache_dir(arch: str, nvcc: str) -> Optional[Path]:
     return Path(root) / ("tilelang%s-laya%s-nvcc%s" % (v["tilelang_version"], v["laya_version"], nvcc)) / arch
 
 
+# the largest compiled kernel the kernel cache hands back (one kernel's library is well under a MiB)
+MAX_KERNEL_BYTES = 256 << 20
+
+
 def _from_cache(spec: KernelSpec, cache: Optional[Path], out_dir: Path) -> Optional[Dict[str, Any]]:
     """Copy a cached kernel into out_dir; None on a miss (or a cache entry that does not read back)."""
     if cache is None:
         return None
     lib, meta = cache / (spec.key + ".so"), cache / (spec.key + ".json")
-    try:
-        if json.loads(meta.read_text(encoding="utf-8")).get("key") != spec.key:
-            return None
-        data_lib, data_meta = lib.read_bytes(), meta.read_bytes()
-    except (OSError, ValueError):
+    # read as any cache entry is (`files.read_cache_bytes`): regular files of a bounded size, the record this key's
+    data_meta = read_cache_bytes(meta)
+    record = parse_cache_json(data_meta, {"key": str}, meta) if data_meta is not None else None
+    data_lib = read_cache_bytes(lib, MAX_KERNEL_BYTES) if record is not None and record["key"] == spec.key else None
+    if data_meta is None or data_lib is None:
         return None
     write_bytes_atomic(out_dir / lib.name, data_lib)
     write_bytes_atomic(out_dir / meta.name, data_meta)

@@ -442,14 +442,15 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
     facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx), **exported.details())
-    ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts)
+    ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts,
+                     precision=exported.precision)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)
     if ctx.device == "cpu" and ctx.cfg.aoti.cpu_frozen:
         t0 = time.perf_counter()
         frozen = dict(package(exported.program, ctx.staging / (name + "-frozen"), keys, cxx=ctx.cfg.aoti.cxx,
                               frozen=True), **exported.details())
         ctx.add_artifact(KIND, name + "-frozen", name + "-frozen", ctx.device, ctx.dtype, time.perf_counter() - t0,
-                         details=frozen)
+                         details=frozen, precision=exported.precision)
         done += "; frozen package %.1f MB (weights inside, pre-packed)" % (frozen["package_bytes"] / 1e6)
     return Built(done)
 

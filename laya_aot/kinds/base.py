@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 
-from ..manifest import Artifact, Needs
+from ..manifest import Artifact, Needs, Precision
 from ..padding import Ranges
 from ..variant import Machine, native_variant
 
@@ -119,6 +119,8 @@ class Exported:
     head: str = "full"
     # the example batch it was traced and tuned at, rows x tokens (`exported_program.example_size`)
     example: str = ""
+    # how it computes (`export.precision`, `precision.gemm_dtype`): what every artifact of it records
+    precision: Optional[Precision] = None
 
     def details(self) -> Dict[str, str]:
         """How the program was made, as every artifact of it records it in `Artifact.details`."""
@@ -162,6 +164,8 @@ class BuildContext:
     smoke: Optional[Dict[str, Any]] = None
     # laya's tokenizer as a proven snapshot (`tokenizer_snapshot.make`: key, JSON text), shipped in the manifest
     tokenizer_snapshot: Optional[Tuple[str, str]] = None
+    # the faithful path's matrix products measured once per build in fp32 (`model.gemm_extremes`), for every dtype
+    gemm_extremes: Any = None
 
     @property
     def ranges(self) -> Optional[Ranges]:
@@ -175,16 +179,18 @@ class BuildContext:
 
     def add_artifact(self, kind: "Kind", name: str, rel: str, device: str, dtype: str, seconds: float,
                      details: Optional[Dict[str, Any]] = None, gpu_arch: Optional[str] = None,
-                     ranges: Optional[Ranges] = None) -> Artifact:
+                     ranges: Optional[Ranges] = None, precision: Optional[Precision] = None) -> Artifact:
         """Record an artifact the kind wrote under `staging/rel`; its needs and variant come from the kind, its
-        ranges from the current program (`ranges`: the exported_program kind's own, before it is handed on)."""
+        ranges from the current program (`ranges`: the exported_program kind's own, before it is handed on), how it
+        computes from the kind (`precision`: the program's, for a kind compiled from it)."""
         arch = (gpu_arch or self.cfg.target.arch or self.machine.gpu_arch) if device == "cuda" else None
         machine = self.machine if device == "cpu" else replace(self.machine, gpu_arch=arch,
                                                                cuda=torch.version.cuda or self.machine.cuda)
         art = Artifact(name=name, kind=kind.name, path=rel, status="built", variant=kind.variant(machine, device),
                        needs=kind.needs(machine, device), device=device, dtype=dtype,
                        action_head_dtype=self.cfg.export.action_head_dtype if kind.serves_dtype_head else "fp32",
-                       ranges=ranges or self.ranges, build_seconds=round(seconds, 3), details=details or {})
+                       ranges=ranges or self.ranges, build_seconds=round(seconds, 3), details=details or {},
+                       precision=precision)
         self.artifacts.append(art)
         return art
 

@@ -8,6 +8,7 @@ the ranges, the action head's dtype) are `exported_program_settings.ExportConfig
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -15,9 +16,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.export import Dim, ExportedProgram
 
+from .. import precision
 from ..dtypes import torch_dtype
-from ..manifest import Artifact, Needs
-from ..model import ExplicitDtypeModel
+from ..manifest import Artifact, Needs, Precision
+from ..model import ExplicitDtypeModel, gemm_extremes
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
 from ..rotary import ROTARY
 from ..variant import Machine, torch_tag
@@ -148,15 +150,16 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
     if e.rotary not in ROTARY:
         raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
+    chosen = choose_precision(ctx, dev, max_tokens)
     module = ExplicitDtypeModel(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,
                                 attention=e.attention, rope_table=max_tokens if e.rotary == "table" else 0,
-                                head=e.head)
+                                head=e.head, gemm=torch_dtype(chosen.gemm) if chosen.policy == "faithful" else None)
     t0 = time.perf_counter()
     example = example_size(dev, e.max_rows, max_tokens, e.example_rows, e.example_tokens)
     program = export_model(module, e.max_rows, max_tokens, e.max_markers, ctx.pad_id, dev, example)
     seconds = time.perf_counter() - t0
     made = Exported(program, ctx.dtype, ranges_of(program), module.attention, module.rotary, module.head,
-                    "%dx%d" % example)
+                    "%dx%d" % example, chosen)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,14 +168,54 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
         path.unlink(missing_ok=True)
         log.warning("%s is not shipped: %s", name, why)
-        return Built("ranges %s; %s attention; rotary %s; head %s; example %s; %s not shipped: %s"
-                     % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example, name, why),
-                     exported=made)
+        return Built("ranges %s; %s attention; rotary %s; head %s; example %s; %s; %s not shipped: %s"
+                     % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example,
+                        chosen.describe(), name, why), exported=made)
     ctx.add_artifact(KIND, name, rel, dev, ctx.dtype, seconds, ranges=made.ranges,
-                     details=made.details())
-    return Built("ranges %s; %s attention; rotary %s; head %s; example %s"
-                 % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example),
+                     details=made.details(), precision=chosen)
+    return Built("ranges %s; %s attention; rotary %s; head %s; example %s; %s"
+                 % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example, chosen.describe()),
                  exported=made)
+
+
+def choose_precision(ctx: BuildContext, device: str, max_tokens: int) -> Precision:
+    """How the artifacts of `ctx.dtype` compute (`precision.gemm_dtype`): for the faithful path in 16 bits, the
+    faithful matrix products measured once per build in fp32 on the verify suite's cases (drawn as the verify
+    stage draws them, inside the export's ranges) on `device`; the choice is logged, a warning where fp16 would
+    risk overflow."""
+    e = ctx.cfg.export
+    policy, headroom = str(e.precision), float(e.fp16_headroom)
+    precision.check_policy(policy, headroom)
+    if ctx.dtype == "fp32" or policy == "laya" or ctx.device != "cuda":
+        gemm, why = precision.gemm_dtype(ctx.dtype, policy, headroom=headroom, device=ctx.device)
+        return Precision(policy, gemm, why)
+    if ctx.gemm_extremes is None:
+        from omegaconf import OmegaConf  # the build's: a serving process imports this module, never this function
+
+        from .. import verification
+        from ..tolerance import Tolerance
+
+        t0 = time.perf_counter()
+        tol = Tolerance(**OmegaConf.to_container(ctx.cfg.verify.tolerance, resolve=True))
+        asked = Ranges(1, e.max_rows, 2 * TOKEN_MULTIPLE, max_tokens, 2, e.max_markers)
+        case_list, suite = verification.suites(ctx.cfg.verify.seed, asked, ctx.vocab, ctx.pad_id, tol)
+        ctx.gemm_extremes = gemm_extremes(ctx.agent.model, [c.batch for c in case_list + suite], device)
+        log.info("matrix products measured in fp32 on %d cases and %d decision rows in %.1f s: largest |input| "
+                 "%.4g (%s), |output| %.4g (%s)", len(case_list), sum(c.batch[0].shape[0] for c in suite),
+                 time.perf_counter() - t0, ctx.gemm_extremes.max_abs_input, ctx.gemm_extremes.input_at,
+                 ctx.gemm_extremes.max_abs_output, ctx.gemm_extremes.output_at)
+    x = ctx.gemm_extremes
+    worst_at = x.input_at if x.max_abs_input >= x.max_abs_output else x.output_at
+    gemm, why = precision.gemm_dtype(ctx.dtype, policy, x.max_abs_input, x.max_abs_output, headroom, worst_at,
+                                     ctx.device)
+    (log.warning if gemm == "bf16" else log.info)(
+        "%s artifacts: matrix products in %s: %s", ctx.dtype, gemm, why)
+    return Precision(policy, gemm, why, _finite(x.max_abs_input), _finite(x.max_abs_output), headroom)
+
+
+def _finite(v: float) -> Optional[float]:
+    """A measured figure as the manifest holds it (JSON has no infinity: None, the reason says it)."""
+    return round(v, 6) if math.isfinite(v) else None
 
 
 def _does_not_save(program: ExportedProgram, path: Path) -> str:

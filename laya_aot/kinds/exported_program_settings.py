@@ -21,6 +21,14 @@ class ExportConfig:
     max_tokens: Optional[int] = None
     # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
     action_head_dtype: str = "fp32"
+    # how a 16-bit artifact computes (laya_aot/model.py, laya_aot/precision.py): "faithful" keeps fp32 everywhere but
+    # the matrix products (residual stream, norms, softmax, activations, the scorer and its logits), whose inputs and
+    # weights are 16-bit with fp32 accumulation, in fp16 where the checkpoint's activations measured on the verify
+    # suite's cases stay below fp16's largest value / fp16_headroom, else bf16 (the reason in the manifest); "laya"
+    # computes as laya serves (autocast in the target dtype: products, their outputs and the logits rounded to it)
+    precision: str = "faithful"
+    # fp16 matrix products only where the largest activation times this stays below 65504
+    fp16_headroom: float = 16.0
     # "triton": on a GPU in 16 bits, ModernBERT's attention with one Triton kernel reading the padding mask and
     # the local window directly, no L x L masks (laya_aot/attention.py); "stock": transformers' SDPA attention
     # with its masks, as laya runs it; "triton_rope": the same kernel also applying the rotary embedding as it loads

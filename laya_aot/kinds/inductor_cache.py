@@ -147,9 +147,16 @@ def pad_markers(batch: Tuple[torch.Tensor, ...], markers: int = MIN_MARKERS) -> 
             torch.cat([mmask, mmask.new_zeros(rows, markers - k)], 1), qtype)
 
 
-def compiled_module(model: torch.nn.Module, dtype: str, action_head_dtype: str, device: str):
+def _gemm(name: Optional[str]) -> Optional[torch.dtype]:
+    return torch_dtype(name) if name else None
+
+
+def compiled_module(model: torch.nn.Module, dtype: str, action_head_dtype: str, device: str,
+                    gemm: Optional[str] = None):
+    """The explicit-dtype model (`gemm`: the faithful path's matrix-product dtype, None for laya's policy) and its
+    torch.compile."""
     module = ExplicitDtypeModel(model, torch_dtype(dtype), torch_dtype(action_head_dtype),
-                                torch.device(device).type).to(device)
+                                torch.device(device).type, gemm=_gemm(gemm)).to(device)
     return module, torch.compile(module, **COMPILE_OPTIONS)
 
 
@@ -176,16 +183,16 @@ def _own_cache_artifacts() -> contextlib.AbstractContextManager:
 
 
 def build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str = "fp32",
-                device: str = "cuda") -> Dict[str, Any]:
+                device: str = "cuda", gemm: Optional[str] = None) -> Dict[str, Any]:
     """Compile for the warm shapes and write the cache artifacts; returns facts for the manifest."""
     torch._dynamo.reset()
     with _own_cache_artifacts():
-        return _build_cache(agent, out_dir, ranges, dtype, action_head_dtype, device)
+        return _build_cache(agent, out_dir, ranges, dtype, action_head_dtype, device, gemm)
 
 
 def _build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str,
-                 device: str) -> Dict[str, Any]:
-    _, fn = compiled_module(agent.model, dtype, action_head_dtype, device)
+                 device: str, gemm: Optional[str]) -> Dict[str, Any]:
+    _, fn = compiled_module(agent.model, dtype, action_head_dtype, device, gemm)
     timings = {}
     graphs_before = cache_counters()["dynamo_graphs"]
     with torch.no_grad(), no_mha_fastpath():
@@ -207,7 +214,8 @@ def _build_cache(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_d
     (out_dir / CACHE_FILE).write_bytes(data)
     (out_dir / INFO_FILE).write_text(json.dumps({"format": INDUCTOR_CACHE, "options": COMPILE_OPTIONS,
                                                  "dtype": dtype, "action_head_dtype": action_head_dtype,
-                                                 "shapes": list(timings), "compile_seconds": timings}, indent=1))
+                                                 "gemm": gemm, "shapes": list(timings),
+                                                 "compile_seconds": timings}, indent=1))
     return {"shapes": list(timings), "compile_seconds": timings, "bytes": len(data)}
 
 
@@ -285,7 +293,7 @@ def precompiled_needs(needs: Needs, system: Dict[str, Optional[str]]) -> Needs:
 
 
 def build_precompiled(agent, out_dir: Path, ranges: Ranges, dtype: str, action_head_dtype: str = "fp32",
-                      device: str = "cuda") -> Dict[str, Any]:
+                      device: str = "cuda", gemm: Optional[str] = None) -> Dict[str, Any]:
     """Compile the explicit-dtype model ahead of time for every (rows, tokens, markers) in `ranges` and save the
     function; returns facts for the manifest. Raises where this torch cannot (the build then falls back)."""
     why = precompile_unavailable()
@@ -293,7 +301,7 @@ def build_precompiled(agent, out_dir: Path, ranges: Ranges, dtype: str, action_h
         raise RuntimeError(why)
     torch._dynamo.reset()
     module = ExplicitDtypeModel(agent.model, torch_dtype(dtype), torch_dtype(action_head_dtype),
-                                torch.device(device).type).to(device)
+                                torch.device(device).type, gemm=_gemm(gemm)).to(device)
     ((rows, tokens),) = warm_shapes(ranges)
     example = mark_dynamic_batch(_batch(rows, tokens, max(MIN_MARKERS, min(4, ranges.max_markers)), device))
     t0 = time.perf_counter()
@@ -311,7 +319,8 @@ def build_precompiled(agent, out_dir: Path, ranges: Ranges, dtype: str, action_h
     system = _system_of(fn, device)
     shape = "%dx%d" % (rows, tokens)
     (out_dir / INFO_FILE).write_text(json.dumps({"format": PRECOMPILED, "options": COMPILE_OPTIONS, "dtype": dtype,
-                                                 "action_head_dtype": action_head_dtype, "ranges": ranges.as_dict(),
+                                                 "action_head_dtype": action_head_dtype, "gemm": gemm,
+                                                 "ranges": ranges.as_dict(),
                                                  "system": system, "shapes": [shape],
                                                  "compile_seconds": {shape: seconds}}, indent=1))
     return {"format": PRECOMPILED, "shapes": [shape], "compile_seconds": {shape: seconds}, "bytes": size,
@@ -337,7 +346,7 @@ class PrecompiledRunner(Runner):
         self.device = torch.device(device)
         self.ranges = Ranges.from_dict(info["ranges"])
         self._module = ExplicitDtypeModel(model, torch_dtype(info["dtype"]), torch_dtype(info["action_head_dtype"]),
-                                          self.device.type).to(device)
+                                          self.device.type, gemm=_gemm(info.get("gemm"))).to(device)
         self._first = True
         self.stats: Dict[str, object] = {"format": PRECOMPILED, "load_compiled_function_s": round(loaded - t0, 3),
                                          "load_s": round(time.perf_counter() - t0, 3)}
@@ -382,7 +391,8 @@ class CompileRunner(Runner):
                              % (info.get("options"), COMPILE_OPTIONS))
         torch.compiler.load_cache_artifacts((Path(art_dir) / CACHE_FILE).read_bytes())
         self.device = torch.device(device)
-        self._module, self._fn = compiled_module(model, info["dtype"], info["action_head_dtype"], device)
+        self._module, self._fn = compiled_module(model, info["dtype"], info["action_head_dtype"], device,
+                                                 info.get("gemm"))
         self._lock = threading.Lock()
         self._first = True
         self.stats: Dict[str, object] = {"format": INDUCTOR_CACHE,
@@ -479,8 +489,16 @@ def _fresh_process_main(art_dir: str, ckpt: str, device: str) -> None:
     print(FRESH_MARK + json.dumps(stats), flush=True)
 
 
+def faithful_gemm(exported: Exported) -> Optional[str]:
+    """The program's matrix-product dtype on the faithful path (None: laya's policy, or fp32), which the compile
+    route compiles its own module with."""
+    p = exported.precision
+    return p.gemm if p is not None and p.policy == "faithful" and p.gemm != "fp32" else None
+
+
 def _build_cache_artifact(ctx: BuildContext, exported: Exported, out: Path) -> Dict[str, Any]:
-    facts = build_cache(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype, ctx.device)
+    facts = build_cache(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype, ctx.device,
+                        faithful_gemm(exported))
     facts["format"] = INDUCTOR_CACHE
     try:
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
@@ -514,7 +532,7 @@ def build_artifact(ctx: BuildContext, exported: Exported) -> Built:
     t0 = time.perf_counter()
     try:
         facts = build_precompiled(ctx.agent, out, exported.ranges, ctx.dtype, ctx.cfg.export.action_head_dtype,
-                                  ctx.device)
+                                  ctx.device, faithful_gemm(exported))
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
     except Exception as e:  # noqa: BLE001 - recorded; the saved cache is built instead
         why = "%s: %s" % (type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
@@ -524,7 +542,8 @@ def build_artifact(ctx: BuildContext, exported: Exported) -> Built:
         facts = _build_cache_artifact(ctx, exported, out)
         facts["precompile_failed"] = why
     seconds = time.perf_counter() - t0
-    art = ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, seconds, details=facts)
+    art = ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, seconds, details=facts,
+                           precision=exported.precision)
     record = {"format": facts["format"]}
     if facts["format"] == PRECOMPILED:
         art.needs = precompiled_needs(art.needs, facts["system"])

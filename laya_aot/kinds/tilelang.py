@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import laya_internals as laya_api
-from ..manifest import Artifact, Needs, unsafe_relpath
+from ..manifest import Artifact, Needs, Precision, unsafe_relpath
 from ..variant import Machine, cuda_tag
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 
@@ -37,6 +37,11 @@ class TileLangRunner(Runner):
         return self._fast.forward(ids, att, mpos, mmask, qtype)
 
 
+def laya_precision(dtype: str) -> Precision:
+    """What the kernels compute: laya's fast path, whatever `export.precision` says (laya's own kernels)."""
+    return Precision("laya", dtype, "laya's fast path: its TileLang kernels compute as laya.load(fast=True) serves")
+
+
 def build(ctx: BuildContext, exported: Exported) -> Built:
     """Cross-compile the checkpoint's kernel catalogue for every architecture the target names."""
     archs = list(ctx.cfg.target.tilelang_archs or [])
@@ -55,7 +60,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     for arch, res in out.items():
         ok = [k for k in res["kernels"] if k["status"] == "ok"]
         ctx.add_artifact(KIND, ctx.artifact_name(KIND, "%s-%s" % (NAME, arch)), "%s/%s" % (folder, arch), "cuda",
-                         ctx.dtype, res["seconds"], details=res, gpu_arch=arch)
+                         ctx.dtype, res["seconds"], details=res, gpu_arch=arch, precision=laya_precision(ctx.dtype))
         lines.append("%s %d/%d kernels (%d from the kernel cache)" % (arch, len(ok), len(res["kernels"]),
                                                                      res.get("from_cache", 0)))
     return Built(", ".join(lines), record={"seconds_compile": time.perf_counter() - t0})

@@ -144,7 +144,8 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
         return "%s FAILED (%s)" % (art.name, crash)
     try:
         runner = kind.load(ctx.staging / art.path, art, _load_env(ctx, kind, art, ref, tensors, gpu_agents))
-        result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name)
+        result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name,
+                                              gemm=art.precision.gemm if art.precision else None)
         if kind.serves:
             art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
     except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure

@@ -54,6 +54,39 @@ class TokenIdError(LayaAotError, IndexError):
     """A token id past the encoder's embedding rows (a tokenizer grown without resizing the embeddings)."""
 
 
+class TokenIds:
+    """The one check of a batch's token ids against the encoder's embedding rows, made before any native code or
+    laya's eager forward sees them, on every path (an artifact's, and laya's eager forward as a fallback): native
+    code indexing past its table ends the process (an AOTInductor package on the CPU aborts) or the CUDA context,
+    so such an id is one `TokenIdError` naming the cause and the fix instead. Where the ids are on the CPU the
+    check costs microseconds and runs on every call; on a device (where reading the ids back would wait for it)
+    it runs where laya's tokenizer can make ids past the rows (`laya_internals.embedding_rows_short`)."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.rows = laya_api.embedding_rows(agent)  # None: nothing to check against (a stand-in agent)
+        self.on_device = laya_api.embedding_rows_short(agent) is not None
+
+    def check(self, input_ids: torch.Tensor) -> None:
+        if self.rows is None or not input_ids.numel() or input_ids.device.type != "cpu" and not self.on_device:
+            return
+        low, top = int(input_ids.min()), int(input_ids.max())
+        if top < self.rows and low >= 0:
+            return
+        bad = top if top >= self.rows else low
+        tok = getattr(self.agent, "tok", None)
+        source = getattr(tok, "__dict__", {}).get("_source")
+        raise TokenIdError(
+            "token id %d is past the encoder's %d embedding rows: this checkpoint's tokenizer has %d tokens%s "
+            "(tokens were added without resizing the embeddings; laya's own forward cannot embed it either). "
+            "Resize the encoder's embeddings to the tokenizer (resize_token_embeddings) and save the checkpoint "
+            "again, or remove the added tokens" % (
+                bad, self.rows, len(tok) if tok is not None else -1,
+                "" if source is None else " (read from its tokenizer files as laya-aot's snapshot %s proved, and "
+                "checked against them: if you did not change those files, delete that cache entry and report "
+                "this)" % source))
+
+
 class AOTBackend(Backend):
     """An artifact from a laya-aot bundle installed as the agent's forward."""
 
@@ -81,9 +114,7 @@ class AOTBackend(Backend):
         #                            which this one took over (its `stats` are also load_stats["handover"])
         self.after_first_call: Any = None  # called once, after this backend's first call (the hand-over's start)
         self.chunk_tokens = int(chunk_tokens)  # padded tokens per artifact call (padding.chunks; 0: max_rows only)
-        # the embedding's rows when laya's tokenizer can make ids past them: native code indexing past its table
-        # ends the process (CPU) or the CUDA context (GPU), so such ids are refused first (None: none can occur)
-        self.embedding_rows = laya_api.embedding_rows_short(agent)
+        self.token_ids = TokenIds(agent)  # checked before the artifact or laya's eager forward sees them
         count_from_now(torch.device(runner.device))
 
     @property
@@ -169,12 +200,11 @@ class AOTBackend(Backend):
 
     def _forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder, **extra):
         """(outputs, whether the artifact computed them)."""
+        self.token_ids.check(input_ids)
         if extra:  # position_ids / option_ids: the parallel option layout only the eager forward reads
             self._count(eager_calls=1, eager_parallel_layout=1)
             return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype,
                                       detach_encoder, **extra), False
-        if self.embedding_rows is not None:
-            self._check_ids(input_ids)
         n, t = input_ids.shape
         k = marker_pos.shape[1]
         why = self.ranges.out_of_range(t, k)
@@ -256,15 +286,6 @@ class AOTBackend(Backend):
             self.model = self.agent.model
         super().install()
 
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
-        top = int(input_ids.max()) if input_ids.numel() else -1
-        if top >= self.embedding_rows:
-            raise TokenIdError(
-                "token id %d is past the encoder's %d embedding rows: this checkpoint's tokenizer has %d tokens "
-                "(tokens were added without resizing the embeddings; laya's own forward cannot embed it either). "
-                "Resize the encoder's embeddings to the tokenizer (resize_token_embeddings) and save the "
-                "checkpoint again, or remove the added tokens" % (top, self.embedding_rows, len(self.agent.tok)))
-
     def __repr__(self) -> str:
         return "AOTBackend(%s, variant=%s, installed=%s)" % (self.artifact.name, self.variant, self.installed)
 
@@ -280,9 +301,12 @@ class EagerFallback(Backend):
         self.artifact = None
         self.variant = None
         self.stats: Dict[str, Any] = {}
+        self.token_ids = TokenIds(agent)
 
     def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False, **extra):
         """laya's forward as laya calls it, the parallel option layout's `position_ids`/`option_ids` included
         (laya's base `Backend.forward` takes the five sequential inputs only: a checkpoint with
-        option_layout='parallel', which no artifact serves, failed every call with a TypeError)."""
+        option_layout='parallel', which no artifact serves, failed every call with a TypeError); token ids past
+        the embedding are one TokenIdError, as on an artifact's path."""
+        self.token_ids.check(input_ids)
         return self.stock_forward(input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder, **extra)

@@ -93,7 +93,7 @@ class HeadStart:
                 self.name, self.device = art.name, here.device
                 if probed:
                     self.started_after_s = self._since()
-                    self._pending = start(bundle, art, ckpt, here.device, here.machine)
+                    self._pending = start(bundle, art, ckpt, here.device, here.machine, pinned=pin is not None)
                 if prepare is not None:
                     path = artifact_path(bundle, art)
                     self._weights_thread = threading.Thread(target=self._prepare, args=(prepare, path, ckpt),

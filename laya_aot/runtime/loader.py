@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -127,7 +128,7 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
     from ..verification import reference, verify_artifact
 
     path = verdict_path(art, machine, "verify:%s:%s" % (agent.device, manifest.checkpoint.fingerprint.sha256))
-    cached = _cached_verdict(path)
+    cached = _cached_verdict(path, art)
     if cached is not None:
         return cached
     t0 = time.perf_counter()
@@ -139,19 +140,40 @@ def _verify_here(agent, model, runner, art: Artifact, manifest: Bundle, machine,
     return res
 
 
-def _cached_verdict(path: Path) -> Optional[VerifyResult]:
-    """The verdict `_store_verdict` wrote at `path` (None: none, or unreadable)."""
-    import json
+def _cached_verdict(path: Path, art: Artifact) -> Optional[VerifyResult]:
+    """The verdict `_store_verdict` wrote at `path` for `art` (None: none, or not one: `files.read_cache_json`, each
+    figure typed as `_store_verdict` writes it, so no entry can hand the smoke check a bound that is not a number)."""
+    from ..files import finite_number, read_cache_json
 
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-        eager = cached.get("eager_in_dtype")
-        decisions = cached.get("decisions")
-        return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
-                            eager_in_dtype=Agreement(**eager) if eager else None, rule=cached.get("rule"),
-                            decisions=DecisionAgreement(**decisions) if decisions else None)
-    except (OSError, ValueError, KeyError, TypeError):
+    def optional(check):
+        return lambda v: v is None or check(v)
+
+    def record(fields):
+        return lambda v: isinstance(v, dict) and set(v) == set(fields) and all(fields[k](v[k]) for k in fields)
+
+    agreement = {k: finite_number for k in ("max_abs_option_prob", "max_abs_action_prob", "argmax_agreement")}
+    decisions = {"decisions": lambda v: type(v) is int and v > 0, "artifact": finite_number,
+                 "eager_in_dtype": finite_number, "artifact_only_wrong": lambda v: type(v) is int and v >= 0,
+                 "eager_only_wrong": lambda v: type(v) is int and v >= 0, "p_value": finite_number,
+                 "alpha": finite_number, "test": lambda v: isinstance(v, str),
+                 "gap": optional(finite_number), "compared_with": optional(lambda v: isinstance(v, str)),
+                 "laya_serving": optional(finite_number)}
+    decisions["near_ties"] = optional(lambda v: record(decisions)(v) and v["near_ties"] is None)
+
+    def decided(v: Optional[dict]) -> Optional[DecisionAgreement]:
+        return None if v is None else DecisionAgreement(**{**v, "near_ties": decided(v["near_ties"])})
+
+    cached = read_cache_json(path, {"artifact": str, "reason": (str, type(None)), "rule": (str, type(None)),
+                                    "tolerance": optional(lambda v: finite_number(v) and v >= 0),
+                                    "eager_in_dtype": optional(record(agreement)),
+                                    "decisions": optional(record(decisions)),
+                                    "figures": record({k: optional(finite_number) for k in agreement})})
+    if cached is None or cached["artifact"] != art.name or cached["reason"] is None and cached["tolerance"] is None:
         return None
+    eager = cached["eager_in_dtype"]
+    return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
+                        eager_in_dtype=Agreement(**eager) if eager else None, rule=cached["rule"],
+                        decisions=decided(cached["decisions"]), **cached["figures"])
 
 
 def _store_verdict(path: Path, art: Artifact, res: VerifyResult) -> None:
@@ -222,16 +244,17 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
     pin = bundle_sha256 if bundle_sha256 is not None else (os.environ.get("LAYA_AOT_BUNDLE_SHA256") or None)
     bundle, rejected = _local_bundle(bundle, device, ckpt, pin)
     usable = not rejected
-    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens, bool(handover))
+    opts = _Options(prefer, probe, smoke_check, cuda_graphs, near_ties, chunk_tokens, bool(handover), pin is not None)
     # laya's own accelerations replace the forward themselves: those agents are built whole
     thin = usable and eager_module != "now" and not laya_api.accelerated(agent_kwargs)
     early = HeadStart(ckpt, Path(bundle), device, prefer, pin, thin, probe, cuda_graphs, bool(handover),
                       warm=not smoke_check) \
         if usable and (probe or thin) else None
     try:
-        shipped = _seed_tokenizer(ckpt, Path(bundle), pin) if thin else None
-        agent, eager = _agent(ckpt, device, thin, agent_kwargs)
+        seed = _Seed(ckpt, Path(bundle), pin) if thin else None
+        agent, eager = _agent(ckpt, device, thin, agent_kwargs, seed)
         load_stats: Dict[str, Any] = {"agent_load_s": round(time.perf_counter() - t0, 3), "thin_agent": thin}
+        shipped = seed.wait() if seed is not None else None
         if shipped is not None:
             load_stats["tokenizer_snapshot"] = shipped
         chosen = _choose_or_fall_back(agent, ckpt, Path(bundle), opts, pin, rejected, load_stats, early, eager) \
@@ -286,6 +309,7 @@ class _Options(NamedTuple):
     near_ties: str
     chunk_tokens: int
     handover: bool = True
+    pinned: bool = False  # bundle_sha256 given (and, past read_bundle, matched): a shipped probe verdict may serve
 
 
 def _checked_arguments(bundle: Any, prefer: Optional[str], near_ties: bool | str, eager_module: str,
@@ -321,39 +345,65 @@ def _local_bundle(bundle: Any, device: Optional[str], ckpt: Path, pin: Optional[
     return bundle, rejected
 
 
-def _seed_tokenizer(ckpt: Path, bundle: Path, pin: Optional[str]) -> Optional[str]:
-    """The bundle's tokenizer snapshot into this machine's cache before the thin agent loads its tokenizer, where
-    the cache lacks one (a first start here: without it the agent imports transformers to make one). Returns
-    what happened for `load_stats` (None: the cache had it); never raises: `_choose` reads the bundle again
-    and reports what is wrong with it."""
-    from .. import tokenizer_snapshot
-    from ..manifest import text_digest
+class _Seed:
+    """The bundle's tokenizer snapshot into this machine's cache, where the cache lacks one (a first start here:
+    without it the thin agent imports transformers to make one), and only once the bundle is accepted: the pin
+    holds (the manifest is read under it) and it was built from this checkpoint (`checkpoint.mismatch`, whose
+    digests the head start computes meanwhile). A refused bundle seeds nothing. The bundle is judged in a thread
+    beside laya's imports; the thin agent waits for it just before it looks up its tokenizer (`wait`), and the
+    snapshot is then checked against the checkpoint's tokenizer files like any cache entry
+    (`tokenizer_snapshot.seed`). Never raises: `_choose` reads the bundle again and reports what is wrong with it."""
 
-    tok_dir = str(ckpt / ckpt_mod.TOKENIZER_DIR)
-    if tokenizer_snapshot.cached(tok_dir):
-        return None
-    try:
-        snap = read_bundle(bundle, kinds.BY_NAME, sha256=pin).tokenizer_snapshot
-    except Exception as e:  # noqa: BLE001 - reported by _choose's own read
-        return "not read from the bundle (%s)" % type(e).__name__
-    if snap is None:
-        return "none in the bundle"
-    if snap.sha256 != text_digest(snap.text):
-        log.warning("laya-aot: the tokenizer snapshot in %s does not match its recorded sha256 (damaged or edited); "
-                    "not used: this start loads laya's tokenizer itself", bundle)
-        return "the bundle's did not match its sha256; not used"
-    why = tokenizer_snapshot.seed(tok_dir, snap.key, snap.text)
-    if why is not None:
-        log.info("laya-aot: the bundle's tokenizer snapshot is not used here: %s", why)
-        return "the bundle's not used: %s" % why
-    return "the bundle's, stored in this machine's cache"
+    def __init__(self, ckpt: Path, bundle: Path, pin: Optional[str]):
+        from .. import tokenizer_snapshot
+
+        self.said: Optional[str] = None  # what happened, for load_stats (None: the cache had one)
+        self._tok_dir = str(ckpt / ckpt_mod.TOKENIZER_DIR)
+        self._thread: Optional[threading.Thread] = None
+        if not tokenizer_snapshot.cached(self._tok_dir):
+            self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, pin), daemon=True,
+                                            name="laya-aot-tokenizer-seed")
+            self._thread.start()
+
+    def wait(self) -> Optional[str]:
+        """Once the bundle is judged (and its snapshot seeded or not): what happened."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.said
+
+    def _run(self, ckpt: Path, bundle: Path, pin: Optional[str]) -> None:
+        try:
+            self.said = self._seed(ckpt, bundle, pin)
+        except Exception as e:  # noqa: BLE001 - reported by _choose's own read and checks
+            self.said = "not read from the bundle (%s)" % type(e).__name__
+
+    def _seed(self, ckpt: Path, bundle: Path, pin: Optional[str]) -> str:
+        from .. import tokenizer_snapshot
+        from ..manifest import text_digest
+
+        manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
+        snap = manifest.tokenizer_snapshot
+        if snap is None:
+            return "none in the bundle"
+        if ckpt_mod.mismatch(manifest, ckpt) is not None:
+            return "the bundle's not used: the bundle was not built from this checkpoint"
+        if snap.sha256 != text_digest(snap.text):
+            log.warning("laya-aot: the tokenizer snapshot in %s does not match its recorded sha256 (damaged or "
+                        "edited); not used: this start loads laya's tokenizer itself", bundle)
+            return "the bundle's did not match its sha256; not used"
+        why = tokenizer_snapshot.seed(self._tok_dir, snap.key, snap.text)
+        if why is not None:
+            log.info("laya-aot: the bundle's tokenizer snapshot is not used here: %s", why)
+            return "the bundle's not used: %s" % why
+        return "the bundle's, stored in this machine's cache"
 
 
-def _agent(ckpt: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any]
+def _agent(ckpt: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any], seed: Optional[_Seed] = None
            ) -> Tuple[Any, Optional[EagerModule]]:
     """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
     if thin:
-        agent = laya_api.thin_agent(str(ckpt), device=device, **agent_kwargs)
+        agent = laya_api.thin_agent(str(ckpt), before_tokenizer=seed.wait if seed is not None else None,
+                                    device=device, **agent_kwargs)
         eager = EagerModule(agent, ckpt)
         eager.guard_laya_switches()
         return agent, eager
@@ -523,7 +573,7 @@ class _Trial:
         from ..probe import cached_verdict
 
         if self.eager is None or not laya_api.is_thin(self.agent) or not _runs_module(art) \
-                or cached_verdict(art, self.machine, str(self.agent.device)) is not None:
+                or cached_verdict(art, self.machine, str(self.agent.device), self.opts.pinned) is not None:
             return
         self.module_for = art.name
         self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
@@ -546,7 +596,7 @@ class _Trial:
         t_wait = time.perf_counter()
         verdict = self.early.take_probe(art.name, device) if self.early is not None else None
         if verdict is None:
-            return run_probe(self.bundle, art, self.ckpt, device, self.machine, stats)
+            return run_probe(self.bundle, art, self.ckpt, device, self.machine, stats, self.opts.pinned)
         why = verdict(stats)
         stats.update(probe_overlapped_laya_load=True, probe_started_after_s=self.early.started_after_s,
                      probe_wait_after_laya_load_s=round(time.perf_counter() - t_wait, 3))

@@ -7,17 +7,17 @@ kernels). A start's cost is the whole of `laya_aot.load` for it: laya's agent, t
 smoke check, as the service waits for them. Only starts whose probe verdict was already cached are recorded, so
 the figures compare like with like (a first start's probe child is paid once per machine). `select.rank` uses
 them between artifacts whose measured mix is within `select.MIX_TIE` of the fastest: there, the one that starts
-faster here goes first.
+faster here goes first. An entry is read through `files.read_cache_json` (a figure that is not a start's, or
+not this artifact's, is none): at worst a wrong figure reorders artifacts whose measured mix is within the tie.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-from ..files import write_json_atomic
+from ..files import finite_number, read_cache_json, write_json_atomic
 from ..manifest import Artifact
 from ..variant import Machine
 
@@ -47,15 +47,17 @@ def known(arts: Iterable[Artifact], machine: Machine, device: str) -> Dict[str, 
     are left out)."""
     out: Dict[str, float] = {}
     for art in arts:
-        seconds = _read(_path(art, machine, device))
+        seconds = _read(_path(art, machine, device), art)
         if seconds is not None:
             out[art.name] = seconds
     return out
 
 
-def _read(path: Path) -> Optional[float]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("start_s")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e6 else None
+def _read(path: Path, art: Artifact) -> Optional[float]:
+    """The seconds `record` wrote at `path` for `art` (None: none, or not a start's figure)."""
+    entry = read_cache_json(path, {"artifact": str, "start_s": _seconds})
+    return float(entry["start_s"]) if entry is not None and entry["artifact"] == art.name else None
+
+
+def _seconds(value: object) -> bool:
+    return finite_number(value) and 0 <= value < 1e6  # type: ignore[operator]

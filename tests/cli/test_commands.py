@@ -92,11 +92,13 @@ def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(de
 
 def test_inspect_says_whether_a_start_here_runs_a_probe_child(demo_bundle, other_facts_bundle, demo_ckpt, tmp_path,
                                                              monkeypatch, capsys):
-    """The build's verdict fits the machine that built it: no child, as the loader then says; a bundle built on a
-    machine with other facts: a child on the first start, and none once a start here probed it."""
+    """The build's verdict fits the machine that built it: no child for a start that pins the bundle, as the loader
+    then says; a bundle built on a machine with other facts: a child on the first start, and none once a start here
+    probed it."""
     import json
 
     import laya_aot
+    from laya_aot.bundle_format import bundle_sha256
     from laya_aot.commands import inspect
 
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
@@ -104,12 +106,13 @@ def test_inspect_says_whether_a_start_here_runs_a_probe_child(demo_bundle, other
         assert inspect([str(bundle), "--json"], time.perf_counter()) == 0
         rows = {r["name"]: r["probe_here"] for r in json.loads(capsys.readouterr().out)["artifacts"]}
         assert rows["aoti-cpu"] == rows["aoti-cpu-frozen"] == before and rows["exported_program-fp32"] is None
-        agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle), device="cpu", prefer="aoti")
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle), device="cpu", prefer="aoti",
+                              bundle_sha256=bundle_sha256(bundle) if before == "shipped" else None)
         assert agent.backend_object.load_stats["probe"] == {"shipped": "shipped", "child": "ran"}[before]
         # which of the two packages serves follows the build's latency figures (noisy on a busy machine)
         served = agent.backend_object.artifact.name
         assert inspect([str(bundle)], time.perf_counter()) == 0
         out = capsys.readouterr().out
-        assert "%s %s" % (served, "none (the build's verdict fits" if after == "shipped"
+        assert "%s %s" % (served, "none when the start pins the bundle (the build's verdict fits" if after == "shipped"
                           else "none (probed here before)") in out, out
         assert "probe child (native artifacts, on a start here): " in out, out

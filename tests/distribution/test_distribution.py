@@ -39,7 +39,7 @@ pytest.importorskip("tilelang", reason="the tilelang extra is not installed (cro
 
 # 8 rows, and the sm_90 part's fp16 program verified on conftest.FEW_DECISIONS (a merge needs one tolerance, so
 # both parts take it)
-SMALL = ["export.max_rows=8", FEW_DECISIONS]
+SMALL = ["export.max_rows=8", *FEW_DECISIONS]
 CPU_PART = ["stages.aoti=false", *SMALL]  # the CPU artifacts: ONNX (AOTInductor is the slow one to build)
 TILELANG_PART = ["target=sm_90", "stages.aoti=false", "stages.onnx=false", "stages.inductor_cache=false", *SMALL]
 

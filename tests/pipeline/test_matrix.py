@@ -47,7 +47,7 @@ def eager_and_bundle(tmp_path_factory):
                 warnings.simplefilter("ignore")
                 only = ["stages.onnx=false", "aoti.cpu_frozen=false"] if KIND[name] == "aoti" else ["stages.aoti=false"]
                 # serving, not the decision statement (tests/shared/test_precision.py): conftest.FEW_DECISIONS
-                build_bundle(ckpt, root / "bundle", FEW_DECISIONS, *only)
+                build_bundle(ckpt, root / "bundle", *FEW_DECISIONS, *only)
                 made[name] = (ckpt, root / "bundle", laya.load(str(ckpt), device="cpu"))
         return made[name]
 

@@ -54,7 +54,7 @@ def multirun(tmp_path_factory, cuda_bundle) -> Path:
     # no Ray dashboard: nothing here looks at it, and its processes took ~8 of the sweep's ~85 CPU seconds
     p = _cli(["build", "--config-dir", "cfg", "-m", "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
               "+hydra.launcher.ray.init.include_dashboard=false", "checkpoint=alpha", "target=cpu,sm_90",
-              "stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", FEW_DECISIONS, "jobs=1"], work)
+              "stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", *FEW_DECISIONS, "jobs=1"], work)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return work
 

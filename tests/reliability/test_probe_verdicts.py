@@ -49,30 +49,91 @@ def test_the_builds_outcome_does_not_change_the_key(aoti):
     assert probe.verdict_key(aoti, machine, "cpu") == probe.verdict_key(later, machine, "cpu")
 
 
-def test_the_builds_verdict_is_taken_on_a_machine_with_its_facts(demo_bundle, demo_ckpt, tmp_path, monkeypatch):
-    """A first start (empty cache) on a machine like the build's runs no child, and every later start takes the
-    bundle's verdict again (nothing is written to the cache); a machine with other facts finds none and probes."""
+def test_the_builds_verdict_is_taken_for_a_pinned_bundle_on_a_machine_with_its_facts(demo_bundle, demo_ckpt,
+                                                                                      tmp_path, monkeypatch):
+    """A first start (empty cache) of a pinned bundle on a machine like the build's runs no child, and every later
+    start takes the bundle's verdict again (nothing is written to the cache); a machine with other facts finds none
+    and probes."""
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
     art = read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
     machine = current_machine("cpu")
     assert art.probe_verdict is not None and art.probe_verdict.key == probe.verdict_key(art, machine, "cpu")
     assert not probe.verdict_path(art, machine, "cpu").exists()
-    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine)
+    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine, pinned=True)
     stats = {}
     assert pending.proc is None and probe.finish(pending, stats) is None and stats["probe"] == "shipped"
     assert not probe.verdict_path(art, machine, "cpu").exists()
-    assert probe.cached_verdict(art, machine, "cpu:0")["shipped"]   # an agent on an indexed device of that type
+    assert probe.cached_verdict(art, machine, "cpu:0", pinned=True)["shipped"]   # an indexed device of that type
     other = dataclasses.replace(machine, cpu_isa="AVX2" if machine.cpu_isa != "AVX2" else "AVX512")
-    assert probe.cached_verdict(art, other, "cpu") is None
+    assert probe.cached_verdict(art, other, "cpu", pinned=True) is None
     monkeypatch.setenv("LAYA_AOT_PROBE_SHIPPED", "0")   # an operator who wants every new machine probed
+    assert probe.cached_verdict(art, machine, "cpu", pinned=True) is None
+
+
+def test_a_manifests_verdict_does_not_skip_the_child_for_an_unpinned_bundle(demo_bundle, demo_ckpt, tmp_path,
+                                                                           monkeypatch):
+    """The key of a shipped verdict is public (the entry's fields and the machine's facts): any manifest can carry one
+    that matches this machine, a replaced native library's included. Unpinned, it is not taken: this machine's own
+    child probes the artifact, and its verdict is what later starts read."""
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
+    art = read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
+    machine = current_machine("cpu")
+    assert art.probe_verdict.key == probe.verdict_key(art, machine, "cpu")   # recomputed for this machine
     assert probe.cached_verdict(art, machine, "cpu") is None
+    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine)
+    stats = {}
+    assert pending.proc is not None and probe.finish(pending, stats) is None and stats["probe"] == "ran"
+    assert probe.cached_verdict(art, machine, "cpu") == json.loads(probe.verdict_path(art, machine, "cpu").read_text())
+
+
+ABORTS = """
+#include <stdlib.h>
+__attribute__((constructor)) static void on_load(void) { abort(); }
+"""
+
+
+def test_a_replaced_native_library_with_a_recomputed_verdict_key_runs_only_in_the_child(demo_ckpt, bundle_copy,
+                                                                                        tmp_path):
+    """The frozen package's library replaced by one that calls abort() when loaded, the manifest rewritten to match
+    (files, sha256) with its shipped verdict's key recomputed for this machine and its latency made the best: an
+    unpinned start loads it only in the probe child, which dies; the service process lives and serves the other
+    package. Before, the shipped verdict let the library into the service process, which it killed."""
+    import shutil
+    import subprocess
+    import sys
+
+    from laya_aot.bundle_format import record_files, write_manifest
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the aborting library with")
+    src = tmp_path / "aborts.c"
+    src.write_text(ABORTS)
+    m = read_bundle(bundle_copy, kinds.BY_NAME)
+    art = m.artifact("aoti-cpu-frozen")
+    lib = bundle_copy / art.path / "model.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    record_files(bundle_copy, art)
+    art.probe_verdict = dataclasses.replace(art.probe_verdict, key=probe.verdict_key(art, current_machine("cpu"),
+                                                                                     "cpu"))
+    art.latency_ms = {dev: {shape: 1e-3 for shape in lat} for dev, lat in art.latency_ms.items()}
+    write_manifest(bundle_copy, m)
+    code = ("import json, sys, laya_aot; a = laya_aot.load(sys.argv[1], bundle=sys.argv[2], device='cpu', "
+            "prefer='aoti'); print('RESULT ' + json.dumps({'served': a.backend_object.artifact.name, "
+            "'rejected': a.backend_object.rejected}))")
+    p = subprocess.run([sys.executable, "-c", code, str(demo_ckpt), str(bundle_copy)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache")))
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert ["aoti-cpu-frozen", "loading it crashed a probe process: SIGABRT"] in got["rejected"]
+    assert got["served"] == "aoti-cpu"
 
 
 def test_a_shipped_verdict_for_another_entry_is_not_taken(demo_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
     art = read_bundle(demo_bundle, kinds.NAMES).artifact("aoti-cpu")
     twin = dataclasses.replace(art, ranges=dataclasses.replace(art.ranges, max_tokens=4096))  # the same verdict key
-    assert probe.cached_verdict(twin, current_machine("cpu"), "cpu") is None
+    assert probe.cached_verdict(twin, current_machine("cpu"), "cpu", pinned=True) is None
 
 
 def _kill_soon(pending, sig):

@@ -33,11 +33,11 @@ def _texts(rng: random.Random, n: int) -> list:
 
 # ------------------------------------------------------------------------------------------------ the tokenizer
 def test_the_direct_tokenizer_call_gives_laya_s_ids_on_fuzzed_texts(demo_ckpt):
-    from laya_aot.tokenizer_snapshot import SnapshotTokenizer, _snapshot_of
+    from laya_aot.tokenizer_snapshot import SnapshotTokenizer, derive
 
     agent = _agent(demo_ckpt)
     real = agent.tok
-    snap = SnapshotTokenizer(_snapshot_of(real), lambda: real)
+    snap = SnapshotTokenizer(derive(str(demo_ckpt / "tokenizer")), lambda: real)
     rng = random.Random(0)
     for tok in (real, snap):
         encode = laya_api.state_encoder(tok)

@@ -43,9 +43,14 @@ def test_a_first_start_probes_with_the_child_started_ahead_and_a_later_one_reads
     assert off["probe"] == "ran" and "imported_ahead_s" not in off["timeline"]   # a child started when needed
 
 
-def test_a_first_start_on_a_machine_like_the_builds_runs_no_child(demo_ckpt, demo_bundle, tmp_path):
-    """The build probed the artifact on a machine with these facts and shipped the verdict: no child, none left."""
-    first = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1")
+def test_a_first_start_of_a_pinned_bundle_on_a_machine_like_the_builds_runs_no_child(demo_ckpt, demo_bundle,
+                                                                                     tmp_path):
+    """The build probed the artifact on a machine with these facts and shipped the verdict, and the start pins the
+    bundle: no child, none left."""
+    from laya_aot.bundle_format import bundle_sha256
+
+    first = _first_start(demo_ckpt, demo_bundle, tmp_path / "cache", LAYA_AOT_PROBE_AHEAD="1",
+                         LAYA_AOT_BUNDLE_SHA256=bundle_sha256(demo_bundle))
     assert first["probe"] == "shipped" and first["backend"].startswith("aot:") and not first["left"]
     assert first["timeline"] is None
 

@@ -97,14 +97,15 @@ def test_a_token_past_the_embedding_is_refused_with_the_fix(demo_ckpt, demo_bund
     from laya_aot.runtime.backend import TokenIdError
 
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
-    backend = agent.backend_object
-    assert backend.embedding_rows is None  # the demo's tokenizer fits its embedding: nothing is checked
+    ids = agent.backend_object.token_ids
+    # the demo's tokenizer fits its embedding: ids are checked where it costs nothing (on the CPU), not on a device
+    assert ids.rows == agent.model.encoder.config.vocab_size and not ids.on_device
     qs = dict(list(question_suite().items())[:1])
     state = ["the invoice is wrong and the refund never came"]
-    backend.embedding_rows = 30  # as if the tokenizer had grown past the encoder's first 30 rows
+    ids.rows = 30  # as if the tokenizer had grown past the encoder's first 30 rows
     with pytest.raises(TokenIdError, match="past the encoder's 30 embedding rows.*resize_token_embeddings"):
         agent.predict_batch(state, qs)
-    backend.embedding_rows = 1 << 30  # every id fits: the check passes and the artifact answers
+    ids.rows = 1 << 30  # every id fits: the check passes and the artifact answers
     for got, ref in zip(agent.predict_batch(state, qs), eager.predict_batch(state, qs)):
         assert_same_answers(got["answers"], ref["answers"])
 
@@ -121,6 +122,10 @@ def test_embedding_rows_short_names_only_a_tokenizer_past_the_embedding():
     assert laya_api.embedding_rows_short(agent(100, 60)) is None
     assert laya_api.embedding_rows_short(agent(100, 101)) == 100
     assert laya_api.embedding_rows_short(SimpleNamespace(model=SimpleNamespace(), tok=[None] * 5)) is None
+
+    class Tok(list):   # a tokenizer inside the rows whose pad token (which laya pads with) is not
+        pad_token_id = 100
+    assert laya_api.embedding_rows_short(SimpleNamespace(model=agent(100, 1).model, tok=Tok([None] * 60))) == 100
 
 
 def test_threads_give_the_serial_answers(aot):

@@ -237,3 +237,54 @@ def test_a_damaged_or_foreign_snapshot_in_the_bundle_is_not_used(demo_ckpt, bund
     run = _starts(demo_ckpt, bundle_copy, tmp_path / "foreign", n=1)[0]
     assert run["shipped"].startswith("the bundle's not used: it was made for other tokenizer files")
     assert run["tok"] != "SnapshotTokenizer" and run["answers"] == reference["answers"]
+
+
+def test_a_bundles_snapshot_with_a_pad_token_past_the_vocabulary_seeds_nothing(demo_ckpt, bundle_copy, tmp_path):
+    """An unpinned bundle's snapshot whose pad_token_id is past the vocabulary, its sha256 recomputed: it aborted
+    the start inside an AOTInductor kernel and, stored in the cache, every later start of the pristine bundle.
+    Now it is checked against the checkpoint's tokenizer files before it is seeded: not seeded, and every start
+    answers as laya does."""
+    from laya_aot.manifest import text_digest
+
+    reference = _starts(demo_ckpt, bundle_copy, tmp_path / "ref", n=1)[0]
+    original = json.loads((bundle_copy / "bundle.json").read_text())["tokenizer_snapshot"]
+    bad = json.loads(original["text"])
+    bad["special"]["pad_token_id"] = bad["len"] + 5
+
+    def poisoned(m):
+        m["tokenizer_snapshot"] = dict(original, text=json.dumps(bad), sha256=text_digest(json.dumps(bad)))
+
+    _edited(bundle_copy, poisoned)
+    cache = tmp_path / "cache"
+    first, later = _starts(demo_ckpt, bundle_copy, cache)
+    assert first["shipped"].startswith("the bundle's not used: it does not match this checkpoint's tokenizer files")
+    assert first["answers"] == reference["answers"] and later["answers"] == reference["answers"]
+    assert later["tok"] == "SnapshotTokenizer"   # proven here against laya's own tokenizer by the first start
+    assert json.loads(next((cache / "tokenizers").iterdir()).read_text())["special"]["pad_token_id"] == \
+        json.loads(original["text"])["special"]["pad_token_id"]
+
+
+def test_a_refused_bundle_seeds_nothing(demo_ckpt, demo_bundle, tmp_path, monkeypatch):
+    """A bundle built from another checkpoint (here: the demo's weights with one bit changed, the same tokenizer
+    files) is judged before its snapshot is considered: nothing is seeded, and the start says why."""
+    import shutil
+
+    import laya_aot
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo_ckpt, ckpt)
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4] ^= 1   # the lowest bit of the last weight
+    weights.write_bytes(bytes(data))
+    assert ts.key(str(ckpt / "tokenizer")) == json.loads((demo_bundle / "bundle.json").read_text())[
+        "tokenizer_snapshot"]["key"]   # the snapshot's key is this checkpoint's: only the judgement stops it
+    seeded = []
+    monkeypatch.setattr(ts, "seed", lambda *a: seeded.append(a))
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(ts, "_LOADED", {})
+    with pytest.warns(RuntimeWarning, match="built from"):
+        agent = laya_aot.load(str(ckpt), bundle=str(demo_bundle), device="cpu")
+    assert agent.backend == "eager" and not seeded
+    assert agent.backend_object.stats["tokenizer_snapshot"] == \
+        "the bundle's not used: the bundle was not built from this checkpoint"
