@@ -144,7 +144,11 @@ class _Worker:
 def supervise(count: int, host: str, port: int) -> int:
     """Start `count` workers, let them serve once all have loaded, and stop them all when told to or when one
     exits. Returns the exit status: 0 when stopped by a signal, else the first worker's to exit."""
-    directory = tempfile.mkdtemp(prefix="laya-aot-workers-")
+    with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # the workers' figures (`Board`)
+        return _supervise(count, host, port, directory)
+
+
+def _supervise(count: int, host: str, port: int, directory: str) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -169,9 +173,6 @@ def supervise(count: int, host: str, port: int) -> int:
         _stop(workers)
         for s, handler in old.items():
             signal.signal(s, handler)
-        for f in Path(directory).glob("*"):
-            f.unlink()
-        os.rmdir(directory)
     return status
 
 
@@ -238,7 +239,7 @@ class Board:
         def run() -> None:
             while True:
                 try:
-                    self.publish(figures())
+                    self.write(figures())
                 except Exception:  # noqa: BLE001 - the others see this worker's figures age, never a crash here
                     log.debug("laya-aot serve worker %d: figures not written", self.index, exc_info=True)
                 time.sleep(PUBLISH_S)
@@ -246,7 +247,8 @@ class Board:
         self._thread = threading.Thread(target=run, name="laya-aot-worker-figures", daemon=True)
         self._thread.start()
 
-    def publish(self, figures: Dict[str, Any]) -> None:
+    def write(self, figures: Dict[str, Any]) -> None:
+        """This worker's figures, replaced whole (a reader never sees half a file)."""
         part = self._path(self.index).with_suffix(".part")
         part.write_text(json.dumps(dict(figures, index=self.index, pid=os.getpid(), time=time.time())),
                         encoding="utf-8")
