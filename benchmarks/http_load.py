@@ -11,10 +11,14 @@ starts by measuring the client against a stub server that answers at once (`clie
 
     # CPU (the acceptance figure: requests/s at 32 clients against 1, base-512, LAYA_MAX_CONCURRENT=64 or more)
     python benchmarks/http_load.py --checkpoint CKPT --bundle BUNDLE --threads 2 --streams short --clients 1,32
-    # GPU (H100/H200, large-1024; laya-aot serve with 1 and 4 worker processes and laya serve in the same run, then
-    # the Python batcher against laya-cuda's)
-    python benchmarks/http_load.py --checkpoint CKPT --bundle BUNDLE --device cuda --python \
-        --servers laya-aot,laya-aot:4,laya --seconds 4 --client-procs 8 --out $OUT
+    # GPU (H100/H200, about 5-6 minutes): laya-aot serve with 1 and 4 worker processes and laya serve, short and
+    # mixed streams, 1/8/32/128 clients, then the Python batcher against laya-cuda's; writes $OUT/http_load_gpu.*
+    python benchmarks/http_load.py --checkpoint /tmp/w/ckpt-large --bundle /tmp/w/bundle-large --device cuda \
+        --python --servers laya-aot,laya-aot:4,laya --seconds 2.5 --client-procs 8 --out $OUT --tag _gpu
+    # the checkpoint and bundle it takes (about 6 minutes on an H100, once):
+    laya-aot make-demo /tmp/w/ckpt-large --shape large-1024
+    laya-aot build checkpoint.path=/tmp/w/ckpt-large output_dir=/tmp/w/bundle-large target=sm_90 \
+        stages.tilelang=false stages.onnx=false stages.inductor_cache=false
 
 Builds a demo checkpoint (--shape) and its bundle (--target) when --checkpoint/--bundle are not given (shared
 with benchmarks/http_bench.py). Writes http_load<tag>.json and .md to --out. `--ray 1,2` also runs the Ray Serve
