@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 from typing import Any, Dict, List, Tuple
 
 import harness
@@ -21,36 +19,16 @@ sys.path.insert(0, str(harness.ROOT))
 
 def level(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float,
           calls: List[Tuple[int, int, int]]) -> Dict[str, Any]:
-    """One level: `callers` threads each submitting a request and waiting for its answer, for `seconds`."""
+    """One level of http_load's in-process closed loop, with the calls it made: computed cells per real token and
+    forwards per request."""
+    from http_load import _callers
+
     calls.clear()
-    lat: List[float] = []
-    lock = threading.Lock()
-    stop = time.perf_counter() + seconds
-
-    def worker(t: int) -> None:
-        i, mine = t * 7919, []
-        while time.perf_counter() < stop:
-            r = reqs[i % len(reqs)]
-            t0 = time.perf_counter()
-            batcher.submit(r["state"], r["questions"]).result()
-            mine.append(time.perf_counter() - t0)
-            i += 1
-        with lock:
-            lat.extend(mine)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(callers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    lat.sort()
+    lv = _callers(lambda r: batcher.submit(r["state"], r["questions"]).result(), reqs, callers, seconds)
+    lv.pop("answers")
     cells, real = sum(n * t for n, t, _ in calls), sum(x for _, _, x in calls)
-    return {"rps": round(len(lat) / wall, 2), "p50_ms": round(lat[len(lat) // 2] * 1000),
-            "p99_ms": round(lat[int(0.99 * len(lat))] * 1000),
-            "cells_per_real_token": round(cells / max(1, real), 3),
-            "forwards_per_request": round(len(calls) / max(1, len(lat)), 3)}
+    return dict(lv, cells_per_real_token=round(cells / max(1, real), 3),
+                forwards_per_request=round(len(calls) / max(1, lv["ok"]), 3))
 
 
 def main() -> int:
