@@ -50,7 +50,7 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     from laya_aot.kinds import aoti
     from laya_aot.kinds.exported_program import export_model
     from laya_aot.kinds.exported_program_settings import ExportConfig
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
 
     rotary, *extras = variant.split("+")
     e = ExportConfig()

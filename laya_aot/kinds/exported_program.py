@@ -19,9 +19,9 @@ from torch.export import Dim, ExportedProgram
 from .. import precision
 from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs, Precision
-from ..model import ExplicitDtypeModel, gemm_extremes
+from ..modeling.model import ExplicitDtypeModel, gemm_extremes
+from ..modeling.rotary import ROTARY
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
-from ..rotary import ROTARY
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner
 
@@ -129,7 +129,7 @@ class ExportedProgramRunner(Runner):
     def __init__(self, path: Path, device: str = "cpu", attention: str = "stock"):
         self.device = torch.device(device)  # the device the program was exported on
         if attention.startswith("triton"):  # the program calls the kernel's op: registered before it is read
-            from .. import window_attention  # noqa: F401
+            from ..modeling import window_attention  # noqa: F401
         self._module = torch.export.load(str(path)).module()
         self.stats = {}
 

@@ -40,7 +40,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs
-from ..model import ExplicitDtypeModel
+from ..modeling.model import ExplicitDtypeModel
 from ..padding import Ranges
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 

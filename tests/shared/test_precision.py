@@ -95,7 +95,7 @@ def decisive(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
     from laya_aot.dtypes import torch_dtype
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
     from laya_aot.padding import Ranges
     from laya_aot.verification import cases, eager_in_dtype, reference_outputs, verify_runner
 

@@ -6,7 +6,7 @@ kernel over all L x L scores. On the H200 at 32 x 1024 tokens that was 19 ms of 
 rebuilding masks (benchmarks/results/calls.md).
 
 `switch(model, ...)` makes a copy of the model (the one an artifact is exported from, never laya's own) compute
-the same attention with `laya_aot.window_attention`'s Triton kernel: the rows x L padding mask read as it is,
+the same attention with `laya_aot.modeling.window_attention`'s Triton kernel: the rows x L padding mask read as it is,
 local layers visiting only the keys their window reaches (w read from the mask the installed transformers
 builds, so the band is the one laya's own forward uses). Only on CUDA in 16 bits, where triton is; elsewhere
 the copy keeps transformers' attention. On the CPU (tests) `attention` computes the same thing in plain torch.

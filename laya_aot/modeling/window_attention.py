@@ -15,7 +15,7 @@ then rounded to the inputs' dtype before the dot products.
 
 Each is a `torch.library.triton_op`, so torch.export records one op and AOTInductor compiles the kernel into the
 package (no Python at serving time). Only imported where triton is (a CUDA build); the same computation in
-plain torch, the tests' yardstick, is `laya_aot.attention.reference` (after `rotate` for the rotary one).
+plain torch, the tests' yardstick, is `laya_aot.modeling.attention.reference` (after `rotate` for the rotary one).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`laya_aot.attention` and `laya_aot.window_attention`: the attention a GPU artifact is exported with computes
+"""`modeling.attention` and `modeling.window_attention`: the attention a GPU artifact is exported with computes
 laya's attention.
 
 The Triton kernel itself runs only on a GPU, where each artifact is verified against laya's fp32 forward at
@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from laya_aot import attention
-from laya_aot.model import ExplicitDtypeModel
+from laya_aot.modeling import attention
+from laya_aot.modeling.model import ExplicitDtypeModel
 
 
 def _model(ckpt):
@@ -158,7 +158,7 @@ CASES = [  # rows, heads, length, head dim, window (-1: global), dtype
 # run in a child: Triton reads TRITON_INTERPRET when torch and triton are imported, before any test runs
 INTERPRET = """
 import json, sys, torch
-from laya_aot import attention, window_attention
+from laya_aot.modeling import attention, window_attention
 out = []
 for rows, heads, length, dim, window, dtype in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
