@@ -200,9 +200,8 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
         for c in CONFIGS:
             name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
             try:
-                ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
-                                                                   cfg=c))
-                o = wa._launch(q, k, v, keep, window, dim ** -0.5, None, None, cfg=c)
+                ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, cfg=c))
+                o = wa._launch(q, k, v, keep, window, dim ** -0.5, cfg=c)
                 err = float((o[:few].float() - ref).abs().max())
                 row[name] = {"ms": ms, "tflops_useful": round(flops / ms / 1e9, 1), "max_err": round(err, 5)}
             except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot run

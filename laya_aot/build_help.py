@@ -40,8 +40,7 @@ Keys (KEY=VALUE overrides one value):
                           activations leave room, else bf16) or laya (autocast in the target dtype, as laya serves)
   export.fp16_headroom    the faithful path takes fp16 only where the largest activation times this (default 16)
                           stays below fp16's 65504
-  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
-                          rotary embedding fused into it; slower on the H200) or stock
+  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits) or stock
   export.rotary           table (default: the rotary cos/sin read from a table made at export) or computed
                           (recomputed in every layer, as transformers does)
   export.head             answer_rows (default: the decision head's last layer computed only at position 0 and

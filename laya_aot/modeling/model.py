@@ -93,7 +93,7 @@ class ExplicitDtypeModel(torch.nn.Module):
             raise ValueError("export.head=%r: one of %s" % (head, ", ".join(head_mod.HEADS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
-        # what the copy computes attention with: "triton" or "triton_rope" only on a GPU in 16 bits, for an encoder
+        # what the copy computes attention with: "triton" only on a GPU in 16 bits, for an encoder
         # laya_aot.attention knows
         self.attention = attention_mod.switch(self.model, device_type, dtype, attention)
         # "table": the rotary cos/sin read from tables of `rope_table` positions (modeling.rotary); "computed": as

@@ -7,15 +7,9 @@ local layer, visits only the key blocks a query block's window reaches. Query i 
 token and, with a window w, |i - j| <= w. A query with no such key (a padded position beyond every window)
 gets zeros; nothing reads those positions.
 
-`window_attention_rope` also applies ModernBERT's rotary embedding to the queries and keys as it loads them, from
-the unrotated views of Wqkv's output: the separate rotary kernel (Inductor recomputes sin and cos per element in
-every layer: 5.4 ms of a 64 ms forward at 32 x 1024, `gpu_h200_profile/kernels_large-1024_kern2.txt`) and the
-rotated copies' round trip through memory go away. The rotation is transformers' `apply_rotary_pos_emb`: in fp32,
-then rounded to the inputs' dtype before the dot products.
-
-Each is a `torch.library.triton_op`, so torch.export records one op and AOTInductor compiles the kernel into the
+It is a `torch.library.triton_op`, so torch.export records one op and AOTInductor compiles the kernel into the
 package (no Python at serving time). Only imported where triton is (a CUDA build); the same computation in
-plain torch, the tests' yardstick, is `laya_aot.modeling.attention.reference` (after `rotate` for the rotary one).
+plain torch, the tests' yardstick, is `laya_aot.modeling.attention.reference`.
 """
 from __future__ import annotations
 
@@ -28,39 +22,14 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 OP = "laya_aot::window_attention"
-OP_ROPE = "laya_aot::window_attention_rope"
 LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _rotated(X, base, offs_l, sl, offs_d, d_ok, l_ok, COS, SIN, cb, scl, HALF: tl.constexpr,
-             TRANSPOSED: tl.constexpr):
-    """A tile of X (positions offs_l, dims offs_d) times cos plus rotate_half(tile) times sin, in fp32, rounded
-    back to X's dtype: transformers' apply_rotary_pos_emb. TRANSPOSED: the tile is dims x positions."""
-    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-    sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    if TRANSPOSED:
-        ok = d_ok[:, None] & l_ok[None, :]
-        x = tl.load(X + base + offs_l[None, :] * sl + offs_d[:, None], mask=ok, other=0.0)
-        r = tl.load(X + base + offs_l[None, :] * sl + partner[:, None], mask=ok, other=0.0)
-        c = tl.load(COS + cb + offs_l[None, :] * scl + offs_d[:, None], mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(SIN + cb + offs_l[None, :] * scl + offs_d[:, None], mask=ok, other=0.0).to(tl.float32)
-        out = x.to(tl.float32) * c + r.to(tl.float32) * sign[:, None] * s
-    else:
-        ok = l_ok[:, None] & d_ok[None, :]
-        x = tl.load(X + base + offs_l[:, None] * sl + offs_d[None, :], mask=ok, other=0.0)
-        r = tl.load(X + base + offs_l[:, None] * sl + partner[None, :], mask=ok, other=0.0)
-        c = tl.load(COS + cb + offs_l[:, None] * scl + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(SIN + cb + offs_l[:, None] * scl + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-        out = x.to(tl.float32) * c + r.to(tl.float32) * sign[None, :] * s
-    return out.to(x.dtype)
-
-
-@triton.jit
-def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
-            sqb, sqh, sql, skb, skh, skl, svb, svh, svl, smb, sob, sol, soh, scb, scl,
+def _kernel(Q, K, V, KEEP, OUT, qk_scale, L, H,
+            sqb, sqh, sql, skb, skh, skl, svb, svh, svl, smb, sob, sol, soh,
             WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass the scale as an fp64 constant
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -72,12 +41,8 @@ def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
     offs_j = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < L
-    if ROPE:
-        q = _rotated(Q, b * sqb + h * sqh, offs_m, sql, offs_d, d_ok, m_ok, COS, SIN, b * scb, scl, HEAD_DIM // 2,
-                     False)
-    else:
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -91,12 +56,8 @@ def _kernel(Q, K, V, KEEP, OUT, COS, SIN, qk_scale, L, H,
         offs_n = start_n + offs_j
         n_ok = offs_n < L
         keep = tl.load(KEEP + b * smb + offs_n, mask=n_ok, other=0) != 0
-        if ROPE:
-            k = _rotated(K, b * skb + h * skh, offs_n, skl, offs_d, d_ok, n_ok, COS, SIN, b * scb, scl,
-                         HEAD_DIM // 2, True)
-        else:
-            k = tl.load(K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        k = tl.load(K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, k) * qk_scale
         allowed = keep[None, :]
         if WINDOW >= 0:
@@ -130,41 +91,24 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
                      scale: float) -> torch.Tensor:
     """q, k, v: rows x heads x L x D (last dimension contiguous), keep: rows x L (nonzero = a token);
     window < 0: none. Returns rows x L x heads x D, what transformers' attention interface returns."""
-    return _launch(q, k, v, keep, window, scale, None, None)
-
-
-@triton_op(OP_ROPE, mutates_args={})
-def window_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          keep: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """`window_attention` of q and k rotated as transformers' apply_rotary_pos_emb rotates them: q, k, v unrotated,
-    rows x heads x L x D (last dimension contiguous, any other strides: views of Wqkv's output); cos, sin: rows or 1
-    x L x D (last dimension contiguous), D even."""
-    return _launch(q, k, v, keep, window, scale, cos, sin)
+    return _launch(q, k, v, keep, window, scale)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, window: int, scale: float,
-            cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], cfg: Optional[dict] = None) -> torch.Tensor:
-    """Both ops' one launch; `cfg` (tile sizes and launch shape, `blocks`' when None) is for benchmarks/attention_ab.py,
+            cfg: Optional[dict] = None) -> torch.Tensor:
+    """The op's launch; `cfg` (tile sizes and launch shape, `blocks`' when None) is for benchmarks/attention_ab.py,
     which times the kernel with other tiles."""
     rows, heads, length, dim = q.shape
     out = torch.empty((rows, length, heads, dim), dtype=q.dtype, device=q.device)
     cfg = cfg or blocks(dim, window)
-    rope = cos is not None
-    if rope:  # one row of tables serves every row (stride 0), as transformers computes them for arange positions
-        cos, sin = cos.expand(rows, length, dim), sin.expand(rows, length, dim)
-        table_strides = (cos.stride(0), cos.stride(1))
-    else:
-        cos = sin = q  # not read
-        table_strides = (0, 0)
 
     def grid(meta):
         return (triton.cdiv(length, meta["BLOCK_M"]), rows * heads)
 
     wrap_triton(_kernel)[grid](
-        q, k, v, keep, out, cos, sin, scale * LOG2E, length, heads,
+        q, k, v, keep, out, scale * LOG2E, length, heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), keep.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        table_strides[0], table_strides[1],
-        WINDOW=window, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), ROPE=rope, **cfg)
+        WINDOW=window, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), **cfg)
     return out
 
