@@ -142,8 +142,8 @@ def _string_literals(path: Path):
 # the same word meaning something else: TileLang's `JITImpl.compile` method, patched by the JIT guard; the
 # `tilelang` extra and package, which laya's TileLang modules import (laya_internals.require names the extra);
 # `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
-OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals"),
-                 ("compile", "laya_aot.laya_internals")}
+OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals.core"),
+                 ("compile", "laya_aot.laya_internals.core")}
 
 
 @pytest.mark.parametrize("name", kinds.NAMES)

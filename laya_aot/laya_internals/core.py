@@ -18,8 +18,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
-from .dtypes import name_of
-from .errors import LayaAotError
+from ..dtypes import name_of
+from ..errors import LayaAotError
 
 # (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
 # checked only when that route runs, so a laya installed without an optional extra still serves the others
@@ -89,7 +89,7 @@ class LayaIncompatible(LayaAotError, RuntimeError):
 
     def __init__(self, missing: List[str], who: str):
         super().__init__("this laya lacks %s, which %s relies on: install a laya laya-aot supports (pip install "
-                         "\"laya>=0.4.15,<0.5\"), or adapt laya_aot/laya_internals.py to it"
+                         "\"laya>=0.4.15,<0.5\"), or adapt laya_aot/laya_internals/ to it"
                          % (", ".join(missing), who))
         self.missing = missing
 
@@ -214,7 +214,7 @@ def state_encoder(tok: Any) -> Optional[Callable[[List[str]], Optional[List[List
     special-token setting): it never changes the shared backend."""
     import sys
 
-    from .tokenizer_snapshot import SnapshotTokenizer
+    from ..tokenizer_snapshot import SnapshotTokenizer
 
     if type(tok) is SnapshotTokenizer:
         if not tok.__dict__.get("_right"):  # its plain call then goes to the real tokenizer
@@ -368,7 +368,7 @@ def build_router(router_class: Optional[type]) -> Any:
             laya.router.Router = original
     if not isinstance(router, router_class):
         raise RuntimeError("this laya's serve.build_router no longer builds laya.router.Router, so laya-aot serve "
-                           "cannot route checkpoint loads through bundles: adapt laya_aot/laya_internals.py")
+                           "cannot route checkpoint loads through bundles: adapt laya_aot/laya_internals/")
     return router
 
 
@@ -567,7 +567,7 @@ def _install_thin_hooks() -> None:
     import laya.agent
     import safetensors.torch
 
-    from . import tokenizer_snapshot
+    from .. import tokenizer_snapshot
 
     with _HOOKS_LOCK:
         if getattr(laya.agent.build_model, "_laya_aot_thin", False):
@@ -666,7 +666,7 @@ def build_eager_module(agent: Any, checkpoint: str, device: Optional[torch.devic
 
     from laya.common import build_model
 
-    from .checkpoint import Weights
+    from ..checkpoint import Weights
 
     enc_dir = os.path.join(checkpoint, "encoder")
     model = build_model(agent.cfg, encoder_dir=enc_dir if os.path.exists(enc_dir) else None, pretrained=False)
