@@ -1,139 +1,17 @@
-"""Everything laya-aot uses of laya beyond `laya.load` and the Agent's public methods: one module to
-re-check on a laya upgrade.
-
-laya has no public way to install a custom forward, so a bundle's backend is installed as `set_backend`
-does it, under the agent's lock. `check(routes=...)` lists the names a route (core, serve, tilelang)
-relies on that this laya lacks and `require` names the extra a route needs; `aot_router_class` and
-`build_router` are the seam through which `laya-aot serve` takes over laya's `Router._build`.
+"""The core route: an agent's backend and module (installed under laya's write lock), the facts laya-aot reads of
+an agent, and the thin agent (laya's own constructor with the model a shell of meta tensors) with the eager module
+built for it. What `laya_aot.load`, the build and every backend use of laya's internals.
 """
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import threading
-import types
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
 from ..dtypes import name_of
-from ..errors import LayaAotError
-
-# (module, attribute path) pairs laya-aot needs, grouped by the route that needs them: a route's names are
-# checked only when that route runs, so a laya installed without an optional extra still serves the others
-CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every backend
-    ("laya", "load"),
-    ("laya.agent", "Agent.deaccelerate"),
-    ("laya.agent", "Agent._restore_runtime"),   # the end of laya's retry on the CPU (EagerModule)
-    ("laya.backends.base", "Backend.install"),
-    ("laya.backends.base", "Backend.stock_forward"),
-    ("laya.backends.base", "BackendUnavailable"),
-    ("laya.backends.base", "pad_batch"),
-    ("laya.backends.base", "bucket_rows"),
-    ("laya.backends.base", "bucket_tokens"),
-    ("laya.common", "build_model"),
-    ("laya.agent", "build_model"),       # the thin agent replaces it with a shell while laya builds an Agent
-    ("laya.agent", "_load_tokenizer"),   # ... and loads the fast tokenizer class directly, into laya's cache
-    ("laya.agent", "_TOKENIZERS"),
-    ("laya.agent", "_TOKENIZERS_LOCK"),
-)
-SERVE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya-aot serve: laya's app and settings, the Router's one Agent build
-    ("laya.serve", "build_router"),
-    ("laya.serve", "create_app"),
-    ("laya.serve", "_resolve_port"),
-    ("laya.serve", "_resolve_log_level"),
-    ("laya.router", "Router._build"),
-    ("laya.router", "_merge_expected_digests"),
-    ("laya.router", "_digest_entry"),
-    ("laya.mcp.device", "router_agent"),
-)
-TILELANG_NAMES: Tuple[Tuple[str, str], ...] = (  # TileLang artifacts and builds (laya_aot.kernels)
-    ("laya.fast", "FastLaya"),           # laya_aot.kernels drives laya's fast path with precompiled kernels
-    ("laya.tl_kernels", "gemm_kernel"),  # and hooks its kernel factories (kernels.catalogue.FACTORIES)
-)
-HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's host path with its own caches
-    ("laya.common", "build_head"),       # wrapped: a question's head, cached across calls
-    ("laya.common", "render_options"),   # ... keyed by the options as build_head renders them
-    ("laya.common", "serialize_state"),  # a state's text, as Agent._encode_state makes it
-    ("laya.common", "encode_text"),      # laya's tokenizer call under its lock
-    ("laya.agent", "encode_text"),       # wrapped: Agent._encode_state's state tokenisation
-    ("laya.common", "_TOKENIZE_LOCK"),   # held by the direct tokenizer call (state_encoder), as laya holds it
-    ("laya.agent", "Agent._decode_answers"),  # a host-path agent's: runtime/host_steps.Decoder, equal answers
-    ("laya.agent", "apply_binning_map"),  # ... which calls laya's binning, bucket and legend functions as it does
-    ("laya.agent", "temp_bucket"),
-    ("laya.agent", "QTYPES"),
-    ("laya.agent", "render_criterion"),
-    ("laya.agent", "answer_confidence"),
-    ("laya.agent", "confidence_from_probs"),
-    ("laya.agent", "unpermute_probs"),
-)
-ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
-                                                   "tilelang": TILELANG_NAMES, "host_path": HOST_PATH_NAMES}
-# the third-party packages a route imports through laya, and the extra of laya-aot that installs them
-PACKAGES: Dict[str, Tuple[str, ...]] = {"serve": ("fastapi", "uvicorn"), "tilelang": ("tilelang",)}
-_ROUTE_WORDS: Dict[str, str] = {"serve": "laya-aot serve", "tilelang": "TileLang (its kernels and artifacts)"}
-MODULE_NAMES: Tuple[Tuple[str, str], ...] = CORE_NAMES + SERVE_NAMES + TILELANG_NAMES + HOST_PATH_NAMES  # every route
-AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "device", "dtype", "amp_enabled")
-# what `router_agent_kwargs` reads of a Router, as Router._build does
-ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
-
-
-class RouteUnavailable(LayaAotError, RuntimeError):
-    """A route's optional packages are not installed; the message is one line naming the extra to install."""
-
-
-class LayaIncompatible(LayaAotError, RuntimeError):
-    """This laya lacks names a route relies on; the message names them and the fix."""
-
-    def __init__(self, missing: List[str], who: str):
-        super().__init__("this laya lacks %s, which %s relies on: install a laya laya-aot supports (pip install "
-                         "\"laya>=0.4.15,<0.5\"), or adapt laya_aot/laya_internals/ to it"
-                         % (", ".join(missing), who))
-        self.missing = missing
-
-
-def missing_packages(route: str) -> List[str]:
-    """The packages `route` needs that are not installed (found without importing them: no start-up cost)."""
-    return [name for name in PACKAGES.get(route, ()) if importlib.util.find_spec(name) is None]
-
-
-def require(*routes: str) -> None:
-    """Raise RouteUnavailable naming the extra when a route's packages are missing, before anything loads.
-
-    Only packages are checked here; `check()` then finds what a laya lacks by name."""
-    for route in routes:
-        absent = missing_packages(route)
-        if absent:
-            raise RouteUnavailable("%s needs %s, which %s not installed: pip install \"laya-aot[%s]\""
-                                   % (_ROUTE_WORDS.get(route, route), ", ".join(absent),
-                                      "is" if len(absent) == 1 else "are", route))
-
-
-def check(agent: Any = None, router: Any = None, routes: Tuple[str, ...] = ("core",)) -> List[str]:
-    """The names of `routes` (core, serve, tilelang) that this laya lacks (empty when all are there).
-
-    A route whose packages are missing is not checked: `require` reports that as the extra to install."""
-    missing = []
-    if router is not None:
-        missing += ["Router.%s" % n for n in ROUTER_NAMES if not hasattr(router, n)]
-    for route in routes:
-        if missing_packages(route):
-            continue
-        for module, path in ROUTES[route]:
-            try:
-                obj: Any = importlib.import_module(module)
-                for part in path.split("."):
-                    obj = getattr(obj, part)
-            except (ImportError, AttributeError):
-                missing.append("%s.%s" % (module, path))
-    if agent is not None:
-        missing += ["Agent.%s" % n for n in AGENT_NAMES if not hasattr(agent, n)]
-        gate = getattr(agent, "_gate", None)
-        if gate is not None and not hasattr(gate, "write_lock"):
-            missing.append("Agent._gate.write_lock")
-    return missing
 
 
 def install_backend(agent: Any, backend: Backend) -> None:
@@ -151,118 +29,32 @@ def install_backend(agent: Any, backend: Backend) -> None:
         agent._fast = None
 
 
+def guard_laya_switches(agent: Any, before: Callable[[str, Callable[..., Any]], Callable[..., Any]],
+                        retry_ended: Callable[[Any, Any, bool], bool]) -> None:
+    """On this agent only: laya's `set_backend`, `accelerate` and `deaccelerate` become `before(name, stock)`, and
+    the end of laya's retry of a request on the CPU after an out-of-memory (its `_restore_runtime(device, dtype,
+    amp_enabled, had_fast)`, which moves the agent's module back to the device) first asks
+    `retry_ended(device, dtype, amp_enabled)`: True means it put the agent back itself, and laya's own end is
+    skipped (runtime/eager_module.py)."""
+    for name in ("set_backend", "accelerate", "deaccelerate"):
+        agent.__dict__[name] = before(name, getattr(agent, name))
+    stock = agent._restore_runtime
+
+    @functools.wraps(stock)
+    def restore(device: Any, dtype: Any, amp_enabled: bool, had_fast: bool) -> Any:
+        if retry_ended(device, dtype, amp_enabled):
+            return None
+        return stock(device, dtype, amp_enabled, had_fast)
+
+    agent.__dict__["_restore_runtime"] = restore
+
+
 def serving_paused(agent: Any) -> ContextManager[None]:
     """laya's write lock on the agent's forward (`Agent._gate`, as `install_backend` takes it): inside, no forward
     of the agent runs and none begins. A hand-over holds it while the artifact taking over makes its first calls
     (runtime/loader.py): they may capture CUDA graphs in torch's global mode (laya's fast path), which a serving
     forward's allocation or synchronising call on another thread would break, failing both."""
     return agent._gate.write_lock()
-
-
-_HOST_ROUTED = threading.Lock()
-
-
-def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable]) -> None:
-    """Send laya's `build_head` and `Agent._encode_state`'s tokenizer call through `head(stock)` and `state(stock)`
-    (runtime/host_path.py), once per process. Both return laya's stock function's result outside a host path's
-    call, so other agents in the process run exactly as before."""
-    import laya.agent
-    import laya.common
-
-    with _HOST_ROUTED:
-        if getattr(laya.common.build_head, "laya_aot_stock", None) is None:
-            wrapped = head(laya.common.build_head)
-            wrapped.laya_aot_stock = laya.common.build_head  # type: ignore[attr-defined]
-            laya.common.build_head = wrapped
-        if getattr(laya.agent.encode_text, "laya_aot_stock", None) is None:
-            wrapped = state(laya.agent.encode_text)
-            wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
-            laya.agent.encode_text = wrapped
-
-
-def stock_decode(agent: Any) -> Callable:
-    """laya's `Agent._decode_answers` bound to `agent` (whatever the instance holds in its place)."""
-    import laya.agent
-
-    return laya.agent.Agent._decode_answers.__get__(agent)
-
-
-def decode_helpers() -> Tuple[Callable, Callable, Dict[str, int], Callable]:
-    """(apply_binning_map, temp_bucket, QTYPES, render_criterion) as `Agent._decode_answers` calls them."""
-    import laya.agent
-
-    return laya.agent.apply_binning_map, laya.agent.temp_bucket, laya.agent.QTYPES, laya.agent.render_criterion
-
-
-def decode_numbers() -> Tuple[Callable, Callable, Callable]:
-    """(answer_confidence, confidence_from_probs, unpermute_probs): the functions `_decode_answers` computes with."""
-    import laya.agent
-
-    return laya.agent.answer_confidence, laya.agent.confidence_from_probs, laya.agent.unpermute_probs
-
-
-def state_encoder(tok: Any) -> Optional[Callable[[List[str]], Optional[List[List[int]]]]]:
-    """`encode(texts)`: exactly `tok(texts, add_special_tokens=False)["input_ids"]`, from the tokenizer's Rust
-    backend directly (its `encode_batch_fast`, which skips the offsets nobody reads here), or None (the answer
-    is laya's call; this tokenizer's class is not one whose call is known to be that).
-
-    The call is known for two classes: laya-aot's `SnapshotTokenizer` (its plain call is `encode_batch` on its
-    backend) and transformers' fast tokenizer class itself (its `_encode_plus` resets the backend's truncation
-    and padding and sets `encode_special_tokens` to `split_special_tokens`, then calls `encode_batch`). `encode`
-    runs under laya's tokenizer lock and answers None, leaving the call to laya, when the backend is not in the
-    state that call would run `encode_batch` in (truncation or padding left on by an earlier call, another
-    special-token setting): it never changes the shared backend."""
-    import sys
-
-    from ..tokenizer_snapshot import SnapshotTokenizer
-
-    if type(tok) is SnapshotTokenizer:
-        if not tok.__dict__.get("_right"):  # its plain call then goes to the real tokenizer
-            return None
-        backend = tok.__dict__.get("_backend")
-        want = None  # the snapshot's call never changes its backend's setting
-    else:
-        module = sys.modules.get("transformers.tokenization_utils_tokenizers")
-        fast_class = getattr(module, "TokenizersBackend", None) or getattr(module, "PreTrainedTokenizerFast", None)
-        if fast_class is None or type(tok) is not fast_class:
-            return None
-        backend = tok.__dict__.get("_tokenizer")
-        want = bool(getattr(tok, "split_special_tokens", False))
-    run = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
-    if run is None:
-        return None
-    from laya.common import _TOKENIZE_LOCK
-
-    def encode(texts: List[str]) -> Optional[List[List[int]]]:
-        with _TOKENIZE_LOCK:
-            if backend.truncation is not None or backend.padding is not None \
-                    or (want is not None and backend.encode_special_tokens != want):
-                return None
-            encs = run(texts, add_special_tokens=False)
-        return [e.ids for e in encs]
-
-    return encode
-
-
-def render_options(q: Dict[str, Any]) -> List[str]:
-    """A normalised question's option texts, as laya's build_head renders them."""
-    from laya.common import render_options as stock
-
-    return stock(q)
-
-
-def state_text(tok: Any, state: Any) -> str:
-    """The text `Agent._encode_state` tokenises for `state`."""
-    from laya.common import serialize_state
-
-    return serialize_state(state).replace(tok.mask_token, " ")
-
-
-def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
-    """`texts` tokenised as `Agent._encode_state` tokenises a state, in one batched call under laya's lock."""
-    from laya.common import encode_text
-
-    return encode_text(tok, texts, add_special_tokens=False)["input_ids"]
 
 
 def head_attention_classes() -> Tuple[type, ...]:
@@ -321,165 +113,6 @@ def serving_dtype(agent: Any) -> str:
     if not getattr(agent, "amp_enabled", False):
         return "fp32"
     return name_of(agent.dtype)
-
-
-def aot_router_class(build: Callable[[Any, str, Callable[[], Any]], Any]) -> type:
-    """A `laya.Router` subclass whose checkpoint builds call `build(router, key, laya_build)`.
-
-    `laya_build()` is laya's own `Router._build` for that key; everything else (lazy loads, LRU eviction,
-    unloads, routing) stays laya's.
-    """
-    from laya.router import Router
-
-    class AotRouter(Router):
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            missing = check(router=self, routes=())  # before laya's build_router preloads anything
-            if missing:
-                raise LayaIncompatible(missing, "laya-aot serve")
-
-        def _build(self, key: str):
-            return build(self, key, lambda: Router._build(self, key))
-
-    return AotRouter
-
-
-_PATCH_LOCK = threading.Lock()
-
-
-def build_router(router_class: Optional[type]) -> Any:
-    """`laya.serve.build_router()` (every `LAYA_*` setting, and the preload) building a `router_class`
-    (None: laya's own Router, untouched).
-
-    laya's function constructs `laya.router.Router` by name at call time, so the name points at
-    `router_class` for the duration of the call; a laya that builds its Router some other way is reported.
-    """
-    import laya.router
-    import laya.serve
-
-    if router_class is None:
-        return laya.serve.build_router()
-    with _PATCH_LOCK:
-        original = laya.router.Router
-        laya.router.Router = router_class
-        try:
-            router = laya.serve.build_router()
-        finally:
-            laya.router.Router = original
-    if not isinstance(router, router_class):
-        raise RuntimeError("this laya's serve.build_router no longer builds laya.router.Router, so laya-aot serve "
-                           "cannot route checkpoint loads through bundles: adapt laya_aot/laya_internals/")
-    return router
-
-
-def router_agent_kwargs(router: Any, key: str) -> Dict[str, Any]:
-    """What laya's `Router._build` passes to `Agent` for `key`, less where the checkpoint lives (source,
-    subfolder, revision, token): the device, the Router's `agent_kwargs` and the merged digest pins."""
-    from laya.router import _digest_entry, _merge_expected_digests
-
-    with router._lock:
-        kwargs: Dict[str, Any] = {"device": router.device}
-        kwargs.update(router.agent_kwargs)
-        expected = _merge_expected_digests(kwargs.pop("expected_sha256", None),
-                                           _digest_entry(router.sha256_digests, key))
-    if expected is not None:
-        kwargs["expected_sha256"] = expected
-    return kwargs
-
-
-def resident_agent(router: Any, name: str) -> Any:
-    """The agent `router` holds for `name` now, or None; never loads (laya's own /health reader)."""
-    from laya.mcp.device import router_agent
-
-    return router_agent(router, name)
-
-
-# --------------------------------------------------------------------------------- laya's app, concurrently
-# laya's `create_app` runs every inference under one asyncio.Lock (`gate`) on a one-thread pool (`pool`): each
-# request calls `pool` through `loop.run_in_executor(pool, _run_inference, run)`, where `run` is
-# `partial(router.predict, state, questions, **controls)` (a single request), `partial(_predict_with_tournament,
-# router, ...)` or the batch route's `_do_batch` closure; its idle reaper submits `_unload_if_idle` to the same
-# pool and skips while `gate.locked()`. laya-aot serve's batcher takes over exactly these: the closure cells of
-# one app, found from its `/v1/systemone` endpoint, are given a shared gate and a pool that hands inferences to
-# the batcher (laya_aot/serve_batching.py). Everything else of the request (auth, admission, body, checks, the
-# answer's post-processing, errors) stays laya's code.
-APP_CELLS: Tuple[str, ...] = ("gate", "pool", "_run_inference", "router")
-OVERLOAD_STATUS, OVERLOAD_DETAIL, OVERLOAD_HEADERS = 503, "server busy, try again later", {"Retry-After": "1"}
-
-
-def _cells(fn: Any) -> Dict[str, Any]:
-    code = getattr(fn, "__code__", None)
-    return dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
-
-
-def app_cells(app: Any) -> Optional[Dict[str, Any]]:
-    """The closure cells (APP_CELLS) laya's `create_app` made for `app`, or None where this laya's app is not built
-    that way (then its requests run as laya runs them)."""
-    for route in getattr(app, "routes", ()):
-        if getattr(route, "path", None) == "/v1/systemone" and "POST" in (getattr(route, "methods", None) or ()):
-            inner = _cells(route.endpoint).get("_systemone_inner")
-            cells = _cells(getattr(inner, "cell_contents", None))
-            if all(name in cells for name in APP_CELLS):
-                return {name: cells[name] for name in APP_CELLS}
-    return None
-
-
-def predict_call(run: Any, router: Any) -> Optional[Tuple[Any, Any, Dict[str, Any]]]:
-    """(state, questions, controls) when `run` is laya's single request, `partial(router.predict, state, questions,
-    **controls)`; else None."""
-    if isinstance(run, functools.partial) and len(run.args) == 2 and getattr(run.func, "__self__", None) is router \
-            and getattr(run.func, "__name__", None) == "predict":
-        return run.args[0], run.args[1], dict(run.keywords)
-    return None
-
-
-def with_router(run: Any, router: Any, proxy: Any) -> Optional[Callable[[], Any]]:
-    """`run` (a partial or a closure laya made for one request) with `router` replaced by `proxy` wherever it holds
-    it: a bound method of it, an argument, a closure cell (the batch route's `_do_batch` reads the app's router
-    cell, which this gives a cell of its own). None when `run` holds no reference to `router`."""
-    if isinstance(run, functools.partial):
-        func = run.func
-        if getattr(func, "__self__", None) is router:
-            func = getattr(proxy, func.__name__)
-        held = any(a is router for a in run.args) or any(v is router for v in run.keywords.values())
-        if func is run.func and not held:
-            return None
-        args = tuple(proxy if a is router else a for a in run.args)
-        kwargs = {k: proxy if v is router else v for k, v in run.keywords.items()}
-        return functools.partial(func, *args, **kwargs)
-    code = getattr(run, "__code__", None)
-    if code is None or not run.__closure__:
-        return None
-
-    def holds(cell: Any) -> bool:
-        try:
-            return cell.cell_contents is router
-        except ValueError:  # an empty cell
-            return False
-
-    if not any(holds(c) for c in run.__closure__):
-        return None
-    cells = tuple(types.CellType(proxy) if holds(c) else c for c in run.__closure__)
-    return types.FunctionType(code, run.__globals__, run.__name__, run.__defaults__, cells)
-
-
-def overloaded_error() -> Any:
-    """laya's own answer to a request its admission bound (LAYA_MAX_CONCURRENT) refuses: 503, the same detail and
-    Retry-After (tests/serve/test_batching.py compares it with laya's)."""
-    from fastapi import HTTPException
-
-    return HTTPException(status_code=OVERLOAD_STATUS, detail=OVERLOAD_DETAIL, headers=dict(OVERLOAD_HEADERS))
-
-
-def serve_settings() -> Tuple[str, int, str]:
-    """Host, port and uvicorn log level from LAYA_HOST, LAYA_PORT, LAYA_LOG_LEVEL, read as `laya serve` reads
-    them (a bad port or level is a SystemExit with laya's message)."""
-    import os
-
-    from laya.serve import _resolve_log_level, _resolve_port
-
-    return os.environ.get("LAYA_HOST", "0.0.0.0"), _resolve_port(), _resolve_log_level()
-
 
 
 # ---------------------------------------------------------------------------------------- the thin agent
@@ -744,11 +377,7 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
         agent.model = model
 
 
-__all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "LayaIncompatible", "RouteUnavailable",
-           "aot_router_class", "bucket_rows",
-           "accelerated", "bucket_tokens", "build_eager_module", "build_router", "check", "eager_agent",
-           "embedding_rows", "embedding_rows_short", "head_attention_classes",
-           "install_backend", "is_thin",
-           "missing_packages", "pad_batch", "pad_id", "parallel_options", "require", "resident_agent",
-           "router_agent_kwargs", "serve_settings", "serving_dtype", "serving_paused", "set_model",
-           "thin_agent", "vocab"]
+__all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "accelerated", "bucket_rows", "bucket_tokens",
+           "build_eager_module", "context_len", "eager_agent", "embedding_rows", "embedding_rows_short",
+           "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin", "pad_batch", "pad_id",
+           "parallel_options", "serving_dtype", "serving_paused", "set_model", "thin_agent", "vocab"]

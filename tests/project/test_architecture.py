@@ -142,7 +142,7 @@ def _string_literals(path: Path):
 # the same word meaning something else: TileLang's `JITImpl.compile` method, patched by the JIT guard; the
 # `tilelang` extra and package, which laya's TileLang modules import (laya_internals.require names the extra);
 # `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
-OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals.core"),
+OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals.routes"),
                  ("compile", "laya_aot.laya_internals.core")}
 
 
@@ -306,3 +306,80 @@ def test_no_second_staging_transaction_or_default_device():
         if m not in ("laya_aot.checkpoint", "laya_aot.distribution.merge"):
             assert "fingerprint.sha256 !=" not in text and "fingerprint.sha256 ==" not in text, \
                 "%s compares a bundle's fingerprint itself (checkpoint.mismatch)" % m
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own_private_names(tree: ast.AST) -> Set[str]:
+    """The `_`-prefixed names a module defines itself: functions, classes, arguments, module and local names and
+    `self._x`/`cls._x` attributes. An assignment to another object's attribute (`agent._x = ...`) defines nothing."""
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for x in ast.walk(target):
+                    if isinstance(x, ast.Name):
+                        out.add(x.id)
+                    elif isinstance(x, ast.Attribute) and getattr(x.value, "id", None) in ("self", "cls"):
+                        out.add(x.attr)
+    return {n for n in out if _private(n)}
+
+
+def _laya_private_names() -> Set[str]:
+    import laya
+
+    out: Set[str] = set()
+    for path in Path(laya.__file__).parent.rglob("*.py"):
+        try:
+            out |= _own_private_names(ast.parse(path.read_text(encoding="utf-8")))
+        except SyntaxError:
+            continue
+    return out
+
+
+INTERNALS = "laya_aot.laya_internals"
+
+
+def _private_laya_uses(path: Path, laya_names: Set[str], ours: Set[str]):
+    """(line, name) of each private laya name `path` touches: imported from laya, read off `laya.x`, read or set on
+    an `agent`/`router`, or any attribute or string (getattr, `__dict__[...]`) naming one of laya's private names
+    that the package itself never defines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "laya" and not node.level:
+            yield from ((node.lineno, a.name) for a in node.names if _private(a.name))
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in ("laya", "agent", "router"):
+                yield node.lineno, node.attr
+            elif node.attr in laya_names and node.attr not in ours:
+                yield node.lineno, node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in laya_names \
+                and node.value not in ours:
+            yield node.lineno, node.value
+
+
+def test_only_laya_internals_touches_laya_private_names():
+    """laya's `_`-prefixed names (its Agent's `_gate`, `_restore_runtime`, `_decode_answers`, the app's
+    `_run_inference`, ...) are read and patched in laya_aot/laya_internals/ only: the one package to re-check on a
+    laya upgrade."""
+    laya_names = _laya_private_names()
+    outside = {m: p for m, p in MODULES.items() if m != INTERNALS and not m.startswith(INTERNALS + ".")}
+    ours: Set[str] = set()
+    for path in outside.values():
+        ours |= _own_private_names(ast.parse(path.read_text(encoding="utf-8")))
+    found = {m: sorted(set(_private_laya_uses(p, laya_names, ours))) for m, p in outside.items()}
+    found = {m: uses for m, uses in found.items() if uses}
+    assert not found, "laya private names touched outside laya_internals: %s" % found
+    # a check that cannot fail proves nothing: the package itself touches them, and the scan sees it
+    inside = {n for m, p in MODULES.items() if m.startswith(INTERNALS)
+              for _, n in _private_laya_uses(p, laya_names, ours)}
+    assert {"_gate", "_restore_runtime", "_decode_answers", "_run_inference", "_TOKENIZERS"} <= inside, sorted(inside)
