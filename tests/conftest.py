@@ -129,8 +129,9 @@ def alt_bundle(alt_ckpt, tmp_path_factory) -> Path:
                       lambda out: build_bundle(alt_ckpt, out, "aoti.cpu_frozen=false"))
 
 
-# the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests)
-SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8"]
+# the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests); the
+# program shipped (export.ship_program, off by default) so these bundles hold an artifact that never serves
+SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", "export.ship_program=true"]
 
 
 @pytest.fixture(scope="session")
@@ -151,8 +152,8 @@ FEW_DECISIONS = ("verify.tolerance.decisions=256", "verify.tolerance.near_ties=1
 def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]]:
     """`cuda_bundle(amp_dtype)`: (checkpoint, bundle) of a decisive tiny checkpoint (head gain 8) with that
     amp_dtype (None: left out), built for sm_90 on this CPU machine without ONNX: the exported program in laya's
-    CUDA dtype, verified here against laya eager in that dtype (on FEW_DECISIONS), and TileLang kernels
-    cross-compiled for sm_90a.
+    CUDA dtype, shipped (export.ship_program) and verified here against laya eager in that dtype (on
+    FEW_DECISIONS), and TileLang kernels cross-compiled for sm_90a.
     Each made once for the run: tests/shared/test_precision.py checks its dtypes, tests/pipeline/test_build.py
     (amp_dtype absent) the stages a CPU machine skips and the kernels' hashes."""
     from laya_aot.demo import demo_shape, make_checkpoint
@@ -160,7 +161,8 @@ def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]
     def make(root: Path, amp: Optional[str]) -> None:
         root.mkdir()
         ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
-        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", *FEW_DECISIONS)
+        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", "export.ship_program=true",
+                     *FEW_DECISIONS)
 
     made = {}
 

@@ -89,7 +89,7 @@ def sm90_faithful(tmp_path_factory):
     root = tmp_path_factory.mktemp("faithful")
     ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype="bf16"), seed=0)
     manifest = build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.tilelang=false", "export.max_rows=8",
-                            *FEW_DECISIONS)
+                            "export.ship_program=true", *FEW_DECISIONS)
     return root / "bundle", manifest
 
 

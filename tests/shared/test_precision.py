@@ -162,7 +162,7 @@ def bf16_bundle(two_dtype_bundle, tmp_path_factory):
             path = artifact_path(out, art)
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     m.artifacts = [a for a in m.artifacts if a.dtype == "bf16"]
-    assert {a.kind for a in m.artifacts} == {"exported_program", "aoti"}
+    assert {a.kind for a in m.artifacts} == {"aoti"}
     write_manifest(out, m)
     return out
 
@@ -219,7 +219,7 @@ def test_inspect_shows_both_figures(two_dtype_bundle, capsys):
 
     assert inspect([str(two_dtype_bundle), "--json"], 0.0) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["artifacts"]}
-    assert set(rows) == {"exported_program-bf16", "exported_program-fp32", "aoti-cpu-bf16", "aoti-cpu-fp32"}
+    assert set(rows) == {"aoti-cpu-bf16", "aoti-cpu-fp32"}
     assert rows["aoti-cpu-fp32"]["here"] == "usable"               # this agent serves fp32
     assert "computes in bf16 and this agent serves in fp32" in rows["aoti-cpu-bf16"]["here"]
     for name, r in rows.items():
