@@ -139,11 +139,9 @@ def _string_literals(path: Path):
             yield node.value
 
 
-# the same word meaning something else: TileLang's `JITImpl.compile` method, patched by the JIT guard; the
-# `tilelang` extra and package, which laya's TileLang modules import (laya_internals.require names the extra);
-# `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
-OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals.routes"),
-                 ("compile", "laya_aot.laya_internals.core")}
+# the same word meaning something else: the `tilelang` extra and package, which laya's TileLang modules import
+# (laya_internals.require names the extra); `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
+OTHER_MEANING = {("tilelang", "laya_aot.laya_internals.routes"), ("compile", "laya_aot.laya_internals.core")}
 
 
 @pytest.mark.parametrize("name", kinds.NAMES)
