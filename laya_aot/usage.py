@@ -193,10 +193,7 @@ def build_mistake(argv: List[str]) -> Optional[str]:
 
 
 def _override_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) -> Optional[str]:
-    sweep = "-m" in argv or "--multirun" in argv
-    # a sweep's jobs may run on other machines, and printing the config (--cfg, --info) builds nothing: neither
-    # needs checkpoint.path to be a checkpoint here
-    builds_here = not sweep and not any(a in ("--cfg", "-c", "--info", "-i") for a in argv)
+    sweep, builds_here = _sweep(argv), _builds_here(argv)
     # another search path or primary config may add group options this check cannot list: Hydra judges those
     other_configs = any(a.startswith(("hydra.searchpath", "+hydra.searchpath", "--config-path", "-cp"))
                         for a in argv)
@@ -225,13 +222,24 @@ def _override_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) ->
     return None
 
 
+def _sweep(argv: List[str]) -> bool:
+    return "-m" in argv or "--multirun" in argv
+
+
+def _builds_here(argv: List[str]) -> bool:
+    """Whether this command builds on this machine: a sweep's jobs may run on other machines (and one job that
+    cannot build fails alone, after the others), and printing the config (--cfg, --info) builds nothing; neither
+    needs checkpoint.path to be a checkpoint here."""
+    return not _sweep(argv) and not any(a in ("--cfg", "-c", "--info", "-i") for a in argv)
+
+
 def _config_dir_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) -> Optional[str]:
     """The first mistake inside a `--config-dir` YAML file of a group option this build selects, as one line naming
     the file: YAML that does not parse, a key the group's schema lacks (with the nearest), a value of the wrong
     type. A packaged option of the same name is the one Hydra composes: a config dir's file of that name is not
     read."""
     chosen = {group: [DEFAULTS[group]] for group in GROUPS}
-    sweep = "-m" in argv or "--multirun" in argv
+    sweep, builds_here = _sweep(argv), _builds_here(argv)
     for prefix, key, value in _overrides(argv):
         if not prefix and key in GROUPS:
             chosen[key] = value.split(",") if sweep else [value]
@@ -240,13 +248,13 @@ def _config_dir_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) 
             for option in options:
                 path = Path(root).expanduser() / group / ("%s.yaml" % option)
                 if path.is_file() and not (CONFIGS / group / ("%s.yaml" % option)).is_file():
-                    why = _yaml_mistake(path, group, keys)
+                    why = _yaml_mistake(path, group, keys, sweep, builds_here)
                     if why:
                         return "--config-dir %s: %s" % (root, why)
     return None
 
 
-def _yaml_mistake(path: Path, group: str, keys: Dict[str, Any]) -> Optional[str]:
+def _yaml_mistake(path: Path, group: str, keys: Dict[str, Any], sweep: bool, builds_here: bool) -> Optional[str]:
     """What is wrong in one group option's YAML file, against the schema (None: nothing this check knows)."""
     import yaml
 
@@ -278,7 +286,7 @@ def _yaml_mistake(path: Path, group: str, keys: Dict[str, Any]) -> Optional[str]
                 "did you mean `%s`?" % near if near else "`laya-aot build --help` lists every key")
         if not isinstance(value, (list, dict)):
             text_value = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-            why = _wrong_value(key, text_value, keys[key], False, True)
+            why = _wrong_value(key, text_value, keys[key], sweep, builds_here)
             if why:
                 return "%s: %s" % (path, why)
     return None
@@ -300,7 +308,7 @@ def implied_overrides(argv: List[str]) -> List[str]:
     a checkpoint config, a name or a demo shape itself, or sweeps paths."""
     from .checkpoint import path_name
 
-    sweep = "-m" in argv or "--multirun" in argv
+    sweep = _sweep(argv)
     found = {key: value for prefix, key, value in _overrides(argv) if not prefix}
     path = found.get("checkpoint.path")
     if not path or path == "null" or _quoted_or_interpolated(path) or (sweep and "," in path) or \

@@ -155,7 +155,14 @@ def _cached_verdict(path: Path, art: Artifact) -> Optional[VerifyResult]:
     decisions = {"decisions": lambda v: type(v) is int and v > 0, "artifact": finite_number,
                  "eager_in_dtype": finite_number, "artifact_only_wrong": lambda v: type(v) is int and v >= 0,
                  "eager_only_wrong": lambda v: type(v) is int and v >= 0, "p_value": finite_number,
-                 "alpha": finite_number, "test": lambda v: isinstance(v, str)}
+                 "alpha": finite_number, "test": lambda v: isinstance(v, str),
+                 "gap": optional(finite_number), "compared_with": optional(lambda v: isinstance(v, str)),
+                 "laya_serving": optional(finite_number)}
+    decisions["near_ties"] = optional(lambda v: record(decisions)(v) and v["near_ties"] is None)
+
+    def decided(v: Optional[dict]) -> Optional[DecisionAgreement]:
+        return None if v is None else DecisionAgreement(**{**v, "near_ties": decided(v["near_ties"])})
+
     cached = read_cache_json(path, {"artifact": str, "reason": (str, type(None)), "rule": (str, type(None)),
                                     "tolerance": optional(lambda v: finite_number(v) and v >= 0),
                                     "eager_in_dtype": optional(record(agreement)),
@@ -163,10 +170,10 @@ def _cached_verdict(path: Path, art: Artifact) -> Optional[VerifyResult]:
                                     "figures": record({k: optional(finite_number) for k in agreement})})
     if cached is None or cached["artifact"] != art.name or cached["reason"] is None and cached["tolerance"] is None:
         return None
-    eager, decided = cached["eager_in_dtype"], cached["decisions"]
+    eager = cached["eager_in_dtype"]
     return VerifyResult(passed=cached["reason"] is None, reason=cached["reason"], tolerance=cached["tolerance"],
                         eager_in_dtype=Agreement(**eager) if eager else None, rule=cached["rule"],
-                        decisions=DecisionAgreement(**decided) if decided else None, **cached["figures"])
+                        decisions=decided(cached["decisions"]), **cached["figures"])
 
 
 def _store_verdict(path: Path, art: Artifact, res: VerifyResult) -> None:

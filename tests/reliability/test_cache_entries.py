@@ -152,6 +152,12 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
                        decisions=DecisionAgreement(256, 0.99, 0.98, 1, 2, 0.5, 0.01), max_abs_option_prob=1e-3,
                        max_abs_action_prob=2e-3, argmax_agreement=1.0)
     path, other = cache / "probes" / "verify.json", cache / "probes" / "other-verify.json"
+    # what a faithful build's statement holds: a near-tie part, the products' dtype and laya as it serves
+    near = dataclasses.replace(res, decisions=dataclasses.replace(
+        res.decisions, near_ties=DecisionAgreement(64, 0.95, 0.8, 1, 9, 0.02, 0.005), gap=0.02,
+        compared_with="float16", laya_serving=0.78))
+    loader._store_verdict(path, art, near)
+    assert loader._cached_verdict(path, art) == near
     loader._store_verdict(path, art, res)
     loader._store_verdict(other, twin, res)
     assert loader._cached_verdict(path, art) == res
