@@ -81,7 +81,8 @@ def test_runtime_and_pipeline_never_reach_each_other():
             assert not bad, "%s reaches the runtime through %s" % (m, bad)
 
 
-COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
+COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.cli.usage", "laya_aot.cli.build_help", "laya_aot.cli.hub_reach",
+                  "laya_aot.cli.__main__", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
                   "laya_aot.serve_ray"}
 
 
