@@ -49,6 +49,8 @@ Keys (KEY=VALUE overrides one value):
   export.example_rows, export.example_tokens
                           the example batch the export is traced at and AOTInductor tunes its kernels at
                           (default: 8 x 1024 on a GPU, capped by max_rows and max_tokens; 3 x 48 on the CPU)
+  export.ship_program     also write the portable torch.export program into the bundle, verified (default false:
+                          it holds a copy of every weight and no runtime reads it)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
