@@ -19,14 +19,14 @@ from rich.table import Table
 
 from . import progress
 from .bundle_format import bundle_sha256, check_artifact_hash, read_bundle
-from .demo_training import QUESTIONS as DEMO_QUESTIONS
+from .demo.training import QUESTIONS as DEMO_QUESTIONS
 from .manifest import MANIFEST, Artifact, BundleError
 
 log = logging.getLogger(__name__)
 
 DEMO_BUNDLE = "artifacts/demo"
 
-# held out: no synthetic ticket the demo model was trained on is one of these (demo_training.py)
+# held out: no synthetic ticket the demo model was trained on is one of these (demo/training.py)
 DEMO_STATES = [
     "I was charged twice for the March invoice, please refund the second payment.",
     "The service has been down since this morning and nobody in the office can log in!",

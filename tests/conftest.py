@@ -334,7 +334,7 @@ SECONDS = {
 }
 TOGETHER = {
     # the checkpoint `laya-aot demo` trained (conftest.readme_demo)
-    "tests/shared/test_demo.py::test_the_demo_command_checkpoint_is_trained_and_routes_its_states":
+    "tests/demo/test_demo.py::test_the_demo_command_checkpoint_is_trained_and_routes_its_states":
         "tests/serve/test_serve.py",
     # conftest.cuda_bundle(None)
     "tests/pipeline/test_build.py::test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang":
@@ -450,7 +450,7 @@ GUARDED = [
     ("torch.export", "export", "exports a program (torch.export.export)"),
     ("torch", "compile", "compiles with torch.compile"),
     ("torch._inductor", "aoti_compile_and_package", "compiles an AOTInductor package"),
-    ("laya_aot.demo_training", "train", "trains a demo checkpoint"),
+    ("laya_aot.demo.training", "train", "trains a demo checkpoint"),
     ("laya_aot.kernels.cross_compile", "_compile_one", "compiles a TileLang kernel"),
 ]
 
