@@ -58,7 +58,7 @@ Keys (KEY=VALUE overrides one value):
   verify.seed             the seed of the verification cases
   verify.tolerance.fp32, verify.tolerance.bf16, verify.tolerance.fp16, verify.tolerance.argmax_fp32,
   verify.tolerance.relative, verify.tolerance.argmax_margin
-                          the verification rule (laya_aot/tolerance.py); stored in bundle.json
+                          the verification rule (laya_aot/numerics/tolerance.py); stored in bundle.json
   verify.tolerance.decisions, verify.tolerance.decisions_alpha
                           a 16-bit artifact's decision suite: its size (default 2048) and the significance
                           level at which it fails for being less faithful to fp32 than laya eager (0.01)

@@ -57,7 +57,7 @@ class DemoShape:
     # weight scales: large enough that options and inputs get clearly different answers; deep presets use
     # a smaller layer gain so that 22-28 random layers stay as well conditioned as trained ones. They are
     # not chosen to make any dtype pass verification: a 16-bit artifact is judged against laya's own
-    # forward in that dtype (laya_aot/tolerance.py), however decisive the checkpoint's answers are
+    # forward in that dtype (laya_aot/numerics/tolerance.py), however decisive the checkpoint's answers are
     embed_std: float = 0.5
     layer_gain: float = 1.0
     head_gain: float = 3.0

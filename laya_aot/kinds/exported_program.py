@@ -17,11 +17,11 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.export import Dim, ExportedProgram
 
-from .. import precision
-from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs, Precision
 from ..modeling.model import ExplicitDtypeModel, gemm_extremes
 from ..modeling.rotary import ROTARY
+from ..numerics import precision
+from ..numerics.dtypes import torch_dtype
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner
@@ -194,7 +194,7 @@ def choose_precision(ctx: BuildContext, device: str, max_tokens: int) -> Precisi
         from omegaconf import OmegaConf  # the build's: a serving process imports this module, never this function
 
         from .. import verification
-        from ..tolerance import Tolerance
+        from ..numerics.tolerance import Tolerance
 
         t0 = time.perf_counter()
         tol = Tolerance(**OmegaConf.to_container(ctx.cfg.verify.tolerance, resolve=True))

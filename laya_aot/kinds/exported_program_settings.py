@@ -21,7 +21,7 @@ class ExportConfig:
     max_tokens: Optional[int] = None
     # dtype of the confidence features and the action head (explicit, so AOTInductor sees one dtype)
     action_head_dtype: str = "fp32"
-    # how a 16-bit artifact computes (laya_aot/modeling/model.py, laya_aot/precision.py): "faithful" keeps fp32
+    # how a 16-bit artifact computes (laya_aot/modeling/model.py, laya_aot/numerics/precision.py): "faithful" keeps fp32
     # everywhere but the matrix products (residual stream, norms, softmax, activations, the scorer and its logits),
     # whose inputs and
     # weights are 16-bit with fp32 accumulation, in fp16 where the checkpoint's activations measured on the verify

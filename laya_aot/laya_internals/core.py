@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
-from ..dtypes import name_of
+from ..numerics.dtypes import name_of
 
 
 def install_backend(agent: Any, backend: Backend) -> None:

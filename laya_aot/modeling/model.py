@@ -2,8 +2,8 @@
 
 Two precision policies for a 16-bit artifact (`export.precision`):
 
-- "laya" computes the way laya serves (`laya_aot.precision`): matrix products in bf16/fp16 under autocast, layer
-  norms, softmax, the residual stream and the embeddings in fp32. Not a model cast wholly to 16 bits: a
+- "laya" computes the way laya serves (`laya_aot.numerics.precision`): matrix products in bf16/fp16 under autocast,
+  layer norms, softmax, the residual stream and the embeddings in fp32. Not a model cast wholly to 16 bits: a
   wholly-bf16 copy of a checkpoint with decisive answers was ten times further from fp32 than laya's own bf16
   forward. So the module keeps laya's fp32 weights, casts once what autocast would cast on every call (the
   weights of `nn.Linear` layers), and runs the forward under `torch.autocast` in the target dtype. torch.export

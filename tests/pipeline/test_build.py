@@ -387,7 +387,7 @@ def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(cuda_bundle):
     """No GPU here: AOTInductor and the Inductor cache say why they skipped; TileLang kernels are built
     for sm_90a, each hashed in the manifest, and left for the GPU machine to verify (conftest.cuda_bundle: a
     tiny checkpoint without amp_dtype built with target=sm_90 stages.onnx=false, as
-    tests/shared/test_precision.py checks its dtype)."""
+    tests/numerics/test_precision.py checks its dtype)."""
     _, bundle = cuda_bundle(None)
     m = read_manifest(bundle)
     stages = {s["name"]: s for s in m["stages"]}

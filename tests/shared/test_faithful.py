@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from laya_aot import precision
+from laya_aot.numerics import precision
 from tests.conftest import FEW_DECISIONS, build_bundle
 
 

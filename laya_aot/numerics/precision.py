@@ -8,7 +8,7 @@ laya 0.4.15 (`laya.agent.Agent.__init__`, `laya.common.amp_dtype`):
 
 A bundle is built in that dtype (`target.dtypes` builds more), and the loader installs only an
 artifact built for the dtype the agent actually serves in (`laya_internals.serving_dtype`, `why_not`).
-`tests/shared/test_precision.py` checks this module against laya's own functions.
+`tests/numerics/test_precision.py` checks this module against laya's own functions.
 
 How a 16-bit artifact computes is the build's `export.precision` (`laya_aot.modeling.model`): "laya" as laya serves
 (autocast in that dtype), or "faithful", fp32 but for the matrix products, whose dtype `gemm_dtype` chooses per
