@@ -114,6 +114,40 @@ def test_layers_below_the_halves_never_reach_up(layer):
     assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.loader"]
 
 
+# the shared layer (docs/architecture.md's table): what both halves need, reaching no layer above it; of the kinds
+# layer only each kind's torch-free settings module, which the build schema (config.py) composes
+SHARED = ("errors", "config", "demo", "progress", "staging", "manifest", "bundle_format", "verification", "numerics",
+          "modeling", "padding", "variant", "checkpoint", "files", "laya_internals", "tokenizer_snapshot", "kernels",
+          "_version")
+ABOVE_SHARED = ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds", "laya_aot.probe",
+                "laya_aot.usable", *sorted(COMMANDS_LAYER))
+
+
+def _above_shared(module: str) -> bool:
+    if module.startswith("laya_aot.kinds.") and module.endswith("_settings"):
+        return False
+    return any(module == up or module.startswith(up + ".") for up in ABOVE_SHARED)
+
+
+def test_the_shared_layer_never_reaches_up():
+    assert all(any(m == "laya_aot." + s or m.startswith("laya_aot.%s." % s) for m in MODULES) for s in SHARED)
+    for s in SHARED:
+        for m in (m for m in MODULES if m == "laya_aot." + s or m.startswith("laya_aot.%s." % s)):
+            bad = sorted(x for x in reachable(m) if _above_shared(x))
+            assert not bad, "%s (shared layer) reaches %s" % (m, bad)
+    # a check that cannot fail proves nothing: the schema does reach the kinds' settings modules, which are allowed
+    assert "laya_aot.kinds.exported_program_settings" in reachable("laya_aot.config")
+    assert _above_shared("laya_aot.kinds.aoti") and _above_shared("laya_aot.cli.usage")
+
+
+def test_every_top_level_module_is_in_a_layer_and_there_are_at_most_20():
+    """The top level holds the layers' entry points and the shared modules; everything else lives in a package."""
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    layered = set(SHARED) | {m.rpartition(".")[2] for m in COMMANDS_LAYER} | {"probe", "usable"}
+    assert not sorted(set(top) - layered), "top-level modules in no layer: %s" % sorted(set(top) - layered)
+    assert len(top) + 1 <= 20, "%d top-level modules (with __init__.py): %s" % (len(top) + 1, top)
+
+
 def test_no_import_cycles():
     cycles = sorted(m for m in MODULES if m in reachable(m))
     assert not cycles, "modules that import themselves through others: %s" % cycles
