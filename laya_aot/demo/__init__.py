@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..checkpoint import CheckpointError, read_config
+from ..checkpoint import WEIGHTS_FILE, CheckpointError, read_config
 from ..checkpoint import resolve as resolve_checkpoint
 from ..files import cached_sha256, make_readable, sha256_file
 
@@ -293,7 +293,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
 def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
     """Whether `ckpt` is the demo checkpoint of `facts` (seed, shape, format), written to the end and, where it
     holds the record of its files (every one since that record exists), unchanged since."""
-    return _demo_facts(ckpt) == facts and (ckpt / "model.safetensors").is_file() and (
+    return _demo_facts(ckpt) == facts and (ckpt / WEIGHTS_FILE).is_file() and (
         not os.path.lexists(ckpt / RECORD) or _changed(ckpt) is None)
 
 
@@ -301,7 +301,7 @@ def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
 # included), so that make-demo never replaces one a user edited in place; not one of the files laya reads
 RECORD = "laya_aot_demo_files.json"
 _RECORD_MAX_BYTES = 1 << 20
-_DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer", RECORD}
+_DEMO_LAYOUT = {WEIGHTS_FILE, "rl_agent_config.json", "encoder", "tokenizer", RECORD}
 
 
 def _write_record(ckpt: Path, leave_out: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 from laya.backends.base import Backend, BackendUnavailable, bucket_rows, bucket_tokens, pad_batch
 
+from ..checkpoint import WEIGHTS_FILE, Weights
 from ..numerics.dtypes import name_of
 
 
@@ -126,22 +127,10 @@ def serving_dtype(agent: Any) -> str:
 # thread is inside `thin_agent`.
 _THIN = threading.local()
 _HOOKS_LOCK = threading.Lock()
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
 def _meta_weights(filename: Any) -> Dict[str, torch.Tensor]:
-    """The checkpoint's tensors as meta tensors of their shapes and dtypes: its header, not its bytes."""
-    from safetensors import safe_open
-
-    with safe_open(str(filename), framework="pt") as f:
-        out = {}
-        for key in f.keys():
-            s = f.get_slice(key)
-            out[key] = torch.empty(s.get_shape(), dtype=_SAFETENSORS_DTYPES.get(s.get_dtype(), torch.float32),
-                                   device="meta")
-    return out
+    """The checkpoint's tensors as meta tensors of their shapes and dtypes: its header, not its bytes (read by
+    checkpoint.Weights, the one reader of a checkpoint's weights)."""
+    return Weights(str(filename)).meta()
 
 
 def _shell(weights: Dict[str, torch.Tensor], encoder_dir: Optional[str]) -> torch.nn.Module:
@@ -262,7 +251,7 @@ def thin_agent(checkpoint: str, before_tokenizer: Optional[Callable[[], None]] =
     import laya
 
     _install_thin_hooks()
-    _THIN.on, _THIN.weights = True, os.path.join(checkpoint, "model.safetensors")
+    _THIN.on, _THIN.weights = True, os.path.join(checkpoint, WEIGHTS_FILE)
     _THIN.before_tokenizer = before_tokenizer
     try:
         agent = laya.load(checkpoint, **kwargs)

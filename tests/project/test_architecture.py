@@ -416,3 +416,15 @@ def test_only_laya_internals_touches_laya_private_names():
     inside = {n for m, p in MODULES.items() if m.startswith(INTERNALS)
               for _, n in _private_laya_uses(p, laya_names, ours)}
     assert {"_gate", "_restore_runtime", "_decode_answers", "_run_inference", "_TOKENIZERS"} <= inside, sorted(inside)
+
+
+def test_one_reader_of_a_checkpoints_weights():
+    """checkpoint.Weights is the one reader of model.safetensors (the artifacts' constants, the thin agent's meta
+    shell, the probe child's stand-ins, the build's key list), and checkpoint.WEIGHTS_FILE the one spelling of its
+    name; its safetensors dtype table is the one table."""
+    readers = sorted(m for m in MODULES if _calls(m, "safe_open"))
+    assert readers == ["laya_aot.checkpoint"], readers
+    spelled = sorted(m for m, p in MODULES.items() if "model.safetensors" in set(_string_literals(p)))
+    assert spelled == ["laya_aot.checkpoint"], spelled
+    tables = sorted(m for m, p in MODULES.items() if '"BF16"' in p.read_text(encoding="utf-8"))
+    assert tables == ["laya_aot.checkpoint"], tables
