@@ -205,7 +205,7 @@ def faulty_build(demo_ckpt, tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(onnx_export, "export_onnx", no_opset)
             mp.setattr(torch.export, "load", unreadable)
-            m = build_bundle(demo_ckpt, out, *FAILURES)
+            m = build_bundle(demo_ckpt, out, *FAILURES, "export.ship_program=true")  # asked for, cannot ship
     finally:
         logging.getLogger().removeHandler(handler)
     return m, out, [r.getMessage() for r in logged]
@@ -245,8 +245,9 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
 
 
 def test_a_program_torch_cannot_load_back_is_not_shipped(faulty_build):
-    """torch 2.11 saves autocast regions it cannot read back: the portable file is left out (said in the stage
-    record and the log), and the compiled artifacts, built from the program in memory, still verify."""
+    """torch 2.11 saves autocast regions it cannot read back: the portable file, asked for
+    (export.ship_program), is left out (said in the stage record and the log), and the compiled artifacts, built
+    from the program in memory, still verify."""
     m, bundle, logged = faulty_build
     names = {a["name"]: a["status"] for a in m["artifacts"]}
     assert names == {"aoti-cpu": "verified", "onnx-cpu": "build_failed"}, names   # ONNX: the build's other fault
