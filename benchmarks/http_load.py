@@ -11,13 +11,21 @@ starts by measuring the client against a stub server that answers at once (`clie
 
     # CPU (the acceptance figure: requests/s at 32 clients against 1, base-512, LAYA_MAX_CONCURRENT=64 or more)
     python benchmarks/http_load.py --checkpoint CKPT --bundle BUNDLE --threads 2 --streams short --clients 1,32
-    # GPU (H100/H200, large-1024; both servers in the same run, then the Python batcher against laya-cuda's)
-    python benchmarks/http_load.py --shape large-1024 --target sm_90 --device cuda --python --out $OUT
+    # GPU (H100/H200, about 5-6 minutes): laya-aot serve with 1 and 4 worker processes and laya serve, short and
+    # mixed streams, 1/8/32/128 clients, then the Python batcher against laya-cuda's; writes $OUT/http_load_gpu.*
+    python benchmarks/http_load.py --checkpoint /tmp/w/ckpt-large --bundle /tmp/w/bundle-large --device cuda \
+        --python --servers laya-aot,laya-aot:4,laya --seconds 2.5 --client-procs 8 --out $OUT --tag _gpu
+    # the checkpoint and bundle it takes (about 6 minutes on an H100, once):
+    laya-aot make-demo /tmp/w/ckpt-large --shape large-1024
+    laya-aot build checkpoint.path=/tmp/w/ckpt-large output_dir=/tmp/w/bundle-large target=sm_90 \
+        stages.tilelang=false stages.onnx=false stages.inductor_cache=false
 
 Builds a demo checkpoint (--shape) and its bundle (--target) when --checkpoint/--bundle are not given (shared
 with benchmarks/http_bench.py). Writes http_load<tag>.json and .md to --out. `--ray 1,2` also runs the Ray Serve
 deployment (`python -m laya_aot.serve_ray`) with that many replicas (LAYA_THREADS each), the same streams and
-clients: the figure for issue 59's Ray criterion (`--servers ""` leaves the two servers out).
+clients: the figure for issue 59's Ray criterion (`--servers ""` leaves the two servers out). A server named
+`laya-aot:N` is `laya-aot serve` with LAYA_AOT_WORKERS=N (N processes on one port); each laya-aot server's own
+ceiling over a Router that answers at once is measured with as many processes.
 """
 from __future__ import annotations
 
@@ -49,6 +57,14 @@ EXTRA_QUESTIONS = {
 }
 MIXED_QUESTIONS = {**DEMO_QUESTIONS, **EXTRA_QUESTIONS}
 SERVER_MODES = {"laya-aot": "bundle", "laya": "eager"}
+
+
+def server_kind(name: str) -> Tuple[str, int]:
+    """("laya-aot" or "laya", worker processes) of a server named "laya-aot", "laya-aot:N" or "laya"."""
+    app, _, n = name.partition(":")
+    if app not in SERVER_MODES or (n and (app != "laya-aot" or not n.isdigit() or int(n) < 1)):
+        raise SystemExit("unknown server %r: use laya-aot, laya-aot:N (N worker processes) or laya" % name)
+    return app, int(n or 1)
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -187,7 +203,7 @@ asyncio.run(main())
 '''
 
 
-def _ceiling(proc: subprocess.Popen, port: int, ready: Any, bodies: List[bytes], clients: int, seconds: float,
+def _ceiling(proc: Any, port: int, ready: Any, bodies: List[bytes], clients: int, seconds: float,
              procs: int) -> Dict[str, Any]:
     """The load against the server `proc` (on `port`) once `ready()` returned; the server is stopped after."""
     try:
@@ -226,19 +242,29 @@ if sys.argv[1] == "laya":
 else:
     from laya_aot.serve import create_app
 import uvicorn
-uvicorn.run(create_app(router=Instant()), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+from laya_aot.serve_workers import listen
+app = create_app(router=Instant())
+sock = listen("127.0.0.1", int(sys.argv[2]))  # SO_REUSEPORT: as laya-aot serve's workers, one port for N processes
+print("bound", flush=True)
+uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 '''
 
 
-def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, procs: int) -> Dict[str, Any]:
+def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, procs: int,
+                   workers: int = 1) -> Dict[str, Any]:
     """`app`'s (laya or laya-aot) own ceiling: the same load against its HTTP app over a Router that answers at
-    once (laya-aot's: its batcher merging the requests into calls that cost nothing)."""
+    once (laya-aot's: its batcher merging the requests into calls that cost nothing), in `workers` processes on one
+    port as `laya-aot serve`'s LAYA_AOT_WORKERS runs them."""
     port = http_bench._free_port()
     env = dict(os.environ, LAYA_MAX_CONCURRENT=str(max(64, 2 * clients)),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", INSTANT, app, str(port)], cwd=ROOT, env=env)
+    group = [subprocess.Popen([sys.executable, "-c", INSTANT, app, str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE) for _ in range(workers)]
 
     def ready() -> None:
+        for proc in group:  # every process bound before the load, so that each takes its share of the connections
+            if proc.stdout.readline().strip() != b"bound":  # type: ignore[union-attr]
+                raise RuntimeError("an instant %s server did not start (status %s)" % (app, proc.poll()))
         deadline = time.time() + 120
         while True:
             try:
@@ -247,11 +273,26 @@ def server_ceiling(app: str, bodies: List[bytes], clients: int, seconds: float, 
                 if conn.getresponse().status == 200:
                     return
             except OSError:
-                if time.time() > deadline or proc.poll() is not None:
+                if time.time() > deadline or any(p.poll() is not None for p in group):
                     raise RuntimeError("the instant %s server did not start" % app) from None
                 time.sleep(0.2)
 
-    return _ceiling(proc, port, ready, bodies, clients, seconds, procs)
+    return _ceiling(_Group(group), port, ready, bodies, clients, seconds, procs)
+
+
+class _Group:
+    """Processes stopped together, as `_ceiling` stops one."""
+
+    def __init__(self, procs: List[subprocess.Popen]):
+        self.procs = procs
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            p.terminate()
+
+    def wait(self) -> None:
+        for p in self.procs:
+            p.wait()
 
 
 class GpuSampler:
@@ -331,6 +372,7 @@ def start_ray(a, ckpt: str, bundle: str, replicas: int, work: Path, env: Dict[st
 
 def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]]], work: Path,
                gpu: bool) -> Dict[str, Any]:
+    app, workers = server_kind(name) if not name.startswith("ray:") else ("laya-aot", 1)
     env = {"LAYA_EXTRA_MODELS": json.dumps({"bench": ckpt}), "LAYA_MODELS": "bench",
            "LAYA_MAX_CONCURRENT": str(max(64, 2 * max(a.clients))), "LAYA_LOG_LEVEL": "warning",
            "LAYA_AOT_CACHE_DIR": str(work / "aot-cache")}
@@ -338,13 +380,15 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
         env["LAYA_DEVICE"] = a.device
     if a.threads:
         env["LAYA_THREADS"] = str(a.threads)
-    if name != "laya":
+    if app != "laya":
         env["LAYA_AOT_BUNDLES"] = json.dumps({"bench": bundle})
     env.update(dict(kv.split("=", 1) for kv in a.env))
+    if workers > 1:
+        env["LAYA_AOT_WORKERS"] = str(workers)
     if name.startswith("ray:"):
         srv = start_ray(a, ckpt, bundle, int(name.split(":")[1]), work, env)
     else:
-        srv = http_bench.Server(SERVER_MODES[name], env, work / ("%s.log" % name))
+        srv = http_bench.Server(SERVER_MODES[app], env, work / ("%s.log" % name.replace(":", "-")))
     out: Dict[str, Any] = {"env": {k: v for k, v in env.items() if k not in ("LAYA_EXTRA_MODELS", "LAYA_AOT_BUNDLES")}}
     try:
         first_body = json.dumps(short_requests()[0]).encode()
@@ -353,7 +397,8 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
         for stream, reqs in streams.items():
             bodies = [json.dumps(r).encode() for r in reqs]
             ref = _alone(srv.port, bodies)
-            load(srv.port, bodies, max(a.clients), min(2.0, a.seconds), a.client_procs)  # warm-up
+            for c in a.clients:  # warm-up: every level's call shapes seen (and captured as CUDA graphs) before
+                load(srv.port, bodies, c, min(1.0, a.seconds), a.client_procs)
             levels = []
             for c in a.clients:
                 with GpuSampler() if gpu else _Null() as sampler:
@@ -365,7 +410,7 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
                       % (name, stream, c, lv["rps"], lv["p50_ms"] or -1, lv["p99_ms"] or -1, lv["statuses"],
                          lv["decisions_differ"], lv["decisions_checked"]), flush=True)
             out["streams"][stream] = levels
-        if name != "laya" and not name.startswith("ray:"):
+        if app != "laya" and not name.startswith("ray:"):
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
             conn.request("GET", "/v1/aot")
             out["aot"] = json.loads(conn.getresponse().read())
@@ -456,10 +501,12 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
             out["laya_cuda"] = "not installed here (%s): its column is left out" % e
         try:
             for stream, reqs in streams.items():
-                ref = [decisions(agent.system_one(r["state"], r["questions"])["answers"]) for r in reqs]
                 for name, submit in engines.items():
+                    # each engine's own answer to the request alone: what its batching may not change
+                    ref = [decisions(submit(r)["answers"]) for r in reqs]
                     levels = []
-                    _callers(submit, reqs, max(a.clients), min(2.0, a.seconds))  # warm-up
+                    for c in a.clients:  # warm-up: every level's call shapes seen (and captured) before
+                        _callers(submit, reqs, c, min(1.0, a.seconds))
                     for c in a.clients:
                         lv = _callers(submit, reqs, c, a.seconds)
                         kept = lv.pop("answers")
@@ -475,6 +522,64 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
             if cuda is not None:
                 cuda.close()
     out["batcher_stats"] = {k: v for k, v in batcher.stats.snapshot().items() if k in ("calls", "batch_requests")}
+    out["backend_stats"] = {k: v for k, v in agent.backend_object.stats.items() if k != "host_path"}
+    out["shape_bits"] = shape_bits(agent, short_requests()[0])
+    return out
+
+
+def shape_bits(agent: Any, req: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One request's rows alone and as the first rows of calls of more rows (copies of its own), at every stepped
+    row count up to the export's: whether its outputs keep their bits as the call grows (the GEMMs' algorithm
+    chosen by row count), and whether a CUDA graph's replay gives the plain call's bits at the same shape (a
+    stepped row count of these rows is their call's shape: nothing is padded). Plain: the runner's graphs set
+    aside for the call; graphed: the call made three times, the third replayed where a graph was captured."""
+    import torch
+
+    from laya_aot.padding import option_probs, step_up
+
+    backend = agent.backend_object
+    runner = backend.runner
+    seen: List[Tuple[Any, ...]] = []
+    forward = backend.model.forward
+
+    def record(*args: Any, **kw: Any) -> Any:
+        seen.append(args[:5])
+        return forward(*args, **kw)
+
+    backend.model.forward = record
+    try:
+        agent.system_one(req["state"], req["questions"])
+    finally:
+        backend.model.forward = forward
+    own = tuple(x.detach() for x in seen[0])
+    n, k = own[0].shape[0], own[3].shape[1]
+    graphs = getattr(runner, "graphs", None)
+
+    def call(rows: int, graphed: bool) -> Tuple[Any, Any]:
+        batch = tuple(torch.cat([x] * -(-rows // n))[:rows] for x in own)
+        runner.graphs = graphs if graphed else None
+        try:
+            with torch.no_grad():
+                return tuple(o[:n].float().cpu() for o in backend.forward(*batch))
+        finally:
+            runner.graphs = graphs
+
+    def same(x: Tuple[Any, Any], y: Tuple[Any, Any]) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(x, y))
+
+    alone = call(n, graphed=False)
+    out = []
+    for rows in sorted({step_up(r) for r in range(n, backend.ranges.max_rows + 1)} | {n}):
+        plain = call(rows, graphed=False)
+        replays = (graphs.stats.get("replays", 0) if graphs is not None else 0)
+        graphed = [call(rows, graphed=True) for _ in range(3)][-1]
+        p_alone, p_got = option_probs(alone[0], k), option_probs(plain[0], k)
+        out.append({"rows": rows, "plain_bits_equal_alone": same(plain, alone),
+                    "replayed": graphs is not None and graphs.stats.get("replays", 0) > replays,
+                    "graphed_bits_equal_plain": same(graphed, plain),
+                    "max_option_prob_diff": float((p_got - p_alone).abs().max()),
+                    "decisions_equal": bool(torch.equal(p_got.argmax(-1), p_alone.argmax(-1)))})
+    print("shape bits (one short request's rows in calls of more rows):", json.dumps(out), flush=True)
     return out
 
 
@@ -505,11 +610,16 @@ def markdown(r: Dict[str, Any]) -> str:
         if 1 in by and 32 in by and by[1]:
             lines += ["", "%s, short stream: %.2fx the requests/s at 32 clients of those at 1."
                       % (name, by[32] / by[1])]
+    for name, srv in r["servers"].items():
+        calls = ((srv.get("aot") or {}).get("bundles", {}).get("bench") or {}).get("calls")
+        if calls:
+            lines += ["", "%s's artifact calls (one worker's, over the whole run): %s" % (name, _calls(calls))]
     if "python" in r:
         p = r["python"]
         lines += ["", "## In process: laya-aot's Batcher against laya-cuda's BatchEngine", "",
                   "laya-aot backend: %s.%s" % (p.get("laya_aot_backend"),
-                                              " laya-cuda: %s." % p["laya_cuda"] if "laya_cuda" in p else ""), "",
+                                              " laya-cuda: %s." % p["laya_cuda"] if "laya_cuda" in p else ""),
+                  "`decisions differ`: against the same engine's answer to the request sent alone first.", "",
                   "| engine | stream | callers | requests/s | p50 ms | p99 ms | errors | decisions differ |",
                   "|---|---|---|---|---|---|---|---|"]
         for stream in r["streams"]:
@@ -518,7 +628,29 @@ def markdown(r: Dict[str, Any]) -> str:
                     lines.append("| %s | %s | %d | %.1f | %s | %s | %d | %d / %d |" % (
                         name, stream, lv["callers"], lv["rps"], lv["p50_ms"], lv["p99_ms"], lv["errors"],
                         lv["decisions_differ"], lv["decisions_checked"]))
+        if p.get("backend_stats"):
+            lines += ["", "laya-aot Batcher's artifact calls: %s" % _calls(p["backend_stats"])]
+        if p.get("shape_bits"):
+            lines += ["", "One short request's rows alone and as the first rows of calls of more rows (copies of its "
+                      "own): a plain call's bits against the request alone, a CUDA graph's replay against the plain "
+                      "call at the same shape.", "",
+                      "| rows | plain: bits equal alone | replayed | replay: bits equal plain | max option prob "
+                      "diff | decisions equal |", "|---|---|---|---|---|---|"]
+            for b in p["shape_bits"]:
+                lines.append("| %d | %s | %s | %s | %.3g | %s |" % (
+                    b["rows"], b["plain_bits_equal_alone"], b["replayed"], b["graphed_bits_equal_plain"],
+                    b["max_option_prob_diff"], b["decisions_equal"]))
     return "\n".join(lines) + "\n"
+
+
+def _calls(stats: Dict[str, Any]) -> str:
+    """The backend's counts in one line: calls, pieces, calls padded to a graph's shape, and the graphs."""
+    graphs = stats.get("cuda_graphs") or {}
+    words = ["%s %s" % (k.replace("_", " "), stats[k]) for k in ("artifact_calls", "chunks", "stepped_calls",
+                                                                 "stepped_cells", "eager_calls") if k in stats]
+    words += ["CUDA graphs %s" % ", ".join("%s %s" % (k, v) for k, v in graphs.items() if k != "refused")] \
+        if graphs else []
+    return "; ".join(words) or "none"
 
 
 def main() -> int:
@@ -543,6 +675,7 @@ def main() -> int:
     a = p.parse_args()
     a.clients = [int(c) for c in a.clients.split(",")]
     servers = [s for s in a.servers.split(",") if s] + ["ray:%s" % n for n in a.ray.split(",") if n]
+    ceilings = ["laya", "laya-aot"] + [s for s in servers if not s.startswith("ray:") and server_kind(s)[1] > 1]
     with tempfile.TemporaryDirectory(prefix="http-load-") as tmp:
         work = Path(tmp)
         ckpt, bundle, build_s = http_bench.prepare(a, work)
@@ -553,8 +686,9 @@ def main() -> int:
                                  min(3.0, a.seconds), a.client_procs)
         print("client ceiling (stub server, 32 clients): %.0f req/s" % ceiling["rps"], flush=True)
         bodies0 = [json.dumps(r).encode() for r in short_requests()]
-        servers_ceiling = {app: server_ceiling(app, bodies0, 32, min(5.0, a.seconds), a.client_procs)
-                           for app in ("laya", "laya-aot")}
+        servers_ceiling = {name: server_ceiling(server_kind(name)[0], bodies0, 32, min(5.0, a.seconds),
+                                                a.client_procs, workers=server_kind(name)[1])
+                           for name in dict.fromkeys(ceilings)}
         for app, c in servers_ceiling.items():
             print("%s's own ceiling (a Router answering at once, 32 clients): %.0f req/s" % (app, c["rps"]),
                   flush=True)

@@ -5,12 +5,15 @@ runtime pads them, so a verified figure describes what a service will see.
 
 Padding keeps answers unchanged: extra token columns carry the pad id with attention 0 (the encoder
 and the decision head mask them), extra marker columns are masked (the head fills their logits with
--1e4, so their probability is exactly 0 in fp32), and rows are never padded, only split into chunks.
+-1e4, so their probability is exactly 0 in fp32), and rows are split into chunks. A call replayed from a
+CUDA graph (`kinds/graphs.py` decides which) is padded further, to a stepped call shape (`Ranges.call_shape`:
+rows, tokens and markers each rounded up to a `step_up` size), so that a service's calls take a few fixed
+shapes: extra rows repeat the call's last real row and are dropped from the outputs (a row never sees another).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 if TYPE_CHECKING:  # torch loads when a batch is padded: the manifest (and so `laya-aot inspect`'s usage
     import torch  # line) needs only Ranges
@@ -23,6 +26,15 @@ MAX_ROWS = 1024
 # with it (32 x 1024 in one call holds 1.25 GB of them for a ModernBERT-large) while its speed stops growing
 # long before (a GPU is busy at a few thousand tokens); 0 = only max_rows splits a batch
 CHUNK_TOKENS = 24576
+
+
+def step_up(n: int) -> int:
+    """The smallest call size >= n: every size up to 8, then four steps per doubling (10, 12, 14, 16, 20, 24, 28,
+    32, 40, ...). At most 25% more than `n`, and 20 sizes up to 64: a service's calls of any size take few shapes
+    (each replayed from one CUDA graph) without paying much for the padding."""
+    n = max(1, int(n))
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
 
 
 def context_tokens(max_len: int) -> int:
@@ -59,6 +71,15 @@ class Ranges:
     def padded_markers(self, k: int) -> int:
         return max(self.min_markers, k)
 
+    def call_shape(self, rows: int, tokens: int, markers: int) -> Tuple[int, int, int]:
+        """The stepped shape a call of this many rows, tokens and markers is padded to where its shape must come
+        from a small fixed set (a CUDA graph's): each rounded up to a `step_up` size (tokens in units of the
+        token multiple) inside the artifact's ranges."""
+        m = self.token_multiple
+        return (min(self.max_rows, max(self.min_rows, step_up(rows))),
+                min(self.max_tokens, max(self.padded_tokens(tokens), step_up(-(-tokens // m)) * m)),
+                min(self.max_markers, max(self.min_markers, step_up(markers))))
+
     def out_of_range(self, tokens: int, markers: int) -> Optional[str]:
         """Why a call of this many tokens/markers cannot run on the artifact (None when it can)."""
         if self.padded_tokens(tokens) > self.max_tokens:
@@ -83,6 +104,38 @@ def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     if kp != k:
         mpos, mmask = pad(mpos, (0, kp - k)), pad(mmask, (0, kp - k))
     return ids, att, mpos, mmask, qtype
+
+
+def pad_call(batch: Batch, shape: Tuple[int, int, int], pad_id: int) -> Batch:
+    """`batch` (already `pad_batch`ed) padded to `shape` (rows, tokens, markers) from `Ranges.call_shape`: tokens
+    and markers as `pad_batch` pads them; extra rows repeat the last row, whose outputs the caller drops."""
+    import torch
+    from torch.nn.functional import pad
+
+    ids, att, mpos, mmask, qtype = batch
+    n, t, k = ids.shape[0], ids.shape[1], mpos.shape[1]
+    rows, tokens, markers = shape
+    if tokens != t:
+        ids, att = pad(ids, (0, tokens - t), value=pad_id), pad(att, (0, tokens - t))
+    if markers != k:
+        mpos, mmask = pad(mpos, (0, markers - k)), pad(mmask, (0, markers - k))
+    if rows != n:
+        last = [n - 1] * (rows - n)
+        ids, att, mpos, mmask, qtype = (torch.cat((x, x[last])) for x in (ids, att, mpos, mmask, qtype))
+    return ids, att, mpos, mmask, qtype
+
+
+def for_runner(piece: Batch, runner: Any, ranges: Ranges, pad_id: int) -> Batch:
+    """`piece` (already `pad_batch`ed) as `runner` is called with it: padded to the stepped shape its CUDA graphs
+    replay (`GraphedCalls.shape_for`); unchanged for a runner without graphs or a call too large for one. The
+    caller keeps the outputs of the piece's own rows (the first ones). The runtime and verification both call
+    it, so that a verified figure covers what a service's graphed calls compute."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return piece
+    n, t, k = piece[0].shape[0], piece[0].shape[1], piece[2].shape[1]
+    shape = graphs.shape_for(n, t, k, ranges)
+    return piece if shape is None or shape == (n, t, k) else pad_call(piece, shape, pad_id)
 
 
 def batch_of_shape(rows: int, tokens: int, markers: int) -> Batch:

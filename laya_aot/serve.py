@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import laya_internals as laya_api
+from . import serve_workers
 from .distribution import HF_SCHEME, PACK_SUFFIX
 from .errors import LayaAotError
 from .runtime.batcher import Limits
@@ -63,9 +64,12 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_BATCH_MAX_TOKENS  estimated tokens in one merged call (default %d)
   LAYA_AOT_BATCH_MAX_WAIT_MS  longest a call's first request waits for neighbours (default %g: none)
   LAYA_AOT_BATCH_QUEUE     requests waiting for a call; one more gets laya's 503 at once (default %d)
-  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call's requests split by their rows' estimated length, none
-                           padded to more than twice its own (short rows are not padded to long ones); 0: one call
+  LAYA_AOT_BATCH_BUCKETS   1 (default): a merged call holds requests whose rows are estimated within 2x of each
+                           other (short rows are not padded to long ones); 0: requests of any length share a call
   LAYA_AOT_METRICS         1: GET /metrics in Prometheus's text format, authorised as /v1/aot (default 0)
+  LAYA_AOT_WORKERS         worker processes answering on LAYA_PORT (default 1), each a whole server with its
+                           own copy of every resident model on the same device: more requests/s where one
+                           process's host work is the limit (docs/batching.md)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
@@ -289,6 +293,8 @@ def describe(agent: Any) -> Dict[str, Any]:
         out["decisions"] = dataclasses.asdict(decisions) if decisions is not None else None
         # runtime/handover.py: the best mix taking over (or having taken over) from the artifact that started
         out["handover"] = dict((getattr(backend, "load_stats", None) or {}).get("handover") or {}) or None
+        # artifact calls, pieces, calls padded to a CUDA graph's shape, and the graphs captured, replayed, dropped
+        out["calls"] = {k: v for k, v in (getattr(backend, "stats", None) or {}).items() if k != "host_path"}
     out["refused"] = ["%s: %s" % (name, why) for name, why in (getattr(backend, "rejected", None) or [])]
     return out
 
@@ -417,9 +423,12 @@ class AotRoute:
     unauthorised caller on its other routes. A middleware, not a route: laya's app, its OpenAPI schema
     included, stays laya's."""
 
-    def __init__(self, app: Any, router: Any, loads: BundleLoads, batching: Optional[ServeBatching] = None):
-        self.app, self.router, self.loads, self.batching = app, router, loads, batching
+    def __init__(self, app: Any, router: Any, loads: BundleLoads, batching: Optional[ServeBatching] = None,
+                 board: Optional[serve_workers.Board] = None):
+        self.app, self.router, self.loads, self.batching, self.board = app, router, loads, batching, board
         self.routes = (AOT_ROUTE, METRICS_ROUTE) if batching is not None and batching.metrics else (AOT_ROUTE,)
+        if board is not None and batching is not None:  # one of several workers: its figures for the others
+            board.start(self._own_figures)
 
     def _route(self, scope) -> Optional[str]:
         if scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD"):
@@ -459,15 +468,25 @@ class AotRoute:
             status, payload = 401, _DENIED
         elif route == METRICS_ROUTE:
             status, ctype = 200, b"text/plain; version=0.0.4; charset=utf-8"
-            payload = self.batching.metrics_text(self._backends(), dict(self.loads.loads)).encode()  # type: ignore
+            payload = self.batching.metrics_text(self._figures()).encode()  # type: ignore[union-attr]
         else:
             report = self.loads.report(self.router)
             if self.batching is not None:
                 report["batching"] = self.batching.report()
+                if self.board is not None:
+                    report.update(serve_workers.report(self.board, self._figures()))
             status, payload = 200, json.dumps(report, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", ctype), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload if scope.get("method") == "GET" else b""})
+
+    def _own_figures(self) -> Dict[str, Any]:
+        return self.batching.figures(self._backends(), dict(self.loads.loads))  # type: ignore[union-attr]
+
+    def _figures(self) -> List[Dict[str, Any]]:
+        """This process's figures, and, in one of several workers, every other worker's latest."""
+        own = self._own_figures()
+        return self.board.gather(own) if self.board is not None else [own]
 
     def _backends(self) -> Dict[str, Dict[str, Any]]:
         """What serves each resident checkpoint (its backend and artifact), for /metrics."""
@@ -509,7 +528,7 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
     batching = ServeBatching(app, config.batching, metrics=config.metrics)
     if batching.enabled:
         log.info("batching concurrent requests: %s", ", ".join("%s=%s" % kv for kv in vars(config.batching).items()))
-    app.add_middleware(AotRoute, router=router, loads=loads, batching=batching)
+    app.add_middleware(AotRoute, router=router, loads=loads, batching=batching, board=serve_workers.board())
     loads.started = True
     return app
 
@@ -559,9 +578,14 @@ def main(argv: List[str], start: float) -> int:
         return 2
     from .runtime.loader import NoArtifactError
 
+    app = None
     try:
         host, port, level = laya_api.serve_settings()
-        app = create_app()
+        workers = serve_workers.count_from_env(os.environ, ServeConfigError)  # a worker's own environment says 1
+        if workers > 1:  # the settings' mistakes said once, here, before any worker starts
+            config_from_env()
+        else:
+            app = create_app()
     except (ServeConfigError, NoArtifactError, laya_api.LayaIncompatible) as e:
         # the loader's own messages start "laya-aot: " (a warning's prefix): said once, as this command's
         print("laya-aot serve: %s" % re.sub(r"^laya-aot: ", "", str(e)), file=sys.stderr)
@@ -571,7 +595,13 @@ def main(argv: List[str], start: float) -> int:
             print("laya-aot serve: %s" % e.code, file=sys.stderr)
             return 2
         raise
-    log.info("ready %.1f s after process start, on %s:%d", time.perf_counter() - start, host, port)
+    if app is None:
+        return serve_workers.supervise(workers, host, port)
+    worker = serve_workers.this_worker()
+    log.info("ready %.1f s after process start, on %s:%d%s", time.perf_counter() - start, host, port,
+             " (worker %d of %d)" % (worker[0] + 1, worker[1]) if worker else "")
+    if worker:
+        return serve_workers.run_worker(app, host, port, level)
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level=level)

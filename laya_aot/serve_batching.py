@@ -10,7 +10,7 @@ one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothin
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
 LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
-LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call's requests split by row length; 0: one call), and
+LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call holds requests of one length group; 0: of any length), and
 LAYA_AOT_METRICS (0, the default; 1: `GET /metrics` in Prometheus's text format).
 """
 from __future__ import annotations
@@ -217,8 +217,15 @@ class ServeBatching:
         return {"enabled": True, "limits": dict(vars(self.limits)), "queued": pool.batcher.queued() if pool else 0,
                 **self.stats.snapshot()}
 
-    def metrics_text(self, backends: Dict[str, Dict[str, Any]], loads: Mapping[str, int]) -> str:
-        """The Prometheus text exposition (version 0.0.4) of the batcher's statistics and each model's backend."""
+    def figures(self, backends: Dict[str, Dict[str, Any]], loads: Mapping[str, int]) -> Dict[str, Any]:
+        """This process's figures (its statistics, queue, each resident model's backend and the loads of each): what
+        `/metrics` exports, and what a worker of several (serve_workers.py) shares with the others."""
+        return {"batching": self.stats.snapshot(), "queued": self.pool.batcher.queued() if self.pool else 0,
+                "backends": backends, "loads": dict(loads)}
+
+    def metrics_text(self, figures: List[Dict[str, Any]]) -> str:
+        """The Prometheus text exposition (version 0.0.4) of the batcher's statistics and each model's backend,
+        summed over `figures` (this process's, then any other worker's; each other one with its `age_s`)."""
         out: List[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -228,7 +235,7 @@ class ServeBatching:
         def labels(**kv: Any) -> str:
             return "{%s}" % ",".join('%s="%s"' % (k, _escape(v)) for k, v in kv.items())
 
-        snap = self.stats.snapshot()
+        snap = engine.merge_snapshots([f["batching"] for f in figures])
         family("laya_aot_requests_total", "counter", "Requests answered through the batcher, by model asked for "
                "(auto: routed) and outcome.")
         for row in snap["requests"]:
@@ -243,7 +250,7 @@ class ServeBatching:
         for reason, n in snap["refused"].items():
             out.append("laya_aot_refused_total%s %d" % (labels(reason=reason), n))
         family("laya_aot_queue_length", "gauge", "Requests waiting in the batcher's queue.")
-        out.append("laya_aot_queue_length %d" % (self.pool.batcher.queued() if self.pool else 0))
+        out.append("laya_aot_queue_length %d" % sum(f["queued"] for f in figures))
         for name, key, scale, help_text in (
                 ("laya_aot_batch_requests", "batch_requests", 1.0, "Requests per call."),
                 ("laya_aot_batch_rows", "batch_rows", 1.0, "Question rows (states x questions) per call."),
@@ -260,13 +267,26 @@ class ServeBatching:
                 out.append("%s_bucket%s %d" % (name, labels(le=le), running))
             out.append("%s_sum %s" % (name, "%g" % (hist["sum"] * scale)))
             out.append("%s_count %d" % (name, hist["count"]))
-        family("laya_aot_backend_info", "gauge", "1 for each resident model: the backend and artifact serving it.")
-        for model, info in sorted(backends.items()):
-            out.append("laya_aot_backend_info%s 1" % labels(model=model, backend=info.get("backend") or "",
-                                                           artifact=info.get("artifact") or ""))
+        serving: Dict[tuple, int] = {}
+        loads: Dict[str, int] = {}
+        for f in figures:
+            for model, info in f["backends"].items():
+                key = (model, info.get("backend") or "", info.get("artifact") or "")
+                serving[key] = serving.get(key, 0) + 1
+            for model, n in f["loads"].items():
+                loads[model] = loads.get(model, 0) + n
+        family("laya_aot_backend_info", "gauge", "For each resident model and the backend and artifact serving it: "
+               "the processes where it is so (1 without workers).")
+        for (model, backend, artifact), n in sorted(serving.items()):
+            out.append("laya_aot_backend_info%s %d" % (labels(model=model, backend=backend, artifact=artifact), n))
         family("laya_aot_loads_total", "counter", "Loads of each bundled model from its bundle.")
         for model, n in sorted(loads.items()):
             out.append("laya_aot_loads_total%s %d" % (labels(model=model), n))
+        if any("index" in f for f in figures):
+            family("laya_aot_worker_figures_age_seconds", "gauge", "Worker processes (LAYA_AOT_WORKERS): the age "
+                   "of each one's figures summed above (0: the worker that answered).")
+            for f in sorted(figures, key=lambda f: f["index"]):
+                out.append("laya_aot_worker_figures_age_seconds%s %g" % (labels(worker=f["index"]), f["age_s"]))
         return "\n".join(out) + "\n"
 
 

@@ -32,7 +32,7 @@ from .numerics.tolerance import (
     near_tie_gap,
     rule_for,
 )
-from .padding import Ranges, action_probs, chunks, option_probs, pad_batch
+from .padding import Ranges, action_probs, chunks, for_runner, option_probs, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,14 @@ def smoke_from_record(record: SmokeRecord) -> Tuple[Batch, Tuple[torch.Tensor, t
 
 def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: Batch, ranges: Ranges,
                pad_id: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Run an artifact the way the runtime does: pad, split rows into chunks, concatenate."""
-    ids, att, mpos, mmask, qtype = pad_batch(batch, ranges, pad_id)
-    outs = [runner(*(t[s].to(device) for t in (ids, att, mpos, mmask, qtype)))
-            for s in chunks(ids.shape[0], ranges, ids.shape[1])]
+    """Run an artifact the way the runtime does: pad, split rows into chunks, pad a chunk its CUDA graphs replay
+    to its stepped shape (`padding.for_runner`), concatenate each chunk's own rows."""
+    padded = pad_batch(batch, ranges, pad_id)
+    outs = []
+    for s in chunks(padded[0].shape[0], ranges, padded[0].shape[1]):
+        piece = for_runner(tuple(t[s] for t in padded), runner, ranges, pad_id)
+        lo, ac = runner(*(t.to(device) for t in piece))
+        outs.append((lo[:s.stop - s.start], ac[:s.stop - s.start]))
     return torch.cat([o[0].float().cpu() for o in outs]), torch.cat([o[1].float().cpu() for o in outs])
 
 

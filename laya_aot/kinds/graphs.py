@@ -1,11 +1,17 @@
 """CUDA graphs for an artifact's small calls, where kernel launches, not the GPU, set the latency.
 
 At 1 row x 128 tokens a 28-layer encoder is a few hundred short kernels: the GPU waits on the
-CPU launching them. A CUDA graph replays the whole forward with one launch. A shape is captured
-on its second call (the first one warms it, so nothing loads lazily during capture), only when it
-is small (`max_tokens` rows x tokens), and at most `max_graphs` shapes are kept (least recently
-used dropped). Each capture is checked against the plain call it replaces; a capture that fails
-or disagrees turns graphs off for that shape, with the reason in `stats`.
+CPU launching them. A CUDA graph replays the whole forward with one launch. A call is replayed only when
+it is small (`max_tokens` rows x tokens); the backend pads such a call to its stepped shape first
+(`shape_for`: `padding.Ranges.call_shape`), so that a service's merged calls of any size take a few
+fixed shapes, each captured once, rather than one graph per row count (a dynamic batcher's calls take
+every size: 16 graphs of the sizes just seen were captured and evicted in turn, each capture stopping
+the GPU). A shape is captured on its second call (the first one warms it, so nothing loads lazily
+during capture); at most `max_graphs` are kept, and one is dropped for a new shape only when no call
+has replayed it for `stale_calls` calls: a working set of shapes larger than the cap leaves the rest to
+plain calls instead of capturing and evicting in turn. Each capture is checked against the plain call
+it replaces; a capture that fails or disagrees turns graphs off for that shape, with the reason in
+`stats`.
 """
 from __future__ import annotations
 
@@ -21,7 +27,11 @@ from ..errors import out_of_memory
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 8192
-MAX_GRAPHS = 16
+# graphs kept: the stepped shapes a service's calls take (padding.step_up: 20 row counts up to 64, for each of
+# its token steps) fit; every graph shares one memory pool (the largest call's activations), so each one more
+# costs its static inputs and outputs and the graph's own host memory
+MAX_GRAPHS = 64
+STALE_CALLS = 1024  # calls without a replay after which a graph may make room for a new shape
 CAPTURE_TRIES_SHORT_OF_MEMORY = 3  # captures of one shape that may run out of memory before it runs plain for good
 # replay vs plain call on the same inputs: the same kernels on the same data, so this is generous
 ATOL = RTOL = 1e-3
@@ -101,13 +111,16 @@ class GraphedCalls:
 
     def __init__(self, fn: Fn, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS,
                  graph_factory: Callable[[Fn, Sequence[torch.Tensor], Any], Any] = _Graph,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, stale_calls: int = STALE_CALLS):
         self._fn = fn
         self.device = device  # where `fn` takes its inputs (None: they come there already)
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
+        self.stale_calls = stale_calls
         self._factory = graph_factory
         self._graphs: "OrderedDict[Key, Any]" = OrderedDict()
+        self._used: Dict[Key, int] = {}  # the call count at each graph's last replay (or capture)
+        self._calls = 0
         self._seen: Counter = Counter()
         self._refused: Dict[Key, str] = {}
         self._short: Counter = Counter()  # captures per shape that ran out of memory
@@ -118,13 +131,21 @@ class GraphedCalls:
         ids = inputs[0]
         return ids.dim() == 2 and ids.shape[0] * ids.shape[1] <= self.max_tokens
 
+    def shape_for(self, rows: int, tokens: int, markers: int, ranges: Any) -> Optional[Tuple[int, int, int]]:
+        """The shape (rows, tokens, markers) a call of this size is padded to and replayed at, or None: a call too
+        large to gain from a graph runs plain at its own shape (its padding would cost GPU time)."""
+        shape = ranges.call_shape(rows, tokens, markers)
+        return shape if shape[0] * shape[1] <= self.max_tokens else None
+
     def __call__(self, *inputs: torch.Tensor, out_device: Optional[torch.device] = None) -> List[torch.Tensor]:
         """`fn`'s outputs for `inputs`, on `out_device` (None: where `fn` leaves them). A replay copies inputs from
         wherever they are straight into its static buffers, and its outputs straight to `out_device`."""
         key = _key(inputs)
+        self._calls += 1
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
+            self._used[key] = self._calls
             self._counts["replays"] += 1
             return graph.replay(inputs, out_device)
         given = inputs
@@ -133,7 +154,7 @@ class GraphedCalls:
         out = list(self._fn(*inputs))
         if key not in self._refused and self.eligible(inputs):
             self._seen[key] += 1
-            if self._seen[key] >= 2:
+            if self._seen[key] >= 2 and self._room():
                 self._capture(key, inputs, out, given, out_device)
         return out if out_device is None else [o.to(out_device) for o in out]
 
@@ -167,10 +188,22 @@ class GraphedCalls:
             return
         self._pool = graph.pool()
         self._graphs[key] = graph
+        self._used[key] = self._calls
         self._counts["captured"] += 1
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-            self._counts["evicted"] += 1
+
+    def _room(self) -> bool:
+        """Whether a new graph may be captured: under the cap, or once the least recently replayed graph has gone
+        `stale_calls` calls without a replay (it is dropped). Otherwise the call stays plain, counted."""
+        if len(self._graphs) < self.max_graphs:
+            return True
+        oldest = next(iter(self._graphs))
+        if self._calls - self._used.get(oldest, 0) < self.stale_calls:
+            self._counts["full"] += 1
+            return False
+        self._graphs.popitem(last=False)
+        self._used.pop(oldest, None)
+        self._counts["evicted"] += 1
+        return True
 
     @property
     def stats(self) -> Dict[str, Any]:

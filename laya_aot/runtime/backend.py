@@ -21,7 +21,7 @@ from ..errors import LayaAotError, count_from_now, out_of_memory
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
-from ..padding import CHUNK_TOKENS, Ranges, chunks, near_tie_rows, pad_batch
+from ..padding import CHUNK_TOKENS, Ranges, chunks, for_runner, near_tie_rows, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class AOTBackend(Backend):
             # buffers); pieces below go to the device first, so that their outputs stay there until the last
             one = input_ids.device if getattr(self.runner, "takes_host_inputs", False) else dev
             try:
-                lo, ac = self.runner(*(x.to(one) for x in batch))
+                lo, ac = self._call(batch, one)
             except RuntimeError as e:
                 outs = self._halves_after(e, batch, slice(0, batch[0].shape[0]), dev)
             else:
@@ -237,11 +237,21 @@ class AOTBackend(Backend):
         out_dev = input_ids.device
         return (torch.cat(logits).to(out_dev), torch.cat(acts).to(out_dev)), True
 
+    def _call(self, piece: Tuple[torch.Tensor, ...], where: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The runner's outputs for the rows of `piece` (padded): a call its CUDA graphs replay is padded to its
+        stepped shape first (`padding.for_runner`), its extra rows' outputs dropped here."""
+        n, t = piece[0].shape
+        stepped = for_runner(piece, self.runner, self.ranges, self.pad_id)
+        if stepped is not piece:
+            self._count(stepped_calls=1, stepped_cells=stepped[0].numel() - n * t)
+        lo, ac = self.runner(*(_aligned(x.to(where)) for x in stepped))
+        return (lo[:n], ac[:n]) if lo.shape[0] != n else (lo, ac)
+
     def _rows(self, batch: Tuple[torch.Tensor, ...], rows: slice, dev: torch.device) -> List[Any]:
         """The runner's outputs for `rows` of the padded batch, in one piece or, after running out of memory,
         in halves (`_halves_after`)."""
         try:
-            return [self.runner(*(_aligned(x[rows].to(dev)) for x in batch))]
+            return [self._call(tuple(x[rows] for x in batch), dev)]
         except RuntimeError as e:
             return self._halves_after(e, batch, rows, dev)
 

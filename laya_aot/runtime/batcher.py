@@ -6,6 +6,12 @@ threads (`submit` returns a `concurrent.futures.Future`) and hands them to one w
 those that may share a call (same call-level controls; laya's own `predict_batch` then groups them by
 checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
 
+Each call is made for the oldest waiting request, with the queued requests that may share its call and whose rows
+are of its length group (`length_groups`: rows estimated within 2x of each other, rows under SHORT_ROW tokens
+counted as SHORT_ROW): laya pads a call's rows to its longest, so no row is computed at more than twice its
+estimated length (or 2 x SHORT_ROW), and no request waits behind requests that came after it but for those that
+share a call ahead of it.
+
 What a caller sees does not depend on its neighbours, except in the last bits of a probability (a row of a
 wider, more padded batch): a request alone in the queue is laya's own call for one request (`system_one`,
 `Router.predict`); a request whose settings cannot be merged runs alone; a merged call that raises is split
@@ -31,16 +37,19 @@ from ..errors import LayaAotError
 log = logging.getLogger(__name__)
 
 # Defaults (docs/batching.md says why and what was measured): no wait, so that a request alone is never delayed
-# (under load, requests queue while a call runs and make the next call without waiting); a call bounded well above
-# 32 clients' short requests (96 rows), since the artifact itself runs a call in pieces of `padding.CHUNK_TOKENS`
-# padded tokens (runtime/backend.py) and a bigger call only makes its requests wait longer.
-DEFAULT_MAX_ROWS = 256       # question rows (states x questions) in one merged call
+# (under load, requests queue while a call runs and make the next call without waiting); a call of at most one
+# artifact piece of a GPU bundle (export.max_rows 64): a bigger call runs in pieces one after the other
+# (runtime/backend.py) and every request in it waits for the last, where calls of one piece answer the first
+# requests a piece earlier at the same throughput.
+DEFAULT_MAX_ROWS = 64        # question rows (states x questions) in one merged call
 DEFAULT_MAX_TOKENS = 65536   # estimated tokens in one merged call (rows x estimated row length)
 DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none)
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48
-SHORT_ROW = 128              # rows estimated shorter are one length class (their padding costs little)
+SHORT_ROW = 128              # rows estimated shorter count as this long in length groups (their padding costs little)
+GROUP_RATIO = 2.0            # the longest row of a length group against its shortest
+GROUPED = 256                # queued requests of the oldest one's kind looked at for its length group
 
 # histogram buckets: requests and rows per call, and milliseconds of waiting and of whole requests
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -63,7 +72,7 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     max_queue: int = DEFAULT_MAX_QUEUE
-    length_buckets: bool = True  # a merged call's requests split by row length, none padded past 2x: _buckets
+    length_buckets: bool = True  # a call's requests of one length group (`length_groups`): none padded past 2x
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_tokens", "max_queue"):
@@ -141,6 +150,31 @@ class Stats:
                     "queue_wait_ms": self.queue_wait_ms.as_dict(), "latency_ms": self.latency_ms.as_dict()}
 
 
+def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The sum of several `Stats.snapshot()`s (one server's worker processes): counts added, histograms added
+    bucket by bucket (the same bounds in every process of one version)."""
+    requests: Dict[Tuple[str, str], int] = {}
+    out: Dict[str, Any] = {"calls": {}, "refused": {}}
+    for snap in snapshots:
+        for row in snap.get("requests", []):
+            key = (row["model"], row["outcome"])
+            requests[key] = requests.get(key, 0) + row["count"]
+        for group in ("calls", "refused"):
+            for name, n in snap.get(group, {}).items():
+                out[group][name] = out[group].get(name, 0) + n
+        for name in ("batch_requests", "batch_rows", "queue_wait_ms", "latency_ms"):
+            hist = snap.get(name)
+            if hist is None:
+                continue
+            into = out.setdefault(name, {"count": 0, "sum": 0.0, "buckets": {}})
+            into["count"] += hist["count"]
+            into["sum"] = round(into["sum"] + hist["sum"], 3)
+            for bound, n in hist["buckets"].items():
+                into["buckets"][bound] = into["buckets"].get(bound, 0) + n
+    out["requests"] = [{"model": m, "outcome": o, "count": c} for (m, o), c in sorted(requests.items())]
+    return out
+
+
 @dataclass
 class Work:
     """One submitted request as a target runs it: `key` says which others it may share a call with (None: it runs
@@ -169,6 +203,19 @@ class _Entry:
     submitted: float
     job: Optional[Callable[[], Any]] = None
     started: float = 0.0
+
+
+def length_groups(lengths: Sequence[int]) -> List[int]:
+    """Each length's group: the lengths sorted, a group started at the shortest not yet grouped and holding every
+    length up to twice it. No length of a group is more than twice another's; groups adapt to the lengths present
+    (fixed classes by powers of two split close lengths at their bounds and made more, emptier calls)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    group, start, out = -1, 0, [0] * len(lengths)
+    for i in order:
+        if group < 0 or lengths[i] > GROUP_RATIO * start:
+            group, start = group + 1, lengths[i]
+        out[i] = group
+    return out
 
 
 def state_chars(state: Any) -> int:
@@ -408,8 +455,10 @@ class Batcher:
 
     # ------------------------------------------------------------------ the worker
     def _take(self) -> Optional[_Batch]:
-        """The next call's entries (under the lock): the first entry and, if it may share a call, every queued
-        entry with its key while the call stays within the limits; None once closed and drained."""
+        """The next call's entries (under the lock): the oldest entry and, if it may share a call, the queued entries
+        with its key (of the first GROUPED) in its length group (`length_groups`, unless `Limits.length_buckets` is
+        off), oldest first, while the call stays within the limits; the others keep their places. None once closed
+        and drained."""
         limits = self.limits
         self._cv.wait_for(lambda: self._queue or self._closed)
         if not self._queue:
@@ -417,32 +466,31 @@ class Batcher:
         head = self._queue[0]
         if head.job is not None or head.work is None or head.work.key is None:
             return _Batch([self._queue.popleft()])
+        key = head.work.key
         if limits.max_wait_ms > 0:  # let neighbours arrive, up to the wait or until the call is full
             deadline = head.submitted + limits.max_wait_ms / 1000.0
             while not self._closed:
-                rows = sum(e.work.rows for e in self._queue if e.work is not None and e.work.key == head.work.key)
+                rows = sum(e.work.rows for e in self._queue if e.job is None and e.work is not None
+                           and e.work.key == key)
                 left = deadline - time.perf_counter()
                 if rows >= limits.max_rows or left <= 0:
                     break
                 self._cv.wait(left)
-        batch, rest = _Batch(), deque()
-        key = head.work.key
-        while self._queue:
-            entry = self._queue.popleft()
+        kind = [e for e in self._queue if e.job is None and e.work is not None and e.work.key == key][:GROUPED]
+        if limits.length_buckets and len(kind) > 1:
+            groups = length_groups([e.work.row_tokens for e in kind])  # type: ignore[union-attr]
+            kind = [e for e, g in zip(kind, groups) if g == groups[0]]  # kind[0] is the head
+        batch = _Batch()
+        for entry in kind:
             work = entry.work
-            fits = (work is not None and entry.job is None and work.key == key
-                    and (not batch.entries or (batch.rows + work.rows <= limits.max_rows
-                                               and batch.tokens + work.tokens <= limits.max_tokens)))
-            if fits:
-                batch.entries.append(entry)
-                batch.rows += work.rows
-                batch.tokens += work.tokens
-            else:
-                rest.append(entry)
-                if work is not None and work.key == key:
-                    break  # the call is full: later requests of this key keep their place behind this one
-        rest.extend(self._queue)
-        self._queue = rest
+            if batch.entries and (batch.rows + work.rows > limits.max_rows  # type: ignore[union-attr]
+                                  or batch.tokens + work.tokens > limits.max_tokens):  # type: ignore[union-attr]
+                break  # the call is full: later requests keep their places behind this one
+            batch.entries.append(entry)
+            batch.rows += work.rows  # type: ignore[union-attr]
+            batch.tokens += work.tokens  # type: ignore[union-attr]
+        taken = {id(e) for e in batch.entries}
+        self._queue = deque(e for e in self._queue if id(e) not in taken)
         return batch
 
     def _worker(self) -> None:
@@ -480,26 +528,7 @@ class Batcher:
             return
         for entry in live:
             self.stats.waited((now - entry.submitted) * 1000.0)
-        for group in self._buckets(live):
-            self._answer(group)
-
-    def _buckets(self, entries: List[_Entry]) -> List[List[_Entry]]:
-        """The requests of a merged call in calls by their rows' estimated length (`Work.row_tokens`), shortest
-        first, none of whose rows is estimated at less than half the call's longest: laya pads a call's rows to its
-        longest, so a request of 40 tokens merged with one of 1,000 would be computed at 1,000 (what the artifact
-        computes grows with the padded tokens; on a CPU, linearly). Each call keeps the requests' order."""
-        if not self.limits.length_buckets or len(entries) < 2:
-            return [entries]
-        order = sorted(range(len(entries)), key=lambda i: entries[i].work.row_tokens)  # type: ignore[union-attr]
-        groups: List[List[int]] = []
-        start = 0
-        for i in order:
-            tokens = entries[i].work.row_tokens  # type: ignore[union-attr]
-            if not groups or tokens > 2 * start:
-                groups.append([])
-                start = tokens
-            groups[-1].append(i)
-        return [[entries[i] for i in sorted(group)] for group in groups]
+        self._answer(live)
 
     def _answer(self, entries: List[_Entry]) -> None:
         """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
@@ -543,4 +572,4 @@ class Batcher:
 
 
 __all__ = ["AgentTarget", "Batcher", "BatcherClosed", "Histogram", "Limits", "Overloaded", "RouterTarget", "Stats",
-           "Work", "estimate_tokens", "target_for"]
+           "Work", "estimate_tokens", "length_groups", "merge_snapshots", "target_for"]

@@ -108,14 +108,49 @@ def test_a_capture_whose_replay_disagrees_is_refused():
     assert g.stats["graphs"] == 0
 
 
-def test_least_recently_used_graphs_are_dropped_beyond_the_cap():
-    g = GraphedCalls(_fn([]), max_graphs=2, graph_factory=FakeGraph)
+def test_a_graph_makes_room_for_a_new_shape_only_once_it_went_unused():
+    g = GraphedCalls(_fn([]), max_graphs=2, stale_calls=4, graph_factory=FakeGraph)
     for tokens in (16, 32, 48):
         for _ in range(2):
             g(*_inputs(1, tokens))
-    assert g.stats["graphs"] == 2 and g.stats["evicted"] == 1
+    # 16 was replayed by no call since its capture, four calls ago: it made room for 48
+    assert g.stats["graphs"] == 2 and g.stats["evicted"] == 1 and g.stats["captured"] == 3
     g(*_inputs(1, 32))       # still captured: a replay
     assert g.stats["replays"] == 1
+
+
+def test_more_hot_shapes_than_graphs_never_capture_and_evict_in_turn():
+    """A dynamic batcher's calls cycling through more shapes than the cap: the graphs first captured stay and
+    are replayed, the other shapes run plain (counted `full`); no capture follows the cap's (each one stops the
+    GPU). LRU alone captured and evicted on nearly every call of such a cycle."""
+    made = []
+
+    def factory(fn, inputs, pool):
+        made.append(tuple(inputs[0].shape))
+        return FakeGraph(fn, inputs, pool)
+
+    g = GraphedCalls(_fn([]), max_graphs=4, stale_calls=64, graph_factory=factory)
+    cycle = [(rows, 16) for rows in (1, 2, 3, 4, 5, 6)]
+    for _ in range(20):
+        for rows, tokens in cycle:
+            g(*_inputs(rows, tokens))
+    assert len(made) == 4 and "evicted" not in g.stats
+    assert g.stats["replays"] == 4 * 18 and g.stats["full"] == 2 * 19   # captured on the second cycle
+    for _ in range(70):                      # traffic moves to two new shapes: the old graphs go stale
+        for rows in (7, 8):
+            g(*_inputs(rows, 16))
+    assert made[4:] == [(7, 16), (8, 16)] and g.stats["evicted"] == 2
+
+
+def test_a_call_gets_a_stepped_shape_only_where_a_graph_may_replay_it():
+    from laya_aot.padding import Ranges
+
+    ranges = Ranges(min_rows=1, max_rows=64, min_tokens=16, max_tokens=1024, min_markers=2, max_markers=64)
+    g = GraphedCalls(_fn([]), max_tokens=8192, graph_factory=FakeGraph)
+    assert g.shape_for(33, 48, 3, ranges) == (40, 48, 3)
+    assert g.shape_for(7, 800, 3, ranges) == (7, 896, 3)       # 50 units of 16 step to 56
+    assert g.shape_for(9, 800, 3, ranges) is None              # 10 x 896 cells > 8192: a plain call, its own shape
+    assert g.shape_for(64, 128, 4, ranges) == (64, 128, 4)
 
 
 def test_inputs_move_to_the_functions_device_and_outputs_come_back_where_asked():

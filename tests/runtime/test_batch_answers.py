@@ -16,6 +16,7 @@ prints the figures (docs/batching.md quotes them).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any, Dict, List, Tuple
 
@@ -92,8 +93,42 @@ def _probs(logits: torch.Tensor, mmask: torch.Tensor) -> torch.Tensor:
     return torch.softmax(masked, -1).nan_to_num(0.0)
 
 
-def measure(agent: Any, n: int = N_REQUESTS, seed: int = 0, max_batch: int = 400) -> Dict[str, Any]:
-    """The fuzzed requests in random merged calls against each alone: the figures the test asserts."""
+class Stepped:
+    """The agent's runner as one with CUDA graphs is called (`padding.for_runner`): each call small enough for a
+    graph padded to its stepped shape, every replay a plain call at that shape (a graph replays the kernels its
+    capture recorded, on the same inputs: `kinds/graphs.py` checks each capture against the plain call)."""
+
+    def __init__(self, backend: Any, max_tokens: int):
+        from laya_aot.kinds.graphs import GraphedCalls
+
+        self.runner = backend.runner
+        plain = getattr(self.runner, "_run", self.runner)
+        self.graphs = GraphedCalls(plain, max_tokens=max_tokens, graph_factory=_PlainGraph)
+
+    def __enter__(self) -> "Stepped":
+        self.before = getattr(self.runner, "graphs", None)
+        self.runner.graphs = self.graphs
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.runner.graphs = self.before
+
+
+class _PlainGraph:
+    def __init__(self, fn: Any, inputs: Any, pool: Any):
+        self.fn = fn
+
+    def replay(self, inputs: Any, out_device: Any = None) -> List[torch.Tensor]:
+        return [o.to(out_device) if out_device is not None else o for o in self.fn(*inputs)]
+
+    def pool(self) -> None:
+        return None
+
+
+def measure(agent: Any, n: int = N_REQUESTS, seed: int = 0, max_batch: int = 400,
+            stepped: int = 0) -> Dict[str, Any]:
+    """The fuzzed requests in random merged calls against each alone: the figures the test asserts. `stepped`:
+    the merged calls padded to their stepped shapes wherever rows x tokens <= `stepped` (a GPU's CUDA graphs)."""
     sets, requests = _fuzzed(n, seed)
     rng = random.Random(seed + 1)
     backend = agent.backend_object
@@ -111,7 +146,7 @@ def measure(agent: Any, n: int = N_REQUESTS, seed: int = 0, max_batch: int = 400
             size = rng.randint(1, max_batch)
             part = idx[start:start + size]
             start += size
-            with Recorder(backend) as rec:
+            with Recorder(backend) as rec, (Stepped(backend, stepped) if stepped else contextlib.nullcontext()):
                 agent.predict_batch([requests[i][0] for i in part], sets[s])
             merged_calls += 1
             assert len(rec.calls) == 1, "one predict_batch call is one backend call"
@@ -137,6 +172,7 @@ def measure(agent: Any, n: int = N_REQUESTS, seed: int = 0, max_batch: int = 400
                 same_decisions += int(same.sum())
                 near_ties += int(((~same) & (gap <= backend.verify.tolerance)).sum())
     return {"requests": n, "merged_calls": merged_calls, "alone_calls": alone_calls,
+            "stepped_calls": backend.stats.get("stepped_calls", 0),
             "bitwise_equal_requests": bitwise, "bitwise_fraction": round(bitwise / n, 4),
             "max_abs_option_prob": worst_option, "max_abs_action_prob": worst_action,
             "decisions": decisions, "same_decisions": same_decisions, "differ_within_bound": near_ties,
@@ -158,6 +194,20 @@ def test_ten_thousand_fuzzed_requests_answer_in_batches_as_alone(agent):
     assert figures["max_abs_option_prob"] <= figures["bound"], figures
     assert figures["max_abs_action_prob"] <= figures["bound"], figures
     # a decision may differ only where the alone answer's top two options are within the bound of each other
+    assert figures["same_decisions"] + figures["differ_within_bound"] == figures["decisions"], figures
+
+
+def test_calls_padded_to_their_cuda_graph_shapes_answer_as_alone(agent):
+    """A GPU replays a call from a CUDA graph at its stepped shape (`padding.Ranges.call_shape`: more rows, each a
+    copy of the last, more masked tokens and markers): a request's answer in such a call equals its answer
+    alone (its own rows, no stepping) within the artifact's bound, decisions equal but for near-ties."""
+    backend = agent.backend_object
+    backend.reset_stats()
+    figures = measure(agent, n=2_000, seed=5, max_batch=40, stepped=8192)
+    print("\nstepped calls against alone:", figures)
+    assert figures["stepped_calls"] >= 20, figures          # the calls were stepped, not left at their own shapes
+    assert figures["max_abs_option_prob"] <= figures["bound"], figures
+    assert figures["max_abs_action_prob"] <= figures["bound"], figures
     assert figures["same_decisions"] + figures["differ_within_bound"] == figures["decisions"], figures
 
 

@@ -146,6 +146,54 @@ def test_a_merged_call_splits_by_row_length_so_short_rows_are_not_padded_to_long
     assert [c[1] for c in one.calls[1:]] == [[short[0], long_[0]]]
 
 
+def test_each_call_is_made_for_the_oldest_request_with_those_of_its_length_group():
+    agent = Agent()
+    b = _held(agent)
+    long_, short = ["word " * (300 + i) for i in range(2)], ["s%d" % i for i in range(2)]
+    futures = [b.submit(x, Q) for x in (long_[0], short[0], long_[1], short[1])]
+    agent.hold.set()
+    [f.result(5) for f in futures]
+    b.close()
+    assert [c[1] for c in agent.calls[1:]] == [long_, short]   # the oldest (long) first, then the short ones
+
+
+def test_no_call_pads_a_row_past_twice_its_length_and_none_passes_an_older_request_by():
+    """Random lengths (20-4,000 characters) and question counts, queued behind a held call: every call's rows are
+    estimated within 2x of each other (rows under SHORT_ROW tokens counted as SHORT_ROW), every call holds the
+    oldest request not yet answered, and the limits hold."""
+    import random
+
+    from laya_aot.runtime.batcher import SHORT_ROW, estimate_tokens
+
+    rng = random.Random(3)
+    agent = Agent()
+    limits = Limits(max_rows=12, max_tokens=4000)
+    b = _held(agent, limits)
+    sets = [Q, {**Q, **Q2}]
+    reqs = [("%d " % i + "x" * rng.randint(20, 4000), rng.choice(sets)) for i in range(300)]
+    futures = [b.submit(state, qs) for state, qs in reqs]
+    agent.hold.set()
+    [f.result(10) for f in futures]
+    b.close()
+    index = {state: i for i, (state, _) in enumerate(reqs)}
+    served = set()
+    for _, states, _ in agent.calls[1:]:
+        ids = [index[s] for s in states]
+        assert min(ids) == min(set(range(len(reqs))) - served)        # the oldest left is in this call
+        served |= set(ids)
+        rows = [max(SHORT_ROW, estimate_tokens(reqs[i][0], reqs[i][1], None) // len(reqs[i][1])) for i in ids]
+        assert max(rows) <= 2 * min(rows)
+        assert sum(len(reqs[i][1]) for i in ids) <= limits.max_rows or len(ids) == 1
+    assert served == set(range(len(reqs))) and len(agent.calls) > 30
+
+
+def test_length_groups_start_at_the_shortest_and_hold_up_to_twice_it():
+    from laya_aot.runtime.batcher import length_groups
+
+    assert length_groups([300, 128, 250, 257, 600, 129, 601]) == [1, 0, 0, 1, 2, 0, 2]
+    assert length_groups([]) == [] and length_groups([500]) == [0]
+
+
 def test_a_full_queue_refuses_at_once():
     agent = Agent()
     b = _held(agent, Limits(max_queue=2))

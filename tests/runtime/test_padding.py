@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from laya_aot.manifest import Artifact, Needs
-from laya_aot.padding import Ranges, chunks, pad_batch
+from laya_aot.padding import Ranges, chunks, pad_batch, pad_call, step_up
 from laya_aot.runtime.backend import AOTBackend
 
 R = Ranges(min_rows=1, max_rows=4, min_tokens=32, max_tokens=64, min_markers=2, max_markers=5)
@@ -71,10 +71,10 @@ class _Runner:
         return mpos.float() * 0 + 2.0, torch.ones(ids.shape[0], 3)
 
 
-def _backend():
+def _backend(ranges: Ranges = R):
     runner = _Runner()
-    entry = Artifact(name="x", kind="aoti", status="verified", device="cpu", needs=Needs(device="cpu"), ranges=R,
-                     variant="v")
+    entry = Artifact(name="x", kind="aoti", status="verified", device="cpu", needs=Needs(device="cpu"),
+                     ranges=ranges, variant="v")
     return AOTBackend(_Agent(), runner, entry, pad_id=0), runner
 
 
@@ -84,6 +84,65 @@ def test_backend_pads_chunks_and_slices_back():
     assert logits.shape == (9, 1) and act.shape == (9, 3) and (logits == 2).all()
     assert runner.shapes == [((3, 48), (3, 2))] * 3  # 9 rows over max_rows 4: three even pieces
     assert be.stats == {"artifact_calls": 1, "chunks": 3}
+
+
+def test_call_sizes_are_few_and_pad_by_at_most_a_quarter():
+    sizes = sorted({step_up(n) for n in range(1, 65)})
+    assert sizes == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert all(n <= step_up(n) < 1.25 * n for n in range(9, 5000)) and step_up(0) == 1
+    assert all(step_up(step_up(n)) == step_up(n) for n in range(1, 5000))   # a stepped size stays as it is
+
+
+def test_a_call_shape_is_stepped_inside_the_artifacts_ranges():
+    wide = Ranges(min_rows=1, max_rows=64, min_tokens=16, max_tokens=208, min_markers=2, max_markers=6)
+    assert wide.call_shape(33, 37, 1) == (40, 48, 2)       # rows 33 -> 40; 3 token units; markers to the minimum
+    assert wide.call_shape(9, 150, 5) == (10, 160, 5)      # 10 units of 16 stay 10 (160)
+    assert wide.call_shape(61, 200, 6) == (64, 208, 6)     # 13 units step to 14 (224): over the export, its max
+    assert wide.call_shape(64, 208, 7)[2] == 6             # never past the artifact's markers either
+    assert R.call_shape(3, 5, 1) == (3, 32, 2)             # the exported minimum of tokens
+
+
+def test_a_padded_call_repeats_its_last_row_and_masks_new_tokens_and_markers():
+    batch = pad_batch(_batch(n=3, t=37, k=1), R, pad_id=9)
+    ids, att, mpos, mmask, qt = pad_call(batch, (4, 64, 3), pad_id=9)
+    assert ids.shape == (4, 64) and mpos.shape == (4, 3) and qt.shape == (4,)
+    assert torch.equal(ids[:3, :48], batch[0]) and (ids[:3, 48:] == 9).all() and (att[:3, 37:] == 0).all()
+    assert torch.equal(ids[3], ids[2]) and torch.equal(att[3], att[2]) and torch.equal(mpos[3], mpos[2])
+    assert not mmask[:, 2:].any() and torch.equal(mmask[:, :2], torch.cat((batch[3], batch[3][2:])))
+
+
+def test_the_backend_pads_a_graphed_call_to_its_stepped_shape_and_keeps_its_own_rows():
+    """A runner with CUDA graphs gets each call at its stepped shape (`GraphedCalls.shape_for`), too large a call
+    at its own; the outputs are the call's own rows, as without stepping (rows do not see one another)."""
+    from laya_aot.kinds.graphs import GraphedCalls
+
+    wide = Ranges(min_rows=1, max_rows=64, min_tokens=16, max_tokens=256, min_markers=2, max_markers=8)
+    be, runner = _backend(wide)
+
+    def rowwise(ids, att, mpos, mmask, qt):
+        runner.shapes.append((tuple(ids.shape), tuple(mpos.shape)))
+        return (ids[:, :mpos.shape[1]].float() + mpos.float(), att.sum(-1, keepdim=True).float().expand(-1, 3))
+
+    be.runner = _RowwiseRunner(rowwise)
+    batch = _batch(n=9, t=37, k=1)
+    plain = be.forward(*batch)
+    be.runner.graphs = GraphedCalls(rowwise, max_tokens=1024)
+    stepped = be.forward(*batch)
+    assert all(torch.equal(a, b) for a, b in zip(plain, stepped)) and stepped[0].shape == (9, 1)
+    assert runner.shapes == [((9, 48), (9, 2)), ((10, 48), (10, 2))]
+    be.forward(*_batch(n=30, t=37, k=1))     # 32 x 48 = 1536 padded cells: over 1024, its own shape
+    assert runner.shapes[-1] == ((30, 48), (30, 2))
+    assert be.stats["stepped_calls"] == 1 and be.stats["stepped_cells"] == 48
+
+
+class _RowwiseRunner:
+    device = torch.device("cpu")
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *xs):
+        return self.fn(*xs)
 
 
 def test_backend_runs_eager_outside_the_export_and_counts_why():

@@ -1,0 +1,294 @@
+"""`laya-aot serve` with LAYA_AOT_WORKERS=N: N worker processes answering on one port.
+
+One process answers at most what its host work allows (HTTP, laya's request handling, tokenising, decoding,
+the batcher: one interpreter), whatever the GPU does: about 1,600 requests/s on an H200 host over a Router that
+answers at once. With N > 1 the command is a supervisor: it checks the settings once, then starts N copies of
+itself, each a whole laya app (its own Router, agents, batcher, weights and CUDA context) on the same device.
+Each worker binds its own listening socket to LAYA_HOST:LAYA_PORT with SO_REUSEPORT, so the kernel spreads new
+connections over them; none binds before every worker has loaded (an early one would take every keep-alive
+connection made meanwhile). SIGTERM or SIGINT to the supervisor stops the workers; a worker that exits stops the
+others and the supervisor, with its status (a supervisor such as systemd restarts the whole). A worker whose
+supervisor dies is sent SIGTERM (Linux: PR_SET_PDEATHSIG).
+
+`GET /v1/aot` answers from the worker the connection reached, and says which (`worker`), with every worker's
+figures (`workers`); `GET /metrics` sums every worker's: each worker writes its own to a shared directory every
+PUBLISH_S seconds (`Board`), and the age of each is exported beside them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+log = logging.getLogger("laya_aot.serve")
+
+ENV_WORKERS = "LAYA_AOT_WORKERS"
+ENV_WORKER = "LAYA_AOT_WORKER"            # set by the supervisor for each worker: "INDEX/COUNT"
+ENV_WORKER_DIR = "LAYA_AOT_WORKER_DIR"    # the shared directory of the workers' figures
+ENV_WORKER_FDS = "LAYA_AOT_WORKER_FDS"    # "READY_W,GO_R": the pipes of the start handshake
+PUBLISH_S = 1.0                           # how often a worker writes its figures for the others
+MAX_WORKERS = 64
+STOP_S = 30.0                             # how long stopping workers may take before they are killed
+
+
+def count_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> int:
+    """LAYA_AOT_WORKERS (1 when unset: one process, as `laya serve`); a bad value raises `error(message)`."""
+    raw = env.get(ENV_WORKERS, "").strip()
+    if not raw:
+        return 1
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_WORKERS:
+        raise error("invalid %s %r: use a number of worker processes from 1 (the default: one process) to %d"
+                    % (ENV_WORKERS, env.get(ENV_WORKERS), MAX_WORKERS))
+    if n > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        raise error("%s=%d needs SO_REUSEPORT sockets, which this system lacks: use %s=1"
+                    % (ENV_WORKERS, n, ENV_WORKERS))
+    return n
+
+
+def this_worker(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:
+    """(index, count) in a worker the supervisor started, else None."""
+    raw = (os.environ if env is None else env).get(ENV_WORKER, "")
+    try:
+        index, count = (int(x) for x in raw.split("/"))
+    except ValueError:
+        return None
+    return index, count
+
+
+# ------------------------------------------------------------------------------------------------ the workers
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """In a worker before it runs (`preexec_fn`): SIGTERM to it when the supervisor dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_worker(app: Any, host: str, port: int, level: str) -> int:
+    """A worker, its app built (its models loaded): tells the supervisor, waits until every worker is, then serves
+    `app` on its own SO_REUSEPORT socket until stopped."""
+    import uvicorn
+
+    fds = os.environ.get(ENV_WORKER_FDS, "")
+    if fds:
+        ready, go = (int(x) for x in fds.split(","))
+        os.write(ready, b"r")
+        os.close(ready)
+        answer = os.read(go, 1)  # the supervisor's go, or end of file if it died meanwhile
+        os.close(go)
+        if answer != b"g":
+            log.error("laya-aot serve worker %s: the supervisor is gone; exiting", os.environ.get(ENV_WORKER))
+            return 1
+    sock = listen(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=level))
+    server.run(sockets=[sock])
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- the supervisor
+class _Worker:
+    def __init__(self, index: int, count: int, directory: str):
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        env = dict(os.environ, **{ENV_WORKER: "%d/%d" % (index, count), ENV_WORKER_DIR: directory,
+                                  ENV_WORKER_FDS: "%d,%d" % (ready_w, go_r)})
+        env.pop(ENV_WORKERS, None)
+        self.index = index
+        self.proc = subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "serve"], env=env,
+                                     pass_fds=(ready_w, go_r), preexec_fn=_die_with_parent)
+        os.close(ready_w)
+        os.close(go_r)
+        self.ready_fd, self.go_fd = ready_r, go_w
+        self.ready = False
+
+    def go(self) -> None:
+        try:
+            os.write(self.go_fd, b"g")
+        except OSError:
+            pass  # it exited meanwhile: its status is seen below
+        os.close(self.go_fd)
+        self.go_fd = -1
+
+
+def supervise(count: int, host: str, port: int) -> int:
+    """Start `count` workers, let them serve once all have loaded, and stop them all when told to or when one
+    exits. Returns the exit status: 0 when stopped by a signal, else the first worker's to exit."""
+    with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # the workers' figures (`Board`)
+        return _supervise(count, host, port, directory)
+
+
+def _supervise(count: int, host: str, port: int, directory: str) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    workers = [_Worker(i, count, directory) for i in range(count)]
+    status = 0
+    try:
+        status = _start(workers, stop)
+        if status == 0 and not stop.is_set():
+            log.info("%d workers serving on %s:%d (%s=%d)", count, host, port, ENV_WORKERS, count)
+            while not stop.is_set():
+                gone = [w for w in workers if w.proc.poll() is not None]
+                if gone:
+                    status = max(1, gone[0].proc.returncode)  # killed by a signal (negative): 1
+                    log.error("laya-aot serve worker %d exited with status %s; stopping the others",
+                              gone[0].index, gone[0].proc.returncode)
+                    break
+                stop.wait(0.2)
+    finally:
+        _stop(workers)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return status
+
+
+def _start(workers: List[_Worker], stop: threading.Event) -> int:
+    """Wait until every worker has loaded (0), a worker exited first (its status), or a signal came (0)."""
+    waiting = {w.ready_fd: w for w in workers}
+    while waiting and not stop.is_set():
+        readable, _, _ = select.select(list(waiting), [], [], 0.2)
+        for fd in readable:
+            w = waiting.pop(fd)
+            w.ready = os.read(fd, 1) == b"r"
+            os.close(fd)
+            if not w.ready:
+                w.proc.wait()
+                log.error("laya-aot serve worker %d exited before it was ready (status %s)", w.index,
+                          w.proc.returncode)
+                return max(1, w.proc.returncode)
+        for w in [w for w in waiting.values() if w.proc.poll() is not None]:
+            return max(1, w.proc.returncode)
+    for fd in waiting:
+        os.close(fd)
+    if stop.is_set():
+        return 0
+    for w in workers:
+        w.go()
+    return 0
+
+
+def _stop(workers: List[_Worker]) -> None:
+    """SIGTERM to each live worker (uvicorn's graceful stop), SIGKILL to any still running after STOP_S."""
+    for w in workers:
+        if w.go_fd >= 0:
+            os.close(w.go_fd)  # a worker still loading reads end of file and exits
+            w.go_fd = -1
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_S
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("laya-aot serve worker %d did not stop within %.0f s: killed", w.index, STOP_S)
+            w.proc.kill()
+            w.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ figures, shared
+class Board:
+    """This worker's figures for the others, and theirs: each worker writes its own (`figures()`, a JSON object)
+    to the shared directory every PUBLISH_S seconds; `gather` reads the others' latest beside this one's own."""
+
+    def __init__(self, index: int, count: int, directory: Path):
+        self.index, self.count, self.directory = index, count, Path(directory)
+        self._thread: Optional[threading.Thread] = None
+
+    def _path(self, index: int) -> Path:
+        return self.directory / ("worker-%d.json" % index)
+
+    def start(self, figures: Callable[[], Dict[str, Any]]) -> None:
+        """Write `figures()` now and every PUBLISH_S seconds, in a daemon thread (once)."""
+        if self._thread is not None:
+            return
+
+        def run() -> None:
+            while True:
+                try:
+                    self.write(figures())
+                except Exception:  # noqa: BLE001 - the others see this worker's figures age, never a crash here
+                    log.debug("laya-aot serve worker %d: figures not written", self.index, exc_info=True)
+                time.sleep(PUBLISH_S)
+
+        self._thread = threading.Thread(target=run, name="laya-aot-worker-figures", daemon=True)
+        self._thread.start()
+
+    def write(self, figures: Dict[str, Any]) -> None:
+        """This worker's figures, replaced whole (a reader never sees half a file)."""
+        part = self._path(self.index).with_suffix(".part")
+        part.write_text(json.dumps(dict(figures, index=self.index, pid=os.getpid(), time=time.time())),
+                        encoding="utf-8")
+        part.replace(self._path(self.index))
+
+    def gather(self, own: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Every worker's figures, this one's (`own`, now) first; each with `index`, `pid` and `age_s` (seconds
+        since written). A worker that has written none yet is absent."""
+        now = time.time()
+        out = [dict(own, index=self.index, pid=os.getpid(), age_s=0.0)]
+        for i in range(self.count):
+            if i == self.index:
+                continue
+            try:
+                theirs = json.loads(self._path(i).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            out.append(dict(theirs, age_s=round(max(0.0, now - float(theirs.get("time", now))), 3)))
+        return out
+
+
+def report(board: Board, figures: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """`GET /v1/aot`'s entries in a worker: `worker` (the one that answered) and `workers` (every worker's pid,
+    figures' age, resident backends and queue, and the batcher's statistics summed over them)."""
+    from .runtime.batcher import merge_snapshots
+
+    return {"worker": {"index": board.index, "count": board.count, "pid": os.getpid()},
+            "workers": {"seen": [{k: f.get(k) for k in ("index", "pid", "age_s", "queued", "backends")}
+                                 for f in sorted(figures, key=lambda f: f["index"])],
+                        "batching": merge_snapshots([f["batching"] for f in figures])}}
+
+
+def board() -> Optional[Board]:
+    """This worker's Board (None outside a worker the supervisor started)."""
+    me = this_worker()
+    directory = os.environ.get(ENV_WORKER_DIR)
+    if me is None or not directory:
+        return None
+    return Board(me[0], me[1], Path(directory))
+
+
+__all__ = ["Board", "ENV_WORKERS", "board", "count_from_env", "listen", "report", "run_worker", "supervise",
+           "this_worker"]

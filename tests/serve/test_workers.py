@@ -1,0 +1,149 @@
+"""`laya-aot serve` with LAYA_AOT_WORKERS=2 (laya_aot/serve_workers.py): two processes on one port answer laya's
+routes as one process does; `GET /v1/aot` names the worker that answered, `GET /metrics` sums both; a worker that
+exits stops the server, and a supervisor killed takes its workers with it. Each server here is a real
+`laya-aot serve` over the demo bundle, on the CPU."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+import httpx
+import pytest
+
+from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+from laya_aot.serve import ServeConfigError
+from laya_aot.serve_workers import count_from_env
+from tests.serve.test_serve import AUTH, Server, _env, _free_port
+
+BODIES: List[Any] = [
+    {"model": "demo", "state": s, "questions": DEMO_QUESTIONS} for s in DEMO_STATES
+] + [
+    {"model": "demo", "state": "x", "questions": DEMO_QUESTIONS, "max_len": "long"},          # 422
+    {"model": "demo", "state": "x"},                                                         # 400
+    {"model": "demo", "state": "x", "questions": {"q": {"type": "riddle", "instructions": "?"}}},
+]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def servers(demo_ckpt, demo_bundle, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("workers")
+    env = _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_AOT_METRICS="1", LAYA_MAX_CONCURRENT="64")
+    started = {"one": Server(tmp, "one", env), "two": Server(tmp, "two", dict(env, LAYA_AOT_WORKERS="2"))}
+    try:
+        yield {k: s.wait_ready() for k, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _answers(server: Server) -> List[Dict[str, Any]]:
+    out = []
+    for body in BODIES:
+        r = server.post("/v1/systemone", body)
+        out.append({"status": r.status_code, "body": r.json()})
+    r = server.post("/v1/systemone/batch", {"model": "demo", "states": DEMO_STATES, "questions": DEMO_QUESTIONS})
+    out.append({"status": r.status_code, "body": r.json()})
+    r = server.post("/v1/systemone", BODIES[0], headers=None)
+    out.append({"status": r.status_code, "body": r.json()})                                 # no key: 401
+    health = server.health()
+    out.append({k: health.get(k) for k in ("status", "loaded", "revisions")})
+    return out
+
+
+def test_two_workers_answer_laya_routes_as_one_process(servers):
+    one, two = _answers(servers["one"]), _answers(servers["two"])
+    assert [a.get("status") for a in one] == [200, 200, 200, 422, 400, 422, 200, 401, "ok"]
+    assert two == one
+
+
+def test_v1_aot_names_the_worker_that_answered_and_metrics_sum_both(servers):
+    two = servers["two"]
+    seen = {}
+    for _ in range(24):  # new connections: the kernel spreads them over both workers' sockets
+        with httpx.Client(headers=AUTH, timeout=30) as client:
+            r = client.post(two.url + "/v1/systemone", json=BODIES[0])
+            assert r.status_code == 200
+            aot = client.get(two.url + "/v1/aot").json()
+        seen[aot["worker"]["index"]] = aot["worker"]["pid"]
+        assert aot["worker"]["count"] == 2
+    assert sorted(seen) == [0, 1] and len(set(seen.values())) == 2 and two.proc.pid not in seen.values()
+    time.sleep(1.5)  # each worker's figures are at most PUBLISH_S old
+    aot = httpx.get(two.url + "/v1/aot", headers=AUTH, timeout=10).json()
+    assert [w["index"] for w in aot["workers"]["seen"]] == [0, 1]
+    assert all(w["backends"]["demo"]["artifact"] for w in aot["workers"]["seen"])
+    total = sum(r["count"] for r in aot["workers"]["batching"]["requests"])
+    mine = sum(r["count"] for r in aot["batching"]["requests"])
+    assert total >= 24 and 0 < mine < total           # one worker's own figures, and both summed
+    text = httpx.get(two.url + "/metrics", headers=AUTH, timeout=10).text
+    line = [x for x in text.splitlines() if x.startswith('laya_aot_requests_total{model="demo",outcome="ok"}')]
+    ok = sum(r["count"] for r in aot["workers"]["batching"]["requests"] if r["outcome"] == "ok")
+    assert int(line[0].split()[-1]) == ok
+    assert 'laya_aot_worker_figures_age_seconds{worker="1"}' in text
+    assert '",artifact="%s"} 2' % aot["workers"]["seen"][0]["backends"]["demo"]["artifact"] in text
+    assert httpx.get(two.url + "/metrics", timeout=10).status_code == 401     # authorised as laya's detail
+    one = servers["one"].aot()
+    assert "worker" not in one and "workers" not in one                     # one process: as before
+
+
+def test_a_worker_that_exits_stops_the_server_and_a_killed_supervisor_its_workers(demo_ckpt, demo_bundle, tmp_path):
+    env = _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_AOT_WORKERS="2")
+    for stop in ("worker", "supervisor"):
+        server = Server(tmp_path, stop, env).wait_ready()
+        try:
+            pids = {w["index"]: w["pid"] for w in _seen(server)}
+            assert sorted(pids) == [0, 1]
+            if stop == "worker":
+                os.kill(pids[1], signal.SIGKILL)
+                assert server.proc.wait(30) != 0
+            else:
+                os.kill(server.proc.pid, signal.SIGKILL)
+                server.proc.wait(30)
+            left = list(pids.values())
+            _until(lambda: not any(_alive(p) for p in left), "a worker outlived its server")  # noqa: B023
+        finally:
+            server.stop()
+
+
+def _seen(server: Server) -> List[Dict[str, Any]]:
+    deadline = time.monotonic() + 10
+    while True:
+        seen = server.aot()["workers"]["seen"]
+        if len(seen) == 2 or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("value, says", [("x", "invalid LAYA_AOT_WORKERS 'x'"), ("0", "from 1"),
+                                         ("65", "to 64")])
+def test_a_bad_workers_setting_is_one_clear_error(value, says):
+    with pytest.raises(ServeConfigError, match=says):
+        count_from_env({"LAYA_AOT_WORKERS": value}, ServeConfigError)
+    assert count_from_env({}, ServeConfigError) == 1 and count_from_env({"LAYA_AOT_WORKERS": " 3 "}, ValueError) == 3
+
+
+def test_the_command_says_a_bad_workers_setting_once_before_starting_any(demo_ckpt, bundle_dir):
+    env = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(_free_port()), LAYA_AOT_WORKERS="two",
+               **_env(demo_ckpt, {"demo": str(bundle_dir)}))
+    r = subprocess.run([sys.executable, "-m", "laya_aot.cli", "serve"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("laya-aot serve: invalid LAYA_AOT_WORK")
+    assert r.stderr.count("LAYA_AOT_WORKERS") == 1
