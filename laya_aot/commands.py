@@ -133,7 +133,7 @@ def _not_used(bundle: Path, agent: Any) -> List[Any]:
     """(name, reason) of each artifact not serving `agent`: the load's reasons, and the artifacts it never examined
     (it stops at the first that serves) that this process's software refuses (`usable.refused_for_software`)."""
     from . import kinds
-    from .usable import here_for, refused_for_software
+    from .kinds.usable import here_for, refused_for_software
 
     bo = agent.backend_object
     rejected = list(getattr(bo, "rejected", None) or [])
@@ -218,7 +218,7 @@ def device_arg(value: str) -> str:
 
 def _inspect(a: argparse.Namespace) -> int:
     from . import kinds
-    from .usable import here_for
+    from .kinds.usable import here_for
 
     try:
         raw_sha = bundle_sha256(a.bundle)

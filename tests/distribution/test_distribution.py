@@ -30,8 +30,8 @@ from laya_aot.cli import main as cli
 from laya_aot.distribution.fetch import parse_hf, resolve
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import pack, read_pack_manifest, unpack
+from laya_aot.kinds.usable import usable_here
 from laya_aot.manifest import MANIFEST, BundleError
-from laya_aot.usable import usable_here
 from tests.conftest import FEW_DECISIONS
 
 zstandard = pytest.importorskip("zstandard")

@@ -28,8 +28,8 @@ from laya_aot.cli import main as cli
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import MAX_NAME_BYTES, MAX_PAX_BYTES, pack, read_pack_manifest, unpack
 from laya_aot.files import sha256_file
+from laya_aot.kinds.usable import reject_reason
 from laya_aot.manifest import MANIFEST, Bundle, BundleError
-from laya_aot.usable import reject_reason
 from laya_aot.variant import current_machine
 from tests.conftest import SMALL
 from tests.reliability.tars import header as _header

@@ -284,8 +284,8 @@ def test_the_artifact_needs_its_exact_build_and_elsewhere_is_refused_naming_the_
 
     from laya_aot.kinds.base import native_needs
     from laya_aot.kinds.inductor_cache import precompiled_needs
+    from laya_aot.kinds.usable import reject_reason
     from laya_aot.manifest import Artifact
-    from laya_aot.usable import reject_reason
     from laya_aot.variant import current_machine
 
     _, facts, _ = precompiled

@@ -83,7 +83,7 @@ def test_runtime_and_pipeline_never_reach_each_other():
 
 COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.cli.usage", "laya_aot.cli.build_help", "laya_aot.cli.hub_reach",
                   "laya_aot.cli.__main__", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
-                  "laya_aot.serve_ray"}
+                  "laya_aot.serve_workers", "laya_aot.serve_ray"}
 
 
 def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the_build():
@@ -98,7 +98,7 @@ def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the
 # layers below the halves, and what they must never reach (docs/architecture.md's table)
 BELOW_THE_HALVES = {
     "laya_aot.distribution": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.cli", "laya_aot.commands"),
-    "laya_aot.usable": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution"),
+    "laya_aot.kinds.usable": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution"),
     "laya_aot.staging": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds"),
 }
 
@@ -120,7 +120,7 @@ SHARED = ("errors", "config", "demo", "progress", "staging", "manifest", "bundle
           "modeling", "padding", "variant", "checkpoint", "files", "laya_internals", "tokenizer_snapshot", "kernels",
           "_version")
 ABOVE_SHARED = ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds", "laya_aot.probe",
-                "laya_aot.usable", *sorted(COMMANDS_LAYER))
+                *sorted(COMMANDS_LAYER))
 
 
 def _above_shared(module: str) -> bool:
@@ -143,7 +143,7 @@ def test_the_shared_layer_never_reaches_up():
 def test_every_top_level_module_is_in_a_layer_and_there_are_at_most_20():
     """The top level holds the layers' entry points and the shared modules; everything else lives in a package."""
     top = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
-    layered = set(SHARED) | {m.rpartition(".")[2] for m in COMMANDS_LAYER} | {"probe", "usable"}
+    layered = set(SHARED) | {m.rpartition(".")[2] for m in COMMANDS_LAYER} | {"probe"}
     assert not sorted(set(top) - layered), "top-level modules in no layer: %s" % sorted(set(top) - layered)
     assert len(top) + 1 <= 20, "%d top-level modules (with __init__.py): %s" % (len(top) + 1, top)
 
@@ -312,8 +312,8 @@ def test_only_verification_runs_an_artifact_against_its_rule():
 
 
 @pytest.mark.parametrize("name, owner", [
-    ("verify_artifact", "laya_aot.verification"), ("usable_here", "laya_aot.usable"),
-    ("default_device", "laya_aot.usable"), ("staged", "laya_aot.staging"),
+    ("verify_artifact", "laya_aot.verification"), ("usable_here", "laya_aot.kinds.usable"),
+    ("default_device", "laya_aot.kinds.usable"), ("staged", "laya_aot.staging"),
     ("may_replace", "laya_aot.staging"),
 ])
 def test_each_decision_is_defined_once(name, owner):
@@ -333,7 +333,7 @@ def test_no_second_staging_transaction_or_default_device():
             assert "new_staging(" not in text and ".publish(" not in text, "%s stages a bundle itself" % m
             # a directory assembled beside its destination and renamed into place (make-demo's checkpoint too)
             assert not _calls(m, "mkdtemp"), "%s stages a directory itself (staging.staged)" % m
-        if m != "laya_aot.usable":
+        if m != "laya_aot.kinds.usable":
             assert '"cuda" if torch.cuda.is_available() else "cpu"' not in text, "%s picks a default device" % m
         # merge compares two parts' fingerprints with each other, not a bundle's with a checkpoint
         if m not in ("laya_aot.checkpoint", "laya_aot.distribution.merge"):
