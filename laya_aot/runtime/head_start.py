@@ -31,8 +31,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds, usable
+from .. import kinds
 from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
+from ..kinds import usable
 from ..manifest import Artifact
 from ..padding import Batch, batch_of_shape, smallest_batch
 from . import start_costs

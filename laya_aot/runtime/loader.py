@@ -29,8 +29,8 @@ from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
 from ..distribution.fetch import resolve_for_load
 from ..errors import LayaAotError
 from ..manifest import Artifact, Bundle, BundleError, VerifyResult, is_sha256
+from ..numerics.tolerance import Agreement, DecisionAgreement
 from ..padding import CHUNK_TOKENS
-from ..tolerance import Agreement, DecisionAgreement
 from ..variant import current_machine
 from . import host_path as host_path_mod
 from . import start_costs

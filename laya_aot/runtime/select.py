@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 from .. import kinds
+from ..kinds.usable import reject_reason
 from ..manifest import Artifact
-from ..usable import reject_reason
 
 __all__ = ["MIX_TIE", "START_SLACK_S", "StartPlan", "plan", "rank", "reject_reason"]  # reject_reason: ..usable
 
