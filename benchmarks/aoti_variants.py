@@ -46,11 +46,11 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     from laya_aot import laya_internals as laya_api
     from laya_aot.checkpoint import describe
     from laya_aot.config import CheckpointConfig
-    from laya_aot.dtypes import torch_dtype
     from laya_aot.kinds import aoti
     from laya_aot.kinds.exported_program import export_model
     from laya_aot.kinds.exported_program_settings import ExportConfig
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
+    from laya_aot.numerics.dtypes import torch_dtype
 
     rotary, *extras = variant.split("+")
     e = ExportConfig()

@@ -1,5 +1,5 @@
 """The exported encoder's attention, A/B on a GPU: transformers' SDPA with its masks (a bundle built with
-`export.attention=stock`) against `laya_aot.attention`'s Triton window kernel (exported and packaged here).
+`export.attention=stock`) against `laya_aot.modeling.attention`'s Triton window kernel (exported and packaged here).
 
     python3 benchmarks/attention_ab.py --kernel-only --kernel-shapes 1x128,8x256,32x1024 [--graph]
     python3 benchmarks/attention_ab.py --ckpt CKPT --bundle STOCK_BUNDLE
@@ -52,7 +52,7 @@ def main() -> None:
     from laya_aot import laya_internals as laya_api
     from laya_aot.kinds import aoti
     from laya_aot.kinds.exported_program import export_model
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
 
     ap = harness.parser(__doc__, work=True)
     ap.add_argument("--ckpt", help="the checkpoint (not needed with --kernel-only)")
@@ -174,8 +174,8 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
     `graphed`)."""
     import torch.nn.functional as F
 
-    from laya_aot import attention
-    from laya_aot import window_attention as wa
+    from laya_aot.modeling import attention
+    from laya_aot.modeling import window_attention as wa
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(rows, heads, length, dim, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -200,9 +200,8 @@ def kernel_bench(rows: int = 32, heads: int = 16, length: int = 1024, dim: int =
         for c in CONFIGS:
             name = "BM%d_BN%d_w%d_s%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
             try:
-                ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, None, None,
-                                                                   cfg=c))
-                o = wa._launch(q, k, v, keep, window, dim ** -0.5, None, None, cfg=c)
+                ms = bench(lambda c=c, window=window: wa._launch(q, k, v, keep, window, dim ** -0.5, cfg=c))
+                o = wa._launch(q, k, v, keep, window, dim ** -0.5, cfg=c)
                 err = float((o[:few].float() - ref).abs().max())
                 row[name] = {"ms": ms, "tflops_useful": round(flops / ms / 1e9, 1), "max_err": round(err, 5)}
             except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot run

@@ -107,10 +107,10 @@ def sdpa(backend: str, q, k, v):
 
 
 def shipped(q, k, v, window: int):
-    """The package's own attention kernel (`laya_aot.window_attention`, every key a token), as a call; None where
+    """The package's own attention kernel (`modeling.window_attention`, every key a token), as a call; None where
     it cannot be imported."""
     try:
-        from laya_aot import window_attention  # noqa: F401 - registers the op
+        from laya_aot.modeling import window_attention  # noqa: F401 - registers the op
     except ImportError:
         return None
     keep = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)

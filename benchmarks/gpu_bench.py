@@ -36,7 +36,7 @@ from harness import FORWARD_SHAPES as SHAPES
 
 
 def child(mode: str, ckpt: str, bundle: str, work: str) -> None:
-    from laya_aot.kernels.guard import jit_guard
+    from jit_guard import jit_guard
 
     with jit_guard(forbid=False) as attempts:
         _child(mode, ckpt, bundle, work, attempts)

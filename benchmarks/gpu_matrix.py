@@ -45,8 +45,7 @@ def _probs(a):
 
 def child(ckpt: str, bundle: str, kind: str) -> None:
     import numpy as np
-
-    from laya_aot.kernels.guard import jit_guard
+    from jit_guard import jit_guard
 
     with jit_guard(forbid=False) as attempts:
         import laya

@@ -4,7 +4,7 @@ Each path runs in its own fresh process, started by this script, and measures
   - process start (spawn) to first answer: a 1x128x4 forward, synchronised;
   - per shape (rows x tokens x markers): the first call (CUDA-graph capture, plus JIT for laya),
     then the median of 20 calls timed with CUDA events after 3 warm-ups;
-  - compile attempts, counted at every TileLang/nvcc compile entry (laya_aot.kernels.guard).
+  - compile attempts, counted at every TileLang/nvcc compile entry (benchmarks/jit_guard.py).
 The bundle process runs with nvcc absent (PATH stripped, CUDA_HOME an empty directory), an empty
 TileLang cache directory, and every compile entry patched to raise: one compile would fail it.
 The laya process starts with an empty TileLang cache (cold, like a fresh host). Outputs of
@@ -67,9 +67,9 @@ def child_tiny(a) -> int:
     """Tiny demo (head dim 16, head attention 1x64): bundle forward vs laya's stock eager forward."""
     import laya
     import torch
+    from jit_guard import jit_guard
 
     from laya_aot.kernels import PrecompiledTileLangBackend, detect_arch
-    from laya_aot.kernels.guard import jit_guard
 
     res = {"mode": "tiny", "nvcc_on_path": shutil.which("nvcc"), "shapes": {}}
     with jit_guard(forbid=True) as attempts:
@@ -121,9 +121,9 @@ def child_ab(a) -> int:
     are cleared so the bundle agent loads its own kernels; each FastLaya keeps its own handles."""
     import laya
     import torch
+    from jit_guard import jit_guard
 
     from laya_aot.kernels import PrecompiledTileLangBackend, detect_arch
-    from laya_aot.kernels.guard import jit_guard
 
     res = {"mode": "ab", "rounds": AB_ROUNDS, "repeats": REPEATS}
     with jit_guard(forbid=False) as laya_attempts:
@@ -179,8 +179,7 @@ def child(a) -> int:
     t_spawn = float(os.environ["LAYA_AOT_T_SPAWN"])
     import laya
     import torch
-
-    from laya_aot.kernels.guard import jit_guard
+    from jit_guard import jit_guard
 
     res = {"mode": a.child, "nvcc_on_path": shutil.which("nvcc"), "python_import_s": time.time() - t_spawn}
     import tilelang.env as tl_env

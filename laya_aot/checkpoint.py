@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 AGENT_CONFIG = "rl_agent_config.json"  # laya's agent settings (max_len, amp_dtype, head_layers, act_costs, ...)
 ENCODER_CONFIG = "encoder/config.json"
-FINGERPRINT_FILES = ("model.safetensors", AGENT_CONFIG, ENCODER_CONFIG)
+WEIGHTS_FILE = "model.safetensors"  # the checkpoint's tensors, read through `Weights` only
+FINGERPRINT_FILES = (WEIGHTS_FILE, AGENT_CONFIG, ENCODER_CONFIG)
 TOKENIZER_DIR = "tokenizer"
 # a file this large (the weights) is fingerprinted in pieces too (`fingerprint`), and is not one of the "small
 # files" a start checks first (`differing_small_files`)
@@ -125,7 +126,7 @@ class Weights(Mapping):
     def __init__(self, ckpt: str | os.PathLike):
         from safetensors import safe_open
 
-        self.path = Path(ckpt) / "model.safetensors"
+        self.path = Path(ckpt) if Path(ckpt).is_file() else Path(ckpt) / WEIGHTS_FILE  # a directory, or the file
         self._file = safe_open(str(self.path), framework="pt")
         self._keys = frozenset(self._file.keys())
 
@@ -148,6 +149,22 @@ class Weights(Mapping):
         with open(self.path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             return json.loads(f.read(n).decode("utf-8")), 8 + n
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        """A tensor's shape, from the file's header (no bytes read)."""
+        if key not in self._keys:
+            raise KeyError(key)
+        return tuple(self._file.get_slice(key).get_shape())
+
+    def meta(self) -> Dict[str, Any]:
+        """Every tensor as a meta tensor of its stored shape and dtype: the file's header, not its bytes (a thin
+        agent's module shell, laya_internals)."""
+        import torch
+
+        header, _ = self._header()
+        return {key: torch.empty(tuple(t["shape"]), dtype=getattr(torch, _ST_DTYPES.get(t.get("dtype"), ""),
+                                                                     torch.float32), device="meta")
+                for key, t in header.items() if key in self._keys and isinstance(t, dict)}
 
     def allocate(self, targets: Mapping[str, Any], device: Any) -> Dict[str, Any]:
         """Unwritten tensors shaped as the file stores the ones named in `targets` (name -> torch dtype), in that

@@ -19,14 +19,14 @@ from rich.table import Table
 
 from . import progress
 from .bundle_format import bundle_sha256, check_artifact_hash, read_bundle
-from .demo_training import QUESTIONS as DEMO_QUESTIONS
+from .demo.training import QUESTIONS as DEMO_QUESTIONS
 from .manifest import MANIFEST, Artifact, BundleError
 
 log = logging.getLogger(__name__)
 
 DEMO_BUNDLE = "artifacts/demo"
 
-# held out: no synthetic ticket the demo model was trained on is one of these (demo_training.py)
+# held out: no synthetic ticket the demo model was trained on is one of these (demo/training.py)
 DEMO_STATES = [
     "I was charged twice for the March invoice, please refund the second payment.",
     "The service has been down since this morning and nobody in the office can log in!",
@@ -133,7 +133,7 @@ def _not_used(bundle: Path, agent: Any) -> List[Any]:
     """(name, reason) of each artifact not serving `agent`: the load's reasons, and the artifacts it never examined
     (it stops at the first that serves) that this process's software refuses (`usable.refused_for_software`)."""
     from . import kinds
-    from .usable import here_for, refused_for_software
+    from .kinds.usable import here_for, refused_for_software
 
     bo = agent.backend_object
     rejected = list(getattr(bo, "rejected", None) or [])
@@ -224,7 +224,7 @@ def device_arg(value: str) -> str:
 
 def _inspect(a: argparse.Namespace) -> int:
     from . import kinds
-    from .usable import here_for
+    from .kinds.usable import here_for
 
     try:
         raw_sha = bundle_sha256(a.bundle)

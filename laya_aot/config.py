@@ -20,7 +20,7 @@ from omegaconf import MISSING
 
 from .kinds.aoti_settings import AotiConfig
 from .kinds.exported_program_settings import ExportConfig
-from .tolerance import Tolerance
+from .numerics.tolerance import Tolerance
 
 
 @dataclass
@@ -55,7 +55,7 @@ class TargetConfig:
     # TileLang architectures to cross-compile kernels for (no GPU needed)
     tilelang_archs: List[str] = field(default_factory=list)
     # dtypes the encoder and decision head compute in, one set of artifacts each; empty = the dtype laya
-    # serves this checkpoint in on this target (laya_aot.precision: CPU fp32; CUDA the checkpoint's
+    # serves this checkpoint in on this target (laya_aot.numerics.precision: CPU fp32; CUDA the checkpoint's
     # amp_dtype, fp16 when absent, fp16 below sm_80)
     dtypes: List[str] = field(default_factory=list)
 
@@ -74,7 +74,7 @@ class StagesConfig:
 @dataclass
 class VerifyConfig:
     seed: int = 1234
-    # the rule every artifact is verified by (laya_aot.tolerance); stored in the manifest
+    # the rule every artifact is verified by (laya_aot.numerics.tolerance); stored in the manifest
     tolerance: Tolerance = field(default_factory=Tolerance)
     # calls per artifact at the reference shape, for the latency the runtime ranks by
     latency_repeats: int = 5

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Union
 
-from .dtypes import NAMES as DTYPES
 from .errors import LayaAotError
+from .numerics.dtypes import NAMES as DTYPES
+from .numerics.tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 from .padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
-from .tolerance import Agreement, DecisionAgreement, Tolerance, tie_margin
 
 SCHEMA = "laya-aot/bundle"
 # 2: per-artifact `files` (path, sha256, size of every file: what unpack and fetch check) and `build_machine`

@@ -262,8 +262,8 @@ def precheck(spec: BundleSpec, device: Optional[str] = None) -> Tuple[Optional[s
     from . import kinds
     from .bundle_format import read_bundle
     from .checkpoint import mismatch, read_config
+    from .kinds.usable import here, refused_for_software
     from .manifest import BundleError
-    from .usable import here, refused_for_software
 
     try:
         kw = {"sha256": spec.sha256} if spec.sha256 else {}
@@ -316,8 +316,8 @@ def _unexamined(spec: BundleSpec, agent: Any, info: Dict[str, Any]) -> List[str]
     fails. Digests are cached, so this is a few stats."""
     from . import kinds
     from .bundle_format import check_artifact_hash, read_bundle
+    from .kinds.usable import Here, refused_for_software
     from .manifest import BundleError
-    from .usable import Here, refused_for_software
     from .variant import current_machine
 
     examined = {info["artifact"]} | {r.split(": ", 1)[0] for r in info["refused"]}

@@ -118,7 +118,7 @@ class LayaPool:
 
     def __init__(self, cells: Dict[str, Any], limits: Limits, stats: Stats):
         self.router = cells["router"].cell_contents
-        self.run_inference = cells["_run_inference"].cell_contents
+        self.run_inference = cells["run_inference"].cell_contents
         self.target = RouterTarget(self.router)
         self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats)
         self.proxy = _Router(self.router, self)

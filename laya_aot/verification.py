@@ -21,10 +21,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import progress
-from .dtypes import torch_dtype
 from .manifest import SmokeRecord, VerifyResult
+from .numerics.dtypes import torch_dtype
+from .numerics.tolerance import (
+    Agreement,
+    DecisionAgreement,
+    Rule,
+    Tolerance,
+    decision_statement,
+    near_tie_gap,
+    rule_for,
+)
 from .padding import Ranges, action_probs, chunks, for_runner, option_probs, pad_batch
-from .tolerance import Agreement, DecisionAgreement, Rule, Tolerance, decision_statement, near_tie_gap, rule_for
 
 log = logging.getLogger(__name__)
 

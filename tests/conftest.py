@@ -129,8 +129,9 @@ def alt_bundle(alt_ckpt, tmp_path_factory) -> Path:
                       lambda out: build_bundle(alt_ckpt, out, "aoti.cpu_frozen=false"))
 
 
-# the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests)
-SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8"]
+# the exported program and ONNX only, 8 rows: a real bundle built in seconds (the safety and archive tests); the
+# program shipped (export.ship_program, off by default) so these bundles hold an artifact that never serves
+SMALL = ["stages.aoti=false", "stages.inductor_cache=false", "export.max_rows=8", "export.ship_program=true"]
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +143,7 @@ def small_bundle(demo_ckpt, tmp_path_factory) -> Path:
 # an sm_90 build skips, its dtype, a sweep, a merge): 256 decisions instead of verify.tolerance.decisions' 2,048,
 # and 128 near ties from 2,048 candidate rows instead of 512 from 8,192. fp16 runs slowly on a CPU: the full suite
 # took 26 s of a 31 s sm_90 build of the tiny checkpoint, 256 take 5 s. The full suite and what it finds are
-# checked on the bf16 CPU bundle (tests/shared/test_precision.py), the near ties in tests/shared/test_faithful.py
+# checked on the bf16 CPU bundle (tests/numerics/test_precision.py), the near ties in tests/shared/test_faithful.py
 FEW_DECISIONS = ("verify.tolerance.decisions=256", "verify.tolerance.near_ties=128",
                  "verify.tolerance.near_tie_pool=2048")
 
@@ -151,16 +152,17 @@ FEW_DECISIONS = ("verify.tolerance.decisions=256", "verify.tolerance.near_ties=1
 def cuda_bundle(tmp_path_factory) -> Callable[[Optional[str]], Tuple[Path, Path]]:
     """`cuda_bundle(amp_dtype)`: (checkpoint, bundle) of a decisive tiny checkpoint (head gain 8) with that
     amp_dtype (None: left out), built for sm_90 on this CPU machine without ONNX: the exported program in laya's
-    CUDA dtype, verified here against laya eager in that dtype (on FEW_DECISIONS), and TileLang kernels
-    cross-compiled for sm_90a.
-    Each made once for the run: tests/shared/test_precision.py checks its dtypes, tests/pipeline/test_build.py
+    CUDA dtype, shipped (export.ship_program) and verified here against laya eager in that dtype (on
+    FEW_DECISIONS), and TileLang kernels cross-compiled for sm_90a.
+    Each made once for the run: tests/numerics/test_precision.py checks its dtypes, tests/pipeline/test_build.py
     (amp_dtype absent) the stages a CPU machine skips and the kernels' hashes."""
     from laya_aot.demo import demo_shape, make_checkpoint
 
     def make(root: Path, amp: Optional[str]) -> None:
         root.mkdir()
         ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype=amp, head_gain=8.0), seed=2)
-        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", *FEW_DECISIONS)
+        build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.onnx=false", "export.ship_program=true",
+                     *FEW_DECISIONS)
 
     made = {}
 
@@ -284,8 +286,8 @@ BUILDS = {
     "eager_and_bundle",  # pipeline/test_matrix.py: a bundle per matrix checkpoint
     "faulty_build",      # pipeline/test_build.py: a build with an ONNX fault and a program-load fault
     "multirun",          # pipeline/test_multirun.py: a Ray sweep of two builds
-    "two_dtype_bundle",  # shared/test_precision.py: fp32 and bf16 AOTInductor packages
-    "bf16_bundle",       # shared/test_precision.py: the bf16 half of two_dtype_bundle
+    "two_dtype_bundle",  # numerics/test_precision.py: fp32 and bf16 AOTInductor packages
+    "bf16_bundle",       # numerics/test_precision.py: the bf16 half of two_dtype_bundle
     "cuda_bundle",       # this file: sm_90 bundles (16-bit exported program, TileLang kernels) of a tiny checkpoint
     "readme_demo",       # this file: `laya-aot demo` in a fresh directory (trains the demo checkpoint, builds)
 }
@@ -303,15 +305,15 @@ BUILDS = {
 SECONDS = {
     "tests/pipeline/test_multirun.py": 110,               # the Ray sweep: two builds, after cuda_bundle(None)
     "tests/serve/test_serve.py": 170,                     # `laya-aot demo` in a fresh directory (conftest.readme_demo)
-    "tests/shared/test_precision.py": 135,                # bf16_bundle and what it serves
+    "tests/numerics/test_precision.py": 135,                # bf16_bundle and what it serves
     "tests/pipeline/test_build.py": 80,                  # the alt bundle
     "tests/distribution/test_distribution.py": 90,        # two `laya-aot build` processes
     "tests/kernels/test_kernels.py": 85,                  # TileLang kernels for two architectures
     "tests/runtime/test_runtime.py": 80,
     "tests/pipeline/test_matrix.py::test_matrix_checkpoint_serves_from_the_bundle_like_eager": 40,
-    "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included": 60,
+    "tests/numerics/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included": 60,
     # made by the sweep's fixture by the time it starts (or else 60)
-    "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]": 5,
+    "tests/numerics/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]": 5,
     "tests/kinds/test_compile_artifact.py::test_a_cache_saved_under_other_inductor_config_fails_the_fresh_process_check":
         60,
     "tests/kinds/test_compile_artifact.py": 200,
@@ -332,11 +334,11 @@ SECONDS = {
 }
 TOGETHER = {
     # the checkpoint `laya-aot demo` trained (conftest.readme_demo)
-    "tests/shared/test_demo.py::test_the_demo_command_checkpoint_is_trained_and_routes_its_states":
+    "tests/demo/test_demo.py::test_the_demo_command_checkpoint_is_trained_and_routes_its_states":
         "tests/serve/test_serve.py",
     # conftest.cuda_bundle(None)
     "tests/pipeline/test_build.py::test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang":
-        "tests/shared/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]",
+        "tests/numerics/test_precision.py::test_cuda_target_builds_in_lavas_dtype_tilelang_included[None-float16]",
     # test_build.faulty_build
     "tests/pipeline/test_build.py::test_a_program_torch_cannot_load_back_is_not_shipped":
         "tests/pipeline/test_build.py::test_onnx_failure_is_recorded_and_the_build_goes_on",
@@ -448,7 +450,7 @@ GUARDED = [
     ("torch.export", "export", "exports a program (torch.export.export)"),
     ("torch", "compile", "compiles with torch.compile"),
     ("torch._inductor", "aoti_compile_and_package", "compiles an AOTInductor package"),
-    ("laya_aot.demo_training", "train", "trains a demo checkpoint"),
+    ("laya_aot.demo.training", "train", "trains a demo checkpoint"),
     ("laya_aot.kernels.cross_compile", "_compile_one", "compiles a TileLang kernel"),
 ]
 

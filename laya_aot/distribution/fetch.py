@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import kinds, progress, staging
 from ..bundle_format import MAX_MANIFEST_BYTES, check_files, parse_bundle, read_bundle
 from ..files import cache_dir, cached_sha256, read_cache_bytes
+from ..kinds.usable import usable_here
 from ..manifest import MANIFEST, BundleError, FileRecord
-from ..usable import usable_here
 from . import HF_SCHEME, PACK_SUFFIX
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..precision import cuda_dtype
+from ..numerics.precision import cuda_dtype
 from .cross_compile import (
     DEFAULT_ARCHS,
     build_for_checkpoint,

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..dtypes import LONG, canonical
+from ..numerics.dtypes import LONG, canonical
 
 FACTORIES = ("gemm_kernel", "gemm_geglu_kernel", "add_ln_kernel", "rope_kernel", "attn_kernel")
 HEAD_EPS = 1e-5          # nn.TransformerEncoderLayer's LayerNorm eps, hard-coded in FastLaya too

@@ -286,7 +286,7 @@ def checkpoint_catalogue(checkpoint_dir: Path, dtype: Optional[str] = None, max_
                          max_rows: int = 64) -> List[KernelSpec]:
     """The catalogue of a checkpoint directory; dtype defaults to what laya serves it in on a GPU of sm_80 or
     newer (its amp_dtype, fp16 when absent), max_len to its own config."""
-    from ..precision import cuda_dtype
+    from ..numerics.precision import cuda_dtype
 
     cfg = read_checkpoint_config(checkpoint_dir)
     agent = cfg["agent"]

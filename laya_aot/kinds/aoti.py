@@ -268,19 +268,18 @@ def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[st
     child need not read gigabytes of them, nor write them: floating-point ones are left unwritten (filling a
     base-sized model's 656 MB took the child 0.3-1.2 s beside the service's own weight copy on two CPU cores);
     integer ones, which may index, are zeros."""
-    from safetensors import safe_open
+    from ..checkpoint import Weights
 
     spec = json.loads((Path(art_dir) / CONSTANTS).read_text(encoding="utf-8"))
     out: Dict[str, torch.Tensor] = {}
-    with safe_open(str(Path(checkpoint) / "model.safetensors"), framework="pt") as f:
-        for src in spec.get("constants", {}).values():
-            if src["source"] != "model":
-                continue
-            key = src["key"]
-            shape = f.get_slice(key).get_shape()
-            dtype = getattr(torch, src["dtype"])
-            make = torch.empty if dtype.is_floating_point else torch.zeros
-            out[key] = make(shape, dtype=dtype, device=device)
+    weights = Weights(checkpoint)
+    for src in spec.get("constants", {}).values():
+        if src["source"] != "model":
+            continue
+        key = src["key"]
+        dtype = getattr(torch, src["dtype"])
+        make = torch.empty if dtype.is_floating_point else torch.zeros
+        out[key] = make(weights.shape(key), dtype=dtype, device=device)
     return out
 
 
@@ -435,13 +434,12 @@ def load_aoti_package(path: Path, device_index: int):
 
 def build(ctx: BuildContext, exported: Exported) -> Built:
     """The package for the target, weights not inside; on the CPU also the frozen package."""
-    from safetensors import safe_open
-
     if ctx.device == "cuda" and not torch.cuda.is_available():
         raise Skip("target %s needs a %s GPU on the build machine to compile AOTInductor; none is visible "
                    "(run the build on a machine with that GPU)" % (ctx.cfg.target.name, ctx.cfg.target.arch))
-    with safe_open(str(ctx.ckpt / "model.safetensors"), "pt") as f:
-        keys = list(f.keys())
+    from ..checkpoint import Weights
+
+    keys = list(Weights(ctx.ckpt))
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
     facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx), **exported.details())

@@ -111,7 +111,7 @@ class Exported:
     dtype: str
     # the ranges the exporter proved (`exported_program.ranges_of`): what every artifact of it accepts
     ranges: Ranges
-    # how the program computes attention (`ExplicitDtypeModel.attention`): "triton", "triton_rope" or "stock"
+    # how the program computes attention (`ExplicitDtypeModel.attention`): "triton" or "stock"
     attention: str = "stock"
     # where the rotary cos/sin come from (`ExplicitDtypeModel.rotary`): "table" or "computed"
     rotary: str = "computed"

@@ -1,9 +1,10 @@
 """The portable `torch.export` program: what every other artifact is compiled from.
 
 Tokens are declared as `16 * Dim`: a plain range trips the exporter's own `L % 8` alignment guard on
-ModernBERT's attention mask. Built always (no switch): a build that cannot export stops. It is
-verified like the others but never serves an agent (it runs at eager speed). Its build settings (`export.*`:
-the ranges, the action head's dtype) are `exported_program_settings.ExportConfig`.
+ModernBERT's attention mask. Built always (no switch): a build that cannot export stops. It never serves an agent
+(it runs at eager speed) and holds a copy of every weight, so it is written into the bundle (and verified like the
+others) only with `export.ship_program=true`. Its build settings (`export.*`: the ranges, the action head's dtype)
+are `exported_program_settings.ExportConfig`.
 """
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch.export import Dim, ExportedProgram
 
-from .. import precision
-from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs, Precision
-from ..model import ExplicitDtypeModel, gemm_extremes
+from ..modeling.model import ExplicitDtypeModel, gemm_extremes
+from ..modeling.rotary import ROTARY
+from ..numerics import precision
+from ..numerics.dtypes import torch_dtype
 from ..padding import MAX_ROWS, TOKEN_MULTIPLE, Ranges, context_tokens
-from ..rotary import ROTARY
 from ..variant import Machine, torch_tag
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Runner
 
 log = logging.getLogger(__name__)
 
 NAME = "exported_program"
+# the default: the program carries a copy of every weight and no runtime reads it (ExportConfig.ship_program)
+NOT_SHIPPED = "export.ship_program=false (no runtime reads it; the compiled kinds are built from the program in memory)"
 
 
 GPU_EXAMPLE = (8, 1024)  # rows, tokens: the sizes a GPU export is traced and tuned at (ExportConfig.example_rows)
@@ -129,7 +132,7 @@ class ExportedProgramRunner(Runner):
     def __init__(self, path: Path, device: str = "cpu", attention: str = "stock"):
         self.device = torch.device(device)  # the device the program was exported on
         if attention.startswith("triton"):  # the program calls the kernel's op: registered before it is read
-            from .. import window_attention  # noqa: F401
+            from ..modeling import window_attention  # noqa: F401
         self._module = torch.export.load(str(path)).module()
         self.stats = {}
 
@@ -162,12 +165,10 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
                     "%dx%d" % example, chosen)
     rel = "exported_program/%s.pt2" % ctx.dtype
     path = ctx.staging / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
     name = "%s-%s" % (NAME, ctx.dtype)
-    why = _does_not_save(program, path) or _does_not_load_back(path)
-    if why:  # the compiled kinds take the in-memory program; a file this torch cannot read serves no one
-        path.unlink(missing_ok=True)
-        log.warning("%s is not shipped: %s", name, why)
+    why = NOT_SHIPPED if not e.ship_program else _unshippable(program, path)
+    if why:  # the compiled kinds take the in-memory program; a file no runtime reads is not shipped
+        (log.info if why == NOT_SHIPPED else log.warning)("%s is not shipped: %s", name, why)
         return Built("ranges %s; %s attention; rotary %s; head %s; example %s; %s; %s not shipped: %s"
                      % (made.ranges.as_dict(), made.attention, made.rotary, made.head, made.example,
                         chosen.describe(), name, why), exported=made)
@@ -193,7 +194,7 @@ def choose_precision(ctx: BuildContext, device: str, max_tokens: int) -> Precisi
         from omegaconf import OmegaConf  # the build's: a serving process imports this module, never this function
 
         from .. import verification
-        from ..tolerance import Tolerance
+        from ..numerics.tolerance import Tolerance
 
         t0 = time.perf_counter()
         tol = Tolerance(**OmegaConf.to_container(ctx.cfg.verify.tolerance, resolve=True))
@@ -216,6 +217,15 @@ def choose_precision(ctx: BuildContext, device: str, max_tokens: int) -> Precisi
 def _finite(v: float) -> Optional[float]:
     """A measured figure as the manifest holds it (JSON has no infinity: None, the reason says it)."""
     return round(v, 6) if math.isfinite(v) else None
+
+
+def _unshippable(program: ExportedProgram, path: Path) -> str:
+    """Why the saved program cannot ship ("" when it can; a file that cannot is removed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    why = _does_not_save(program, path) or _does_not_load_back(path)
+    if why:
+        path.unlink(missing_ok=True)
+    return why
 
 
 def _does_not_save(program: ExportedProgram, path: Path) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..out_of_memory import out_of_memory
+from ..errors import out_of_memory
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..dtypes import torch_dtype
 from ..manifest import Artifact, Needs
-from ..model import ExplicitDtypeModel
+from ..modeling.model import ExplicitDtypeModel
+from ..numerics.dtypes import torch_dtype
 from ..padding import Ranges
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
 

@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..manifest import Artifact, Needs
-from ..model import INPUT_NAMES, OUTPUT_NAMES, ExplicitDtypeModel
+from ..modeling.model import INPUT_NAMES, OUTPUT_NAMES, ExplicitDtypeModel
 from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner
 from .exported_program import export_model
 

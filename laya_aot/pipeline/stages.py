@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint as ckpt_mod
-from .. import demo, kinds, precision, progress, staging, tokenizer_snapshot, verification
+from .. import demo, kinds, progress, staging, tokenizer_snapshot, verification
 from .. import laya_internals as laya_api
 from .._version import __version__
 from ..bundle_format import MAX_TOKENIZER_SNAPSHOT_BYTES, record_files, write_manifest
@@ -39,8 +39,9 @@ from ..manifest import (
     TokenizerSnapshot,
     VerifyResult,
 )
+from ..numerics import precision
+from ..numerics.tolerance import Tolerance
 from ..padding import Ranges
-from ..tolerance import Tolerance
 from ..variant import build_machine, current_gpu_arch
 from ..verification import latency_ms, random_rows, run_padded, smoke_record
 from .children import ChildGuard

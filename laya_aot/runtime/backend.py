@@ -17,11 +17,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import laya_internals as laya_api
-from ..errors import LayaAotError
+from ..errors import LayaAotError, count_from_now, out_of_memory
 from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
-from ..out_of_memory import count_from_now, out_of_memory
 from ..padding import CHUNK_TOKENS, Ranges, chunks, for_runner, near_tie_rows, pad_batch
 from .session import DEFAULT_NEAR_TIES, NEAR_TIE_MODES, near_tie_mode  # noqa: F401 - also read from here (serve)
 

@@ -30,7 +30,7 @@ from ..files import cache_dir, read_cache_json, sha256_hex, write_json_atomic
 from ..manifest import Artifact
 
 if TYPE_CHECKING:
-    from ..usable import Here
+    from ..kinds.usable import Here
 
 log = logging.getLogger(__name__)
 

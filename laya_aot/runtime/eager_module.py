@@ -86,10 +86,7 @@ class EagerModule:
         module is the one built on the CPU for laya's retries (`_for_layas_retry`), and when laya's retry ends the
         agent is thin again (`_after_layas_retry`). (laya-aot's own backend swaps, `laya_internals.install_backend`,
         call laya's `deaccelerate` itself, not this one.)"""
-        agent = self.agent
-        for name in ("set_backend", "accelerate", "deaccelerate"):
-            agent.__dict__[name] = self._before(name, getattr(agent, name))
-        agent.__dict__["_restore_runtime"] = self._after_layas_retry(agent._restore_runtime)
+        laya_api.guard_laya_switches(self.agent, self._before, self._after_layas_retry)
 
     def _before(self, name: str, stock: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(stock)
@@ -124,30 +121,27 @@ class EagerModule:
                 why + "; built on the CPU for laya's retry there", device=torch.device("cpu"))
         return self.retry_module
 
-    def _after_layas_retry(self, stock: Callable[..., Any]) -> Callable[..., Any]:
-        """laya's `_restore_runtime`, which ends its retry on the CPU by moving the agent's module back to the
-        device: for a thin agent, the shell goes back instead and laya then installs the artifact's backend again,
-        which needs none of laya's module. laya's move of its fp32 module would fail on a GPU still full (and
-        leave the agent on the CPU, laya's eager forward serving every later call, as on an H200) or, with
-        room, hold a second copy of the weights beside the artifact's for the life of the process. The module,
-        on the CPU after the retry, is kept for laya's next retry (`retry_module`), so a GPU that stays full
-        costs each call laya's CPU forward, not a new build."""
-        @functools.wraps(stock)
-        def restore(device: Any, dtype: Any, amp_enabled: bool, had_fast: bool) -> Any:
-            shell, self._shell_in_retry = self._shell_in_retry, None
-            if shell is None:   # the agent had laya's module when the retry began: laya's own restore
-                return stock(device, dtype, amp_enabled, had_fast)
-            module, agent = self.agent.model, self.agent
-            agent.model = shell
-            agent.device, agent.dtype, agent.amp_enabled = device, dtype, amp_enabled
-            with self._lock:
-                if self.model is module:   # laya moved it to the CPU: whoever needs it on the device builds it again
-                    self.model = None
-            self.retry_module = module
-            self.stats.update(eager_module_kept_for_layas_retry=True,
-                              layas_retries_ended=self.stats.get("layas_retries_ended", 0) + 1)
-            log.warning("laya-aot: laya's retry on the CPU after an out-of-memory is over; the artifact serves %s "
-                        "again on %s (laya's module kept on the CPU for its next retry)", self.checkpoint, device)
-            return None
-
-        return restore
+    def _after_layas_retry(self, device: Any, dtype: Any, amp_enabled: bool) -> bool:
+        """The end of laya's retry on the CPU (`laya_internals.guard_laya_switches`), which laya's own code ends by
+        moving the agent's module back to the device: for a thin agent, the shell goes back instead (True: done
+        here) and laya then installs the artifact's backend again, which needs none of laya's module. laya's move of
+        its fp32 module would fail on a GPU still full (and leave the agent on the CPU, laya's eager forward serving
+        every later call, as on an H200) or, with room, hold a second copy of the weights beside the artifact's for
+        the life of the process. The module, on the CPU after the retry, is kept for laya's next retry
+        (`retry_module`), so a GPU that stays full costs each call laya's CPU forward, not a new build. False: the
+        agent had laya's module when the retry began, and laya's own end runs."""
+        shell, self._shell_in_retry = self._shell_in_retry, None
+        if shell is None:
+            return False
+        module, agent = self.agent.model, self.agent
+        agent.model = shell
+        agent.device, agent.dtype, agent.amp_enabled = device, dtype, amp_enabled
+        with self._lock:
+            if self.model is module:   # laya moved it to the CPU: whoever needs it on the device builds it again
+                self.model = None
+        self.retry_module = module
+        self.stats.update(eager_module_kept_for_layas_retry=True,
+                          layas_retries_ended=self.stats.get("layas_retries_ended", 0) + 1)
+        log.warning("laya-aot: laya's retry on the CPU after an out-of-memory is over; the artifact serves %s "
+                    "again on %s (laya's module kept on the CPU for its next retry)", self.checkpoint, device)
+        return True

@@ -8,7 +8,6 @@ time. Each result is laya's code on laya's inputs; anything not prepared here is
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -195,8 +194,7 @@ def install(agent: Any) -> Optional[HostPath]:
     laya_api.route_host_path(_head, _state)
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
-    stock_decode = agent._decode_answers
-    agent._decode_answers = wraps(stock_decode)(functools.partial(path.decode, stock_decode))
+    laya_api.route_decode(agent, path.decode)
     return path
 
 

@@ -174,7 +174,7 @@ def _name_refused_for_software(session: LoadSession, agent: Any) -> None:
     """Artifacts the load never examined (it stops at the first that serves) that would serve here with the build's
     software (`usable.refused_for_software`: another torch, ...): one warning per process for each, with the fix,
     as `laya-aot serve` names them in its log and `/v1/aot`."""
-    from ..usable import refused_for_software
+    from ..kinds.usable import refused_for_software
 
     examined = {agent.backend_object.artifact.name} | {name for name, _ in session.rejected}
     here = session.order(agent).here

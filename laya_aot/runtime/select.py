@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from .. import kinds
+from ..kinds.usable import Here, reject_reason
 from ..manifest import Artifact
-from ..usable import Here, reject_reason
 
-__all__ = ["MIX_TIE", "START_SLACK_S", "StartOrder", "StartPlan", "plan", "rank", "reject_reason",  # ..usable's
+__all__ = ["MIX_TIE", "START_SLACK_S", "StartOrder", "StartPlan", "plan", "rank", "reject_reason",  # kinds.usable's
            "select"]
 
 # artifacts whose measured mix is within this fraction of the fastest one's are a tie on the mix (a build's

@@ -277,7 +277,7 @@ class LoadSession:
         return self._mismatch.get()
 
     def _make_here(self) -> Any:
-        from ..usable import here
+        from ..kinds.usable import here
 
         return here(ckpt_mod.read_config(self.ckpt), self.config.device)
 
@@ -304,7 +304,7 @@ class LoadSession:
         serving = laya_api.serving_dtype(agent)
         if agent.device.type == here.device_type and serving == here.serving:
             return order
-        from ..usable import Here
+        from ..kinds.usable import Here
         from ..variant import current_machine
 
         log.info("laya-aot: laya serves %s in %s on %s, not %s on %s as its config said: the start order is made "

@@ -24,7 +24,7 @@ from .. import kinds
 from .. import laya_internals as laya_api
 from ..bundle_format import artifact_path, check_artifact_hash
 from ..manifest import Artifact, Bundle, VerifyResult
-from ..tolerance import Agreement, DecisionAgreement
+from ..numerics.tolerance import Agreement, DecisionAgreement
 from .backend import AOTBackend
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from laya_aot import __version__
-from laya_aot.build_help import described_keys, text
-from laya_aot.usage import build_mistake, schema_keys
+from laya_aot.cli.build_help import described_keys, text
+from laya_aot.cli.usage import build_mistake, schema_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 # runs the CLI, then says which heavy modules it imported
@@ -110,7 +110,7 @@ def test_a_real_checkpoint_path_passes_and_the_config_names_it(demo_ckpt, tmp_pa
     checkpoint after DIR, as the build names it (`checkpoint.describe`), with no demo shape."""
     import shutil
 
-    from laya_aot.usage import implied_overrides
+    from laya_aot.cli.usage import implied_overrides
 
     mine = tmp_path / "my-laya"
     shutil.copytree(demo_ckpt, mine)

@@ -30,15 +30,15 @@ from laya_aot.cli import main as cli
 from laya_aot.distribution.fetch import parse_hf, resolve
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import pack, read_pack_manifest, unpack
+from laya_aot.kinds.usable import usable_here
 from laya_aot.manifest import MANIFEST, BundleError
-from laya_aot.usable import usable_here
 from tests.conftest import FEW_DECISIONS
 
 zstandard = pytest.importorskip("zstandard")
 pytest.importorskip("tilelang", reason="the tilelang extra is not installed (cross-compiles the sm_90a part)")
 
-# 8 rows, and the sm_90 part's fp16 program verified on conftest.FEW_DECISIONS (a merge needs one tolerance, so
-# both parts take it)
+# 8 rows and conftest.FEW_DECISIONS in both parts (a merge needs one tolerance); neither ships its portable program
+# (export.ship_program is off by default), so the parts hold ONNX and the sm_90a kernels
 SMALL = ["export.max_rows=8", *FEW_DECISIONS]
 CPU_PART = ["stages.aoti=false", *SMALL]  # the CPU artifacts: ONNX (AOTInductor is the slow one to build)
 TILELANG_PART = ["target=sm_90", "stages.aoti=false", "stages.onnx=false", "stages.inductor_cache=false", *SMALL]
@@ -90,7 +90,7 @@ def test_partial_bundles_merge_pack_unpack_and_load_strict(parts, merged, packed
     m = read_bundle(merged, kinds.NAMES)
     names = {a.name: a for a in m.artifacts}
     # both parts are there, each artifact with its own build record and verify figures
-    assert {"onnx-fp32", "tilelang-sm_90a", "exported_program-fp32", "exported_program-fp16"} <= set(names)
+    assert {"onnx-fp32", "tilelang-sm_90a"} <= set(names) and not any(n.startswith("exported_program") for n in names)
     for part in (cpu, tl):
         for a in read_bundle(part, kinds.NAMES).artifacts:
             assert names[a.name].sha256 == a.sha256 and names[a.name].verify == a.verify
@@ -174,14 +174,13 @@ def test_merge_refuses_two_fingerprints_and_leaves_nothing(parts, tmp_path):
 
 def test_merge_lists_every_conflict_of_a_different_export(parts, demo_bundle, tmp_path):
     """A real build of the same checkpoint with other export settings (the demo bundle: 64 rows, where the
-    parts have 8, and the default decision suite): its exported program, ONNX model, ranges and smoke batch all
-    differ, and each is one line of the one error."""
+    parts have 8, and the default decision suite): its ONNX model, ranges and smoke batch all differ, and each is
+    one line of the one error (the demo bundle ships no portable program: export.ship_program)."""
     out = tmp_path / "out"
     with pytest.raises(BundleError) as e:
         merge(out, [parts[0], demo_bundle])
     lines = str(e.value).split("\n  - ")[1:]
     assert any("other ranges" in x for x in lines), lines
-    assert any("exported_program-fp32: different programs" in x for x in lines), lines
     assert any("onnx-fp32: different programs" in x for x in lines), lines
     assert not out.exists() and _leftovers(out) == []
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from laya_aot import hub_reach
+from laya_aot.cli import hub_reach
 
 ROOT = Path(__file__).resolve().parents[2]
 

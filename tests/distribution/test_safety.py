@@ -28,8 +28,8 @@ from laya_aot.cli import main as cli
 from laya_aot.distribution.merge import merge
 from laya_aot.distribution.pack import MAX_NAME_BYTES, MAX_PAX_BYTES, pack, read_pack_manifest, unpack
 from laya_aot.files import sha256_file
+from laya_aot.kinds.usable import reject_reason
 from laya_aot.manifest import MANIFEST, Bundle, BundleError
-from laya_aot.usable import reject_reason
 from laya_aot.variant import current_machine
 from tests.conftest import SMALL
 from tests.reliability.tars import header as _header
@@ -190,9 +190,9 @@ def test_may_replace_is_the_only_owner_of_the_decision():
     text = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*.py")}
     assert not [p for p, t in text.items() if "def refuse_foreign" in t or "def _refuse_foreign_output" in t]
     users = sorted(p for p, t in text.items() if "may_replace(" in t and p != "staging.py")
-    assert users == ["demo.py", "distribution/fetch.py", "distribution/merge.py", "distribution/pack.py",
+    assert users == ["demo/__init__.py", "distribution/fetch.py", "distribution/merge.py", "distribution/pack.py",
                      "pipeline/stages.py"], users
-    assert not [p for p, t in text.items() if "rmtree(out" in t and p != "demo.py"]
+    assert not [p for p, t in text.items() if "rmtree(out" in t and p != "demo/__init__.py"]
 
 
 # --- row 3: pack onto its own manifest, a directory, a file that is not a pack -----------------------------

@@ -26,6 +26,7 @@ from laya_aot.kernels.catalogue import (
     row_buckets,
     static_lengths,
 )
+from tests.bench_scripts.conftest import load_script
 
 try:
     import tilelang  # noqa: F401
@@ -288,7 +289,7 @@ def test_runtime_uses_only_bundle_kernels_and_never_compiles(tiny_build, monkeyp
 
     from laya_aot.kernels import KernelMissing, make_fast_forward
     from laya_aot.kernels.driver import active
-    from laya_aot.kernels.guard import jit_guard
+    jit_guard = load_script("jit_guard").jit_guard
 
     ckpt, out, reports = tiny_build
     _strip_nvcc(monkeypatch)
@@ -321,7 +322,8 @@ def test_runtime_refuses_missing_or_altered_kernels(tiny_build, monkeypatch, tmp
 
     from laya_aot.kernels import BundleError, KernelMissing, make_fast_forward
     from laya_aot.kernels.driver import active
-    from laya_aot.kernels.guard import JITForbidden, jit_guard
+    guard = load_script("jit_guard")
+    JITForbidden, jit_guard = guard.JITForbidden, guard.jit_guard
 
     ckpt, out, reports = tiny_build
     _strip_nvcc(monkeypatch)

@@ -26,8 +26,8 @@ from laya_aot.kinds.inductor_cache import (
     pad_rows,
     warm_shapes,
 )
+from laya_aot.numerics.tolerance import Rule
 from laya_aot.padding import Ranges
-from laya_aot.tolerance import Rule
 from laya_aot.verification import cases, verify_runner
 
 
@@ -162,7 +162,7 @@ import torch
 from laya_aot import kinds, laya_internals as laya_api
 from laya_aot.kinds.inductor_cache import COMPILE_KEYS, INFO_FILE, compile_counters, no_mha_fastpath
 from laya_aot.padding import Ranges
-from laya_aot.tolerance import Rule
+from laya_aot.numerics.tolerance import Rule
 from laya_aot.verification import cases, verify_runner
 
 art_dir, ckpt, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -284,8 +284,8 @@ def test_the_artifact_needs_its_exact_build_and_elsewhere_is_refused_naming_the_
 
     from laya_aot.kinds.base import native_needs
     from laya_aot.kinds.inductor_cache import precompiled_needs
+    from laya_aot.kinds.usable import reject_reason
     from laya_aot.manifest import Artifact
-    from laya_aot.usable import reject_reason
     from laya_aot.variant import current_machine
 
     _, facts, _ = precompiled

@@ -47,7 +47,7 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert m["checkpoint"]["fingerprint"]["files"]["model.safetensors"] == sha256_file(demo_ckpt / "model.safetensors")
     assert m["tolerance"]["fp32"] == 1e-4
     names = {a["name"] for a in m["artifacts"]}
-    assert names == {"exported_program-fp32", "aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}
+    assert names == {"aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}   # the portable program: export.ship_program
     for a in m["artifacts"]:
         assert a["status"] == "verified", a
         assert _hash_problem(demo_bundle, a["name"]) is None
@@ -57,7 +57,7 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert aoti["needs"]["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
     assert aoti["latency_ms"]["cpu"]["1x128x4"] > 0
     # the example batch the export was traced at, recorded for each artifact of it: the CPU's default
-    assert aoti["details"]["example"] == _by_name(m, "exported_program-fp32")["details"]["example"] == "3x48"
+    assert aoti["details"]["example"] == "3x48"
     assert not list(demo_bundle.parent.glob(".demo.partial-*"))
 
 
@@ -65,7 +65,19 @@ def test_export_ranges_declare_tokens_as_multiples_of_16(demo_bundle):
     r = Ranges.from_dict(read_manifest(demo_bundle)["ranges"])
     assert r.token_multiple == 16 and r.min_tokens % 16 == 0 and r.max_tokens == 256
     assert r.min_rows == 1 and r.max_rows == 64 and r.min_markers == 2 and r.max_markers == 64
-    ep = torch.export.load(str(demo_bundle / "exported_program" / "fp32.pt2"))
+
+
+def test_the_portable_program_ships_only_when_asked(demo_bundle, small_bundle):
+    """The program holds a copy of every weight and no runtime reads it: a default build leaves it out and says so;
+    `export.ship_program=true` (conftest.SMALL) ships it, a file torch loads back, verified like the rest."""
+    m = read_manifest(demo_bundle)
+    (export,) = [s for s in m["stages"] if s["name"] == "exported_program"]
+    assert "exported_program-fp32 not shipped: export.ship_program=false" in export["summary"], export["summary"]
+    assert not (demo_bundle / "exported_program").exists()
+    assert not any(a["kind"] == "exported_program" for a in m["artifacts"])
+    small = read_manifest(small_bundle)
+    assert _by_name(small, "exported_program-fp32")["status"] == "verified"
+    ep = torch.export.load(str(small_bundle / "exported_program" / "fp32.pt2"))
     assert ep.module() is not None
 
 
@@ -142,7 +154,7 @@ def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
     m = read_manifest(alt_bundle)
     assert m["checkpoint"]["name"] == "alt" and m["checkpoint"]["max_len"] == 384
     assert m["ranges"]["max_tokens"] == 384
-    assert {a["kind"] for a in m["artifacts"] if a["status"] == "verified"} == {"exported_program", "aoti", "onnx"}
+    assert {a["kind"] for a in m["artifacts"] if a["status"] == "verified"} == {"aoti", "onnx"}
     assert [a["name"] for a in m["artifacts"] if a["kind"] == "aoti"] == ["aoti-cpu"]   # conftest.alt_bundle
     for a in m["artifacts"]:
         assert a["verify"]["max_abs_option_prob"] <= 1e-4
@@ -193,7 +205,7 @@ def faulty_build(demo_ckpt, tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(onnx_export, "export_onnx", no_opset)
             mp.setattr(torch.export, "load", unreadable)
-            m = build_bundle(demo_ckpt, out, *FAILURES)
+            m = build_bundle(demo_ckpt, out, *FAILURES, "export.ship_program=true")  # asked for, cannot ship
     finally:
         logging.getLogger().removeHandler(handler)
     return m, out, [r.getMessage() for r in logged]
@@ -233,8 +245,9 @@ def test_export_failure_stops_with_a_clear_message(demo_ckpt, tmp_path, monkeypa
 
 
 def test_a_program_torch_cannot_load_back_is_not_shipped(faulty_build):
-    """torch 2.11 saves autocast regions it cannot read back: the portable file is left out (said in the stage
-    record and the log), and the compiled artifacts, built from the program in memory, still verify."""
+    """torch 2.11 saves autocast regions it cannot read back: the portable file, asked for
+    (export.ship_program), is left out (said in the stage record and the log), and the compiled artifacts, built
+    from the program in memory, still verify."""
     m, bundle, logged = faulty_build
     names = {a["name"]: a["status"] for a in m["artifacts"]}
     assert names == {"aoti-cpu": "verified", "onnx-cpu": "build_failed"}, names   # ONNX: the build's other fault
@@ -375,7 +388,7 @@ def test_cuda_target_on_a_cpu_machine_cross_compiles_tilelang(cuda_bundle):
     """No GPU here: AOTInductor and the Inductor cache say why they skipped; TileLang kernels are built
     for sm_90a, each hashed in the manifest, and left for the GPU machine to verify (conftest.cuda_bundle: a
     tiny checkpoint without amp_dtype built with target=sm_90 stages.onnx=false, as
-    tests/shared/test_precision.py checks its dtype)."""
+    tests/numerics/test_precision.py checks its dtype)."""
     _, bundle = cuda_bundle(None)
     m = read_manifest(bundle)
     stages = {s["name"]: s for s in m["stages"]}

@@ -46,7 +46,7 @@ def eager_and_bundle(tmp_path_factory):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 only = ["stages.onnx=false", "aoti.cpu_frozen=false"] if KIND[name] == "aoti" else ["stages.aoti=false"]
-                # serving, not the decision statement (tests/shared/test_precision.py): conftest.FEW_DECISIONS
+                # serving, not the decision statement (tests/numerics/test_precision.py): conftest.FEW_DECISIONS
                 build_bundle(ckpt, root / "bundle", *FEW_DECISIONS, *only)
                 made[name] = (ckpt, root / "bundle", laya.load(str(ckpt), device="cpu"))
         return made[name]

@@ -81,8 +81,9 @@ def test_runtime_and_pipeline_never_reach_each_other():
             assert not bad, "%s reaches the runtime through %s" % (m, bad)
 
 
-COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
-                  "laya_aot.serve_ray"}
+COMMANDS_LAYER = {"laya_aot.cli", "laya_aot.cli.usage", "laya_aot.cli.build_help", "laya_aot.cli.hub_reach",
+                  "laya_aot.cli.__main__", "laya_aot.commands", "laya_aot.serve", "laya_aot.serve_batching",
+                  "laya_aot.serve_workers", "laya_aot.serve_ray"}
 
 
 def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the_build():
@@ -97,7 +98,7 @@ def test_commands_are_imported_by_commands_only_and_the_server_never_reaches_the
 # layers below the halves, and what they must never reach (docs/architecture.md's table)
 BELOW_THE_HALVES = {
     "laya_aot.distribution": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.cli", "laya_aot.commands"),
-    "laya_aot.usable": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution"),
+    "laya_aot.kinds.usable": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution"),
     "laya_aot.staging": ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds"),
 }
 
@@ -111,6 +112,40 @@ def test_layers_below_the_halves_never_reach_up(layer):
         assert not bad, "%s reaches %s" % (m, bad)
     # the loader turns hf:// and packs into a directory through the distribution layer
     assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.session"]
+
+
+# the shared layer (docs/architecture.md's table): what both halves need, reaching no layer above it; of the kinds
+# layer only each kind's torch-free settings module, which the build schema (config.py) composes
+SHARED = ("errors", "config", "demo", "progress", "staging", "manifest", "bundle_format", "verification", "numerics",
+          "modeling", "padding", "variant", "checkpoint", "files", "laya_internals", "tokenizer_snapshot", "kernels",
+          "_version")
+ABOVE_SHARED = ("laya_aot.pipeline", "laya_aot.runtime", "laya_aot.distribution", "laya_aot.kinds", "laya_aot.probe",
+                *sorted(COMMANDS_LAYER))
+
+
+def _above_shared(module: str) -> bool:
+    if module.startswith("laya_aot.kinds.") and module.endswith("_settings"):
+        return False
+    return any(module == up or module.startswith(up + ".") for up in ABOVE_SHARED)
+
+
+def test_the_shared_layer_never_reaches_up():
+    assert all(any(m == "laya_aot." + s or m.startswith("laya_aot.%s." % s) for m in MODULES) for s in SHARED)
+    for s in SHARED:
+        for m in (m for m in MODULES if m == "laya_aot." + s or m.startswith("laya_aot.%s." % s)):
+            bad = sorted(x for x in reachable(m) if _above_shared(x))
+            assert not bad, "%s (shared layer) reaches %s" % (m, bad)
+    # a check that cannot fail proves nothing: the schema does reach the kinds' settings modules, which are allowed
+    assert "laya_aot.kinds.exported_program_settings" in reachable("laya_aot.config")
+    assert _above_shared("laya_aot.kinds.aoti") and _above_shared("laya_aot.cli.usage")
+
+
+def test_every_top_level_module_is_in_a_layer_and_there_are_at_most_20():
+    """The top level holds the layers' entry points and the shared modules; everything else lives in a package."""
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    layered = set(SHARED) | {m.rpartition(".")[2] for m in COMMANDS_LAYER} | {"probe"}
+    assert not sorted(set(top) - layered), "top-level modules in no layer: %s" % sorted(set(top) - layered)
+    assert len(top) + 1 <= 20, "%d top-level modules (with __init__.py): %s" % (len(top) + 1, top)
 
 
 def test_no_import_cycles():
@@ -139,11 +174,9 @@ def _string_literals(path: Path):
             yield node.value
 
 
-# the same word meaning something else: TileLang's `JITImpl.compile` method, patched by the JIT guard; the
-# `tilelang` extra and package, which laya's TileLang modules import (laya_internals.require names the extra);
-# `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
-OTHER_MEANING = {("compile", "laya_aot.kernels.guard"), ("tilelang", "laya_aot.laya_internals"),
-                 ("compile", "laya_aot.laya_internals")}
+# the same word meaning something else: the `tilelang` extra and package, which laya's TileLang modules import
+# (laya_internals.require names the extra); `laya.load`'s own `compile=` keyword (laya_internals.accelerated)
+OTHER_MEANING = {("tilelang", "laya_aot.laya_internals.routes"), ("compile", "laya_aot.laya_internals.core")}
 
 
 @pytest.mark.parametrize("name", kinds.NAMES)
@@ -279,8 +312,8 @@ def test_only_verification_runs_an_artifact_against_its_rule():
 
 
 @pytest.mark.parametrize("name, owner", [
-    ("verify_artifact", "laya_aot.verification"), ("usable_here", "laya_aot.usable"),
-    ("default_device", "laya_aot.usable"), ("staged", "laya_aot.staging"),
+    ("verify_artifact", "laya_aot.verification"), ("usable_here", "laya_aot.kinds.usable"),
+    ("default_device", "laya_aot.kinds.usable"), ("staged", "laya_aot.staging"),
     ("may_replace", "laya_aot.staging"),
 ])
 def test_each_decision_is_defined_once(name, owner):
@@ -300,9 +333,98 @@ def test_no_second_staging_transaction_or_default_device():
             assert "new_staging(" not in text and ".publish(" not in text, "%s stages a bundle itself" % m
             # a directory assembled beside its destination and renamed into place (make-demo's checkpoint too)
             assert not _calls(m, "mkdtemp"), "%s stages a directory itself (staging.staged)" % m
-        if m != "laya_aot.usable":
+        if m != "laya_aot.kinds.usable":
             assert '"cuda" if torch.cuda.is_available() else "cpu"' not in text, "%s picks a default device" % m
         # merge compares two parts' fingerprints with each other, not a bundle's with a checkpoint
         if m not in ("laya_aot.checkpoint", "laya_aot.distribution.merge"):
             assert "fingerprint.sha256 !=" not in text and "fingerprint.sha256 ==" not in text, \
                 "%s compares a bundle's fingerprint itself (checkpoint.mismatch)" % m
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own_private_names(tree: ast.AST) -> Set[str]:
+    """The `_`-prefixed names a module defines itself: functions, classes, arguments, module and local names and
+    `self._x`/`cls._x` attributes. An assignment to another object's attribute (`agent._x = ...`) defines nothing."""
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for x in ast.walk(target):
+                    if isinstance(x, ast.Name):
+                        out.add(x.id)
+                    elif isinstance(x, ast.Attribute) and getattr(x.value, "id", None) in ("self", "cls"):
+                        out.add(x.attr)
+    return {n for n in out if _private(n)}
+
+
+def _laya_private_names() -> Set[str]:
+    import laya
+
+    out: Set[str] = set()
+    for path in Path(laya.__file__).parent.rglob("*.py"):
+        try:
+            out |= _own_private_names(ast.parse(path.read_text(encoding="utf-8")))
+        except SyntaxError:
+            continue
+    return out
+
+
+INTERNALS = "laya_aot.laya_internals"
+
+
+def _private_laya_uses(path: Path, laya_names: Set[str], ours: Set[str]):
+    """(line, name) of each private laya name `path` touches: imported from laya, read off `laya.x`, read or set on
+    an `agent`/`router`, or any attribute or string (getattr, `__dict__[...]`) naming one of laya's private names
+    that the package itself never defines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "laya" and not node.level:
+            yield from ((node.lineno, a.name) for a in node.names if _private(a.name))
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in ("laya", "agent", "router"):
+                yield node.lineno, node.attr
+            elif node.attr in laya_names and node.attr not in ours:
+                yield node.lineno, node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in laya_names \
+                and node.value not in ours:
+            yield node.lineno, node.value
+
+
+def test_only_laya_internals_touches_laya_private_names():
+    """laya's `_`-prefixed names (its Agent's `_gate`, `_restore_runtime`, `_decode_answers`, the app's
+    `_run_inference`, ...) are read and patched in laya_aot/laya_internals/ only: the one package to re-check on a
+    laya upgrade."""
+    laya_names = _laya_private_names()
+    outside = {m: p for m, p in MODULES.items() if m != INTERNALS and not m.startswith(INTERNALS + ".")}
+    ours: Set[str] = set()
+    for path in outside.values():
+        ours |= _own_private_names(ast.parse(path.read_text(encoding="utf-8")))
+    found = {m: sorted(set(_private_laya_uses(p, laya_names, ours))) for m, p in outside.items()}
+    found = {m: uses for m, uses in found.items() if uses}
+    assert not found, "laya private names touched outside laya_internals: %s" % found
+    # a check that cannot fail proves nothing: the package itself touches them, and the scan sees it
+    inside = {n for m, p in MODULES.items() if m.startswith(INTERNALS)
+              for _, n in _private_laya_uses(p, laya_names, ours)}
+    assert {"_gate", "_restore_runtime", "_decode_answers", "_run_inference", "_TOKENIZERS"} <= inside, sorted(inside)
+
+
+def test_one_reader_of_a_checkpoints_weights():
+    """checkpoint.Weights is the one reader of model.safetensors (the artifacts' constants, the thin agent's meta
+    shell, the probe child's stand-ins, the build's key list), and checkpoint.WEIGHTS_FILE the one spelling of its
+    name; its safetensors dtype table is the one table."""
+    readers = sorted(m for m in MODULES if _calls(m, "safe_open"))
+    assert readers == ["laya_aot.checkpoint"], readers
+    spelled = sorted(m for m, p in MODULES.items() if "model.safetensors" in set(_string_literals(p)))
+    assert spelled == ["laya_aot.checkpoint"], spelled
+    tables = sorted(m for m, p in MODULES.items() if '"BF16"' in p.read_text(encoding="utf-8"))
+    assert tables == ["laya_aot.checkpoint"], tables

@@ -144,8 +144,8 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
     """The verdict of an artifact verified on this machine (cross-compiled TileLang) gives the smoke check its bound:
     anything but one `_store_verdict` wrote for this artifact is none, so the artifact is verified again."""
     from laya_aot.manifest import VerifyResult
+    from laya_aot.numerics.tolerance import Agreement, DecisionAgreement
     from laya_aot.runtime import trial
-    from laya_aot.tolerance import Agreement, DecisionAgreement
 
     art, twin = sample.artifact("aoti-cpu"), sample.artifact("onnx-fp32")
     res = VerifyResult(passed=True, tolerance=0.01, rule="relative", eager_in_dtype=Agreement(1e-3, 2e-3, 0.99),

@@ -10,8 +10,8 @@ import pytest
 import laya_aot
 from laya_aot import kinds
 from laya_aot.bundle_format import bundle_sha256, read_bundle
+from laya_aot.kinds.usable import here as here_for
 from laya_aot.runtime import bench
-from laya_aot.usable import here as here_for
 
 pytestmark = pytest.mark.slow
 

@@ -169,7 +169,7 @@ def test_near_tie_rows_are_rows_with_two_options_closer_than_the_margin():
 
 
 def test_tie_margin_is_twice_the_artifact_and_eager_bounds():
-    from laya_aot.tolerance import Agreement, tie_margin
+    from laya_aot.numerics.tolerance import Agreement, tie_margin
 
     art = Agreement(0.02, 0.5, 1.0)
     assert tie_margin(art) == 0.04                                      # fp32: eager is the reference
@@ -198,7 +198,7 @@ class _FlippedRunner(_Runner):
 
 def _tie_backend(near_ties="rows"):
     from laya_aot.manifest import VerifyResult
-    from laya_aot.tolerance import Agreement
+    from laya_aot.numerics.tolerance import Agreement
 
     agent = _Agent()
     agent.model = _TieModel()

@@ -440,7 +440,7 @@ def test_this_laya_has_what_serve_relies_on():
     assert laya_internals.check(router=Router()) == []
 
 
-@pytest.mark.slow  # `laya-aot demo` trains and builds (conftest.readme_demo, shared with tests/shared/test_demo.py)
+@pytest.mark.slow  # `laya-aot demo` trains and builds (conftest.readme_demo, shared with tests/demo/test_demo.py)
 def test_the_readmes_serve_commands_start_and_answer_from_the_bundle(readme_demo, tmp_path):
     """The README's Serving commands, run as written in a fresh directory (the environment is already made: CI's
     serve environment is the README's `pip install -e ".[serve]"` without the tilelang extra), answer from the

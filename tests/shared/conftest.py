@@ -8,7 +8,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 # bundle.json of the demo bundle (tests/conftest.py::demo_bundle: the tiny demo checkpoint, seed 0, the
-# default CPU build: exported program, two AOTInductor packages, ONNX), written by a build and kept here so
+# default CPU build with export.ship_program=true: exported program, two AOTInductor packages, ONNX), kept so
 # that the manifest reader's tests run without one; test_manifest.py checks (slow) that a fresh build
 # writes no field it lacks
 SAMPLE_MANIFEST = HERE / "demo_manifest.json"

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from laya_aot import precision
+from laya_aot.numerics import precision
 from tests.conftest import FEW_DECISIONS, build_bundle
 
 
@@ -48,7 +48,7 @@ def test_the_serving_dtype_check_takes_measured_products_in_the_other_16bit_dtyp
 def test_the_faithful_module_rounds_its_products_and_nothing_else(demo_ckpt):
     import laya
 
-    from laya_aot.model import ExplicitDtypeModel, gemm_extremes
+    from laya_aot.modeling.model import ExplicitDtypeModel, gemm_extremes
     from laya_aot.padding import option_probs
     from laya_aot.verification import random_rows
 
@@ -89,7 +89,7 @@ def sm90_faithful(tmp_path_factory):
     root = tmp_path_factory.mktemp("faithful")
     ckpt = make_checkpoint(root / "ckpt", demo_shape("tiny", amp_dtype="bf16"), seed=0)
     manifest = build_bundle(ckpt, root / "bundle", "target=sm_90", "stages.tilelang=false", "export.max_rows=8",
-                            *FEW_DECISIONS)
+                            "export.ship_program=true", *FEW_DECISIONS)
     return root / "bundle", manifest
 
 
@@ -128,7 +128,7 @@ def test_a_checkpoint_that_would_overflow_fp16_gets_bf16_products_with_the_reaso
     from laya_aot.config import compose
     from laya_aot.kinds import BuildContext
     from laya_aot.kinds.exported_program import choose_precision
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
     from laya_aot.variant import build_machine
     from laya_aot.verification import random_rows
 
@@ -167,7 +167,7 @@ def test_the_statement_fails_an_artifact_less_faithful_than_its_products_promise
     import laya
 
     from laya_aot import laya_internals as laya_api
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
     from laya_aot.padding import Ranges
     from laya_aot.verification import EagerFigures, cases, decision_cases, near_tie_pool, reference_outputs
 

@@ -25,7 +25,7 @@ def test_this_laya_has_everything_laya_aot_uses(demo_ckpt):
         warnings.simplefilter("ignore")
         agent = laya.load(str(demo_ckpt), device="cpu")
     missing = laya_internals.check(agent, routes=_routes_here())
-    assert not missing, ("this laya lacks %s, which laya-aot relies on (laya_aot/laya_internals.py): adapt that "
+    assert not missing, ("this laya lacks %s, which laya-aot relies on (laya_aot/laya_internals/): adapt that "
                          "module to the new laya, or pin laya to a version that has them" % ", ".join(missing))
 
 

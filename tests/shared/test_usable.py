@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from laya_aot.kinds.usable import Here, refused_for_software
 from laya_aot.manifest import Artifact, Needs
-from laya_aot.usable import Here, refused_for_software
 from laya_aot.variant import Machine, mismatch, with_software_of
 
 # a service whose `pip install` picked a newer torch than the build's

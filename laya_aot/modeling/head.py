@@ -33,7 +33,7 @@ HEADS = ("answer_rows", "full")
 
 def batch_first_ready(attn: torch.nn.Module) -> bool:
     """Whether `attention` computes what this attention module does in eval (laya's configuration of it)."""
-    from .laya_internals import head_attention_classes
+    from ..laya_internals import head_attention_classes
 
     return (type(attn) in head_attention_classes() and attn.batch_first and attn._qkv_same_embed_dim
             and attn.in_proj_weight is not None and attn.bias_k is None and attn.bias_v is None

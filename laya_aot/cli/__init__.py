@@ -15,8 +15,8 @@ import time
 import warnings
 from typing import List, Optional
 
-from ._version import __version__
-from .distribution import HF_SCHEME
+from .._version import __version__
+from ..distribution import HF_SCHEME
 
 START = time.perf_counter()
 # where each job of `laya-aot build -m ...` writes when output_dir is unset: one partial bundle per
@@ -70,8 +70,8 @@ def _hydra_build(argv: List[str]) -> int:
     from omegaconf import DictConfig
     from rich.markup import escape
 
-    from .config import register
-    from .pipeline.report import Reporter, summary_table
+    from ..config import register
+    from ..pipeline.report import Reporter, summary_table
     from .usage import implied_overrides
 
     register()
@@ -83,7 +83,7 @@ def _hydra_build(argv: List[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from .pipeline import BuildError, build
+        from ..pipeline import BuildError, build
 
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
@@ -150,7 +150,7 @@ def _dispatch(argv: Optional[List[str]]) -> int:
         print("laya-aot %s" % __version__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    from .kinds.cpu_threads import settle
+    from ..kinds.cpu_threads import settle
 
     settle()  # before torch is imported (every command): CPU threads that do not collapse on a busy machine
     if cmd not in COMMANDS:
@@ -161,7 +161,7 @@ def _dispatch(argv: Optional[List[str]]) -> int:
               file=sys.stderr)
         return 2
     if "--quiet" in rest:  # every command: no live progress lines (nor in the processes it starts)
-        from . import progress
+        from .. import progress
 
         progress.set_quiet()
         os.environ["LAYA_AOT_QUIET"] = "1"
@@ -178,7 +178,7 @@ def _dispatch(argv: Optional[List[str]]) -> int:
         return _build(rest)
     _setup_logging()
     if cmd == "serve":
-        from .serve import main as serve_main
+        from ..serve import main as serve_main
 
         return serve_main(rest, START)
     if cmd == "fetch" and any(a.startswith(HF_SCHEME) for a in rest):
@@ -190,19 +190,16 @@ def _dispatch(argv: Optional[List[str]]) -> int:
             print("laya-aot fetch: the Hugging Face Hub cannot be reached: %s; using the local cache only" % why,
                   file=sys.stderr)
     if cmd in ("merge", "pack", "unpack", "fetch"):
-        from .distribution import commands as dist
+        from ..distribution import commands as dist
 
         return getattr(dist, cmd)(rest, START)
-    from . import commands
+    from .. import commands
 
     if cmd == "make-demo":
-        from .demo import main as demo_main
+        from ..demo import main as demo_main
 
         return commands._guarded("make-demo", lambda: demo_main(rest))
 
     return {"demo": commands.demo, "inspect": commands.inspect, "bench": commands.bench,
             "verify": commands.verify}[cmd](rest, START)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -2,15 +2,15 @@
 
 Two precision policies for a 16-bit artifact (`export.precision`):
 
-- "laya" computes the way laya serves (`laya_aot.precision`): matrix products in bf16/fp16 under autocast, layer
-  norms, softmax, the residual stream and the embeddings in fp32. Not a model cast wholly to 16 bits: a
+- "laya" computes the way laya serves (`laya_aot.numerics.precision`): matrix products in bf16/fp16 under autocast,
+  layer norms, softmax, the residual stream and the embeddings in fp32. Not a model cast wholly to 16 bits: a
   wholly-bf16 copy of a checkpoint with decisive answers was ten times further from fp32 than laya's own bf16
   forward. So the module keeps laya's fp32 weights, casts once what autocast would cast on every call (the
   weights of `nn.Linear` layers), and runs the forward under `torch.autocast` in the target dtype. torch.export
   records the autocast region (`wrap_with_autocast`), and AOTInductor and torch.compile compile it.
 - "faithful" (`gemm` given) runs without autocast: fp32 everywhere but the matrix products of the encoder and the
   decision head's layers, which take their inputs and weights in `gemm` with fp32 accumulation and hand back fp32
-  (`laya_aot.gemm`); the scorer, and so the option logits, stay fp32. `gemm` is fp16 where the checkpoint's
+  (`laya_aot.modeling.gemm`); the scorer, and so the option logits, stay fp32. `gemm` is fp16 where the checkpoint's
   activations stay in range (`gemm_extremes`, judged by `precision.gemm_dtype`), else bf16.
 
 The action head runs in `action_head_dtype` (fp32 by default: outside autocast, as precise as eager fp32; set it
@@ -75,7 +75,7 @@ def _faithful(model: torch.nn.Module, gemm: torch.dtype) -> None:
                 gemm_mod.cast_weight(m, "weight", gemm)
                 m.laya_aot_name = "%s.%s" % (prefix, name)
                 m.forward = types.MethodType(gemm_mod.linear_forward, m)
-            if hasattr(m, "laya_aot_window"):  # a ModernBertAttention switched to laya_aot.attention's kernel
+            if hasattr(m, "laya_aot_window"):  # a ModernBertAttention switched to laya_aot.modeling.attention's kernel
                 m.laya_aot_dtype = gemm
 
 
@@ -93,13 +93,13 @@ class ExplicitDtypeModel(torch.nn.Module):
             raise ValueError("export.head=%r: one of %s" % (head, ", ".join(head_mod.HEADS)))
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
-        # what the copy computes attention with: "triton" or "triton_rope" only on a GPU in 16 bits, for an encoder
+        # what the copy computes attention with: "triton" only on a GPU in 16 bits, for an encoder
         # laya_aot.attention knows
         self.attention = attention_mod.switch(self.model, device_type, dtype, attention)
-        # "table": the rotary cos/sin read from tables of `rope_table` positions (laya_aot.rotary); "computed": as
+        # "table": the rotary cos/sin read from tables of `rope_table` positions (modeling.rotary); "computed": as
         # transformers computes them on every forward
         self.rotary = "table" if rope_table > 0 and rotary_mod.tabulate(self.model, rope_table) else "computed"
-        # "answer_rows": the head's last layer computed only at position 0 and the markers (laya_aot.head); "full":
+        # "answer_rows": the head's last layer computed only at position 0 and the markers (modeling.head); "full":
         # over every token, as laya does. Kept out of the module tree: the layer stays where laya's model has it
         self._answer_rows_layer = [head_mod.install(self.model)] if head == "answer_rows" else [None]
         self.head = "answer_rows" if self._answer_rows_layer[0] is not None else "full"

@@ -1,4 +1,4 @@
-"""`laya_aot.head`: the head's last layer computed only at position 0 and the markers answers as laya's does.
+"""`laya_aot.modeling.head`: the head's last layer computed only at position 0 and the markers answers as laya's does.
 
 The export copy must give laya's fp32 forward's answers on batches nobody chose for convenience: two demo
 checkpoints of different widths, padded rows, masked markers (laya's -1 positions), repeated marker positions,
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laya_aot import head
-from laya_aot.model import ExplicitDtypeModel
+from laya_aot.modeling import head
+from laya_aot.modeling.model import ExplicitDtypeModel
 
 
 def _model(ckpt):

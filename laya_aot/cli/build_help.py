@@ -40,8 +40,7 @@ Keys (KEY=VALUE overrides one value):
                           activations leave room, else bf16) or laya (autocast in the target dtype, as laya serves)
   export.fp16_headroom    the faithful path takes fp16 only where the largest activation times this (default 16)
                           stays below fp16's 65504
-  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits), triton_rope (the
-                          rotary embedding fused into it; slower on the H200) or stock
+  export.attention        triton (default: one Triton attention kernel on a GPU in 16 bits) or stock
   export.rotary           table (default: the rotary cos/sin read from a table made at export) or computed
                           (recomputed in every layer, as transformers does)
   export.head             answer_rows (default: the decision head's last layer computed only at position 0 and
@@ -50,6 +49,8 @@ Keys (KEY=VALUE overrides one value):
   export.example_rows, export.example_tokens
                           the example batch the export is traced at and AOTInductor tunes its kernels at
                           (default: 8 x 1024 on a GPU, capped by max_rows and max_tokens; 3 x 48 on the CPU)
+  export.ship_program     also write the portable torch.export program into the bundle, verified (default false:
+                          it holds a copy of every weight and no runtime reads it)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
   aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
@@ -57,7 +58,7 @@ Keys (KEY=VALUE overrides one value):
   verify.seed             the seed of the verification cases
   verify.tolerance.fp32, verify.tolerance.bf16, verify.tolerance.fp16, verify.tolerance.argmax_fp32,
   verify.tolerance.relative, verify.tolerance.argmax_margin
-                          the verification rule (laya_aot/tolerance.py); stored in bundle.json
+                          the verification rule (laya_aot/numerics/tolerance.py); stored in bundle.json
   verify.tolerance.decisions, verify.tolerance.decisions_alpha
                           a 16-bit artifact's decision suite: its size (default 2048) and the significance
                           level at which it fails for being less faithful to fp32 than laya eager (0.01)

@@ -8,9 +8,9 @@ laya 0.4.15 (`laya.agent.Agent.__init__`, `laya.common.amp_dtype`):
 
 A bundle is built in that dtype (`target.dtypes` builds more), and the loader installs only an
 artifact built for the dtype the agent actually serves in (`laya_internals.serving_dtype`, `why_not`).
-`tests/shared/test_precision.py` checks this module against laya's own functions.
+`tests/numerics/test_precision.py` checks this module against laya's own functions.
 
-How a 16-bit artifact computes is the build's `export.precision` (`laya_aot.model`): "laya" as laya serves
+How a 16-bit artifact computes is the build's `export.precision` (`laya_aot.modeling.model`): "laya" as laya serves
 (autocast in that dtype), or "faithful", fp32 but for the matrix products, whose dtype `gemm_dtype` chooses per
 checkpoint from measured activations: fp16 (three more significant bits than bf16) where the largest |input| and
 |output| of every product on the verify suite's cases, in fp32, stay below fp16's largest value divided by
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .dtypes import NAMES as DTYPES
 from .dtypes import canonical
 
-# export.precision: how a 16-bit artifact computes (laya_aot.model)
+# export.precision: how a 16-bit artifact computes (laya_aot.modeling.model)
 POLICIES = ("faithful", "laya")
 FP16_MAX = 65504.0  # the largest finite fp16
 

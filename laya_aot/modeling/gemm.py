@@ -1,6 +1,6 @@
 """The matrix products of the faithful 16-bit path (`export.precision=faithful`): the one place that rounds.
 
-laya serves a 16-bit checkpoint under autocast (`laya_aot.precision`). Its residual stream and norms are fp32
+laya serves a 16-bit checkpoint under autocast (`laya_aot.numerics.precision`). Its residual stream and norms are fp32
 already (autocast runs layer norms in fp32 and a 16-bit branch added to an fp32 stream is promoted), but every
 `nn.Linear` rounds its output to 16 bits, the GeGLU between two of them runs on those 16-bit values, and the
 scorer's last product hands back option logits rounded to 16 bits: in bf16 (8 significant bits) a few

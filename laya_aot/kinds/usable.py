@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
-from . import kinds, precision
-from .manifest import Artifact, Bundle
-from .variant import Machine, current_machine, mismatch, with_software_of
+from .. import kinds
+from ..manifest import Artifact, Bundle
+from ..numerics import precision
+from ..variant import Machine, current_machine, mismatch, with_software_of
 
 
 def default_device() -> str:

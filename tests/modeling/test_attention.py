@@ -1,4 +1,4 @@
-"""`laya_aot.attention` and `laya_aot.window_attention`: the attention a GPU artifact is exported with computes
+"""`modeling.attention` and `modeling.window_attention`: the attention a GPU artifact is exported with computes
 laya's attention.
 
 The Triton kernel itself runs only on a GPU, where each artifact is verified against laya's fp32 forward at
@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from laya_aot import attention
-from laya_aot.model import ExplicitDtypeModel
+from laya_aot.modeling import attention
+from laya_aot.modeling.model import ExplicitDtypeModel
 
 
 def _model(ckpt):
@@ -51,22 +51,16 @@ def _diff(a, b) -> float:
 SAME = 1e-4
 
 
-def _switched(model, rope: bool = False):
+def _switched(model):
     copied = copy.deepcopy(model)
     assert attention._install(copied)
-    if rope:
-        assert attention.fuse_rope(copied)
     return copied
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["triton", "triton_rope"])
 @pytest.mark.parametrize("which", ["demo_ckpt", "alt_ckpt"])  # two window widths, head dims 16 and 32
-def test_switched_model_equals_laya_on_fuzzed_batches(which, rope, request):
+def test_switched_model_equals_laya_on_fuzzed_batches(which, request):
     model = _model(request.getfixturevalue(which))
-    switched = _switched(model, rope)
-    if rope:  # the fused forward is what runs, not transformers' own
-        assert all(m.forward.__func__ is attention.fused_forward
-                   for m in switched.modules() if hasattr(m, "laya_aot_window"))
+    switched = _switched(model)
     w = attention.band_halfwidth(model.encoder.config)
     for i, length in enumerate(sorted({16, 48, w, 2 * w + 16, 4 * w + 48})):
         for rows in (1, 3):
@@ -100,21 +94,6 @@ def test_a_narrower_window_or_an_ignored_padding_is_caught(demo_ckpt):
         assert _diff(want, switched(*ignored)) > 1e-3
 
 
-def test_a_wrong_rotation_in_the_fused_forward_is_caught(demo_ckpt, monkeypatch):
-    """The fused comparison can fail: the rotary tables one position off answer differently from laya."""
-    model = _model(demo_ckpt)
-    args = _batch(3, 4 * attention.band_halfwidth(model.encoder.config), seed=6)
-    fused = _switched(model, rope=True)
-    real = attention.rotate
-
-    def shifted(q, k, cos, sin):
-        return real(q, k, cos.roll(1, dims=-2), sin.roll(1, dims=-2))
-
-    monkeypatch.setattr(attention, "rotate", shifted)
-    with torch.no_grad():
-        assert _diff(model(*args), fused(*args)) > 1e-3
-
-
 def test_band_halfwidth_is_read_from_transformers_mask(demo_ckpt, alt_ckpt):
     # the demo presets' local_attention is 64 and 32: transformers lets |i - j| <= local_attention // 2 through
     assert attention.band_halfwidth(_model(demo_ckpt).encoder.config) == 32
@@ -124,7 +103,7 @@ def test_band_halfwidth_is_read_from_transformers_mask(demo_ckpt, alt_ckpt):
 
 def test_only_a_modernbert_on_sdpa_in_16_bits_on_a_gpu_is_switched(demo_ckpt):
     model = _model(demo_ckpt)
-    assert attention.switch(copy.deepcopy(model), "cpu", torch.bfloat16, "triton_rope") == "stock"
+    assert attention.switch(copy.deepcopy(model), "cpu", torch.bfloat16, "triton") == "stock"
     assert attention.switch(copy.deepcopy(model), "cuda", torch.float32, "triton") == "stock"
     assert attention.switch(copy.deepcopy(model), "cuda", torch.bfloat16, "stock") == "stock"
     other = copy.deepcopy(model)
@@ -138,11 +117,12 @@ def test_the_export_module_records_its_attention_and_laya_model_is_untouched(dem
     model = _model(demo_ckpt)
     # on the CPU every artifact keeps transformers' attention, whatever the config asks
     assert ExplicitDtypeModel(model, torch.bfloat16, torch.float32, "cpu", attention="triton").attention == "stock"
-    assert ExplicitDtypeModel(model, torch.bfloat16, torch.float32, "cpu", attention="triton_rope").attention == "stock"
     assert ExplicitDtypeModel(model, torch.bfloat16, torch.float32, "cpu", attention="stock").attention == "stock"
     assert model.encoder.config._attn_implementation == "sdpa"   # laya's own module is never switched
     with pytest.raises(ValueError, match="export.attention"):
         ExplicitDtypeModel(model, torch.float32, torch.float32, attention="banded")
+    with pytest.raises(ValueError, match="one of triton, stock"):  # the rotation in the kernel is not built
+        ExplicitDtypeModel(model, torch.float32, torch.float32, attention="triton_rope")
 
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -158,7 +138,7 @@ CASES = [  # rows, heads, length, head dim, window (-1: global), dtype
 # run in a child: Triton reads TRITON_INTERPRET when torch and triton are imported, before any test runs
 INTERPRET = """
 import json, sys, torch
-from laya_aot import attention, window_attention
+from laya_aot.modeling import attention, window_attention
 out = []
 for rows, heads, length, dim, window, dtype in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
@@ -173,21 +153,10 @@ for rows, heads, length, dim, window, dtype in json.loads(sys.argv[1]):
     got = window_attention.window_attention(q, k, v, keep, window, dim ** -0.5)
     narrower = window_attention.window_attention(q, k, v, keep, window - 1, dim ** -0.5) if window > 0 else want
     # the small query tiles benchmarks/attention_ab.py times for short calls
-    small = window_attention._launch(q, k, v, keep, window, dim ** -0.5, None, None,
+    small = window_attention._launch(q, k, v, keep, window, dim ** -0.5,
                                      cfg=dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=3))
-    # the rotary kernel on unrotated q, k (views of one Wqkv-like output) against rotate() then reference
-    qkv = torch.randn(rows, length, 3, heads, dim, generator=g).to(dtype)
-    uq, uk, uv = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-    pos = torch.arange(length, dtype=torch.float32)[:, None] / (100.0 ** (torch.arange(dim // 2) / (dim // 2)))
-    cos, sin = torch.cat((pos, pos), -1).cos()[None], torch.cat((pos, pos), -1).sin()[None]
-    rq, rk = attention.rotate(uq, uk, cos, sin)
-    want_rope = attention.reference(rq, rk, uv, keep, None if window < 0 else window, dim ** -0.5).float()
-    got_rope = window_attention.window_attention_rope(uq, uk, uv, cos, sin, keep, window, dim ** -0.5)
-    # it can fail: tables one position off
-    off = window_attention.window_attention_rope(uq, uk, uv, cos.roll(1, 1), sin.roll(1, 1), keep, window, dim ** -0.5)
     out.append([list(got.shape), float((got.float() - want).abs().max()), float((narrower.float() - want).abs().max()),
-                list(got_rope.shape), float((got_rope.float() - want_rope).abs().max()),
-                float((off.float() - want_rope).abs().max()), float((small.float() - want).abs().max())])
+                float((small.float() - want).abs().max())])
 print(json.dumps(out))
 """
 
@@ -200,12 +169,10 @@ def test_kernel_in_triton_interpreter_equals_reference():
     assert p.returncode == 0, p.stderr[-3000:]
     for case, got in zip(CASES, json.loads(p.stdout)):
         rows, heads, length, dim, window, dtype = case
-        shape, diff, narrower, rope_shape, rope_diff, rope_off, small_diff = got
-        assert shape == rope_shape == [rows, length, heads, dim]
+        shape, diff, narrower, small_diff = got
+        assert shape == [rows, length, heads, dim]
         tol = 2e-3 if dtype == "float16" else 1e-5
         assert diff < tol, (case, diff)
-        assert rope_diff < tol, (case, rope_diff)
         assert small_diff < tol, (case, small_diff)
-        assert rope_off > 10 * tol, (case, rope_off)
         if window > 0:  # it can fail: a window one narrower is caught
             assert narrower > 10 * tol, (length, dim, window, narrower)

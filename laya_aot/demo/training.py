@@ -15,7 +15,7 @@ import logging
 import random
 from typing import Any, Dict, List
 
-from . import progress
+from .. import progress
 
 log = logging.getLogger(__name__)
 

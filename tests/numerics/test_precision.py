@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from laya_aot import precision
-from laya_aot.tolerance import Agreement, Tolerance, rule_for
+from laya_aot.numerics import precision
+from laya_aot.numerics.tolerance import Agreement, Tolerance, rule_for
 from tests.conftest import build_bundle
 
 
@@ -94,8 +94,8 @@ def decisive(tmp_path_factory):
 @pytest.mark.slow  # laya eager in 16 bits over the verification cases: 15-30 s
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_faithful_16bit_forward_passes_and_a_worse_one_fails(decisive, dtype):
-    from laya_aot.dtypes import torch_dtype
-    from laya_aot.model import ExplicitDtypeModel
+    from laya_aot.modeling.model import ExplicitDtypeModel
+    from laya_aot.numerics.dtypes import torch_dtype
     from laya_aot.padding import Ranges
     from laya_aot.verification import cases, eager_in_dtype, reference_outputs, verify_runner
 
@@ -162,7 +162,7 @@ def bf16_bundle(two_dtype_bundle, tmp_path_factory):
             path = artifact_path(out, art)
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     m.artifacts = [a for a in m.artifacts if a.dtype == "bf16"]
-    assert {a.kind for a in m.artifacts} == {"exported_program", "aoti"}
+    assert {a.kind for a in m.artifacts} == {"aoti"}
     write_manifest(out, m)
     return out
 
@@ -219,7 +219,7 @@ def test_inspect_shows_both_figures(two_dtype_bundle, capsys):
 
     assert inspect([str(two_dtype_bundle), "--json"], 0.0) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["artifacts"]}
-    assert set(rows) == {"exported_program-bf16", "exported_program-fp32", "aoti-cpu-bf16", "aoti-cpu-fp32"}
+    assert set(rows) == {"aoti-cpu-bf16", "aoti-cpu-fp32"}
     assert rows["aoti-cpu-fp32"]["here"] == "usable"               # this agent serves fp32
     assert "computes in bf16 and this agent serves in fp32" in rows["aoti-cpu-bf16"]["here"]
     for name, r in rows.items():
@@ -234,7 +234,7 @@ def test_inspect_shows_both_figures(two_dtype_bundle, capsys):
 
 
 def test_mcnemar_one_sided_is_the_exact_binomial_tail():
-    from laya_aot.tolerance import decision_statement, mcnemar_one_sided
+    from laya_aot.numerics.tolerance import decision_statement, mcnemar_one_sided
 
     assert mcnemar_one_sided(0, 0) == 1.0
     assert mcnemar_one_sided(10, 0) == 2.0 ** -10                      # every discordant decision against it
@@ -253,7 +253,7 @@ def test_a_bf16_cpu_artifact_states_its_decisions_and_a_worse_one_fails(demo_ckp
     from laya_aot import kinds
     from laya_aot import laya_internals as laya_api
     from laya_aot.bundle_format import artifact_path, read_bundle
-    from laya_aot.tolerance import Tolerance
+    from laya_aot.numerics.tolerance import Tolerance
     from laya_aot.verification import EagerFigures, decision_cases
 
     m = read_bundle(bf16_bundle, kinds.NAMES)

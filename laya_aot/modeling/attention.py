@@ -6,24 +6,16 @@ kernel over all L x L scores. On the H200 at 32 x 1024 tokens that was 19 ms of 
 rebuilding masks (benchmarks/results/calls.md).
 
 `switch(model, ...)` makes a copy of the model (the one an artifact is exported from, never laya's own) compute
-the same attention with `laya_aot.window_attention`'s Triton kernel: the rows x L padding mask read as it is,
+the same attention with `laya_aot.modeling.window_attention`'s Triton kernel: the rows x L padding mask read as it is,
 local layers visiting only the keys their window reaches (w read from the mask the installed transformers
 builds, so the band is the one laya's own forward uses). Only on CUDA in 16 bits, where triton is; elsewhere
 the copy keeps transformers' attention. On the CPU (tests) `attention` computes the same thing in plain torch.
-`triton_rope` also hands the kernel the unrotated queries and keys with the rotary tables, so the rotation
-happens as the kernel loads them (`window_attention.window_attention_rope`): each ModernBertAttention of the copy
-gets `fused_forward`, transformers' own forward with the rotation and the attention call replaced by one op, where
-the installed transformers' forward has the form it expects (`_fusable`); elsewhere the copy falls back to `triton`.
 Whether an artifact answers like laya's forward is what its verification measures, as for every export.
-Measured on the H200, `triton_rope` verifies but is slower than `triton`: every block of queries
-rotates each key block it reads again, which costs more than Inductor's one rotary kernel per layer.
 """
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
-import types
 from typing import Any, Optional
 
 import torch
@@ -31,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "laya_aot_window"
-ATTENTIONS = ("triton", "triton_rope", "stock")  # export.attention
+ATTENTIONS = ("triton", "stock")  # export.attention
 _registered = False
 
 
@@ -92,9 +84,8 @@ def kernel_available() -> Optional[str]:
 
 def switch(model: torch.nn.Module, device_type: str, dtype: torch.dtype, wanted: str = "triton") -> str:
     """Switch `model`'s ModernBERT encoder (a copy laya never serves from) to `NAME` when it runs on a GPU in
-    16 bits with triton, with the rotary embedding fused where `wanted` is "triton_rope" and the encoder allows it;
-    returns the attention the copy now computes ("stock": changed nothing, as on a CPU, in fp32, or for an encoder
-    whose attention this does not know)."""
+    16 bits with triton; returns the attention the copy now computes ("stock": changed nothing, as on a CPU, in
+    fp32, or for an encoder whose attention this does not know)."""
     if wanted == "stock" or device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "stock"
     why = kernel_available()
@@ -103,58 +94,7 @@ def switch(model: torch.nn.Module, device_type: str, dtype: torch.dtype, wanted:
         return "stock"
     if not _install(model):
         return "stock"
-    if wanted == "triton_rope":
-        if fuse_rope(model):
-            return "triton_rope"
-        log.warning("export.attention=triton_rope: this transformers' ModernBertAttention.forward is not the form "
-                    "laya-aot fuses; the kernel runs without the rotary embedding fused (triton)")
     return "triton"
-
-
-def _fusable(module: torch.nn.Module) -> bool:
-    """Whether `module` is a ModernBertAttention whose forward takes the rotary tables as `position_embeddings` and
-    whose attributes `fused_forward` reads are there (transformers 5's form)."""
-    needed = ("Wqkv", "Wo", "out_drop", "head_dim", "laya_aot_window")
-    if not all(hasattr(module, a) for a in needed):
-        return False
-    try:
-        params = inspect.signature(type(module).forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "position_embeddings" in params and "attention_mask" in params
-
-
-def fuse_rope(model: torch.nn.Module) -> bool:
-    """Give every ModernBertAttention of a switched encoder `fused_forward` (False, changing nothing, when any of
-    them is not `_fusable`)."""
-    layers = [m for m in model.modules() if hasattr(m, "laya_aot_window")]
-    if not layers or not all(_fusable(m) for m in layers):
-        return False
-    for m in layers:
-        m.forward = types.MethodType(fused_forward, m)
-    return True
-
-
-def fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
-                  attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> tuple:
-    """transformers' ModernBertAttention.forward with the rotation done inside the attention kernel."""
-    input_shape = hidden_states.shape[:-1]
-    qkv = self.Wqkv(hidden_states).view(*input_shape, 3, -1, self.head_dim)
-    query, key, value = (t.transpose(1, 2) for t in qkv.unbind(dim=-3))
-    cos, sin = position_embeddings
-    rows, heads, length, dim = query.shape
-    dtype = kernel_dtype(self, query)
-    q, k, v = (t.to(dtype) for t in (query, key, value))
-    keep = attention_mask if attention_mask is not None else \
-        torch.ones(rows, length, dtype=torch.bool, device=query.device)
-    window = self.laya_aot_window
-    if q.is_cuda:
-        out = torch.ops.laya_aot.window_attention_rope(q, k, v, cos.contiguous(), sin.contiguous(), keep,
-                                                       -1 if window is None else window, dim ** -0.5)
-    else:
-        q, k = rotate(q, k, cos, sin)
-        out = reference(q, k, v, keep, window, dim ** -0.5)
-    return self.out_drop(self.Wo(out.reshape(*input_shape, -1))), None
 
 
 def kernel_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
@@ -164,16 +104,6 @@ def kernel_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype:
     if dtype is not None:
         return dtype
     return torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
-
-
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-    """transformers' apply_rotary_pos_emb (rows x heads x L x D; cos, sin rows x L x D): fp32, then q's dtype."""
-    def half(x: torch.Tensor) -> torch.Tensor:
-        a, b = x.chunk(2, dim=-1)
-        return torch.cat((-b, a), dim=-1)
-
-    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-    return ((q.float() * c + half(q.float()) * s).to(q.dtype), (k.float() * c + half(k.float()) * s).to(k.dtype))
 
 
 def _install(model: torch.nn.Module) -> bool:

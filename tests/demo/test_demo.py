@@ -129,7 +129,7 @@ def test_the_demo_command_checkpoint_is_trained_and_routes_its_states(readme_dem
 
     from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
     from laya_aot.demo import DEMO_SHAPE
-    from laya_aot.demo_training import tickets
+    from laya_aot.demo.training import tickets
 
     assert readme_demo.returncode == 0, readme_demo.output
     (ckpt,) = (readme_demo.dir / "artifacts" / "checkpoints").iterdir()   # the one `laya-aot demo` made and trained

@@ -1,6 +1,7 @@
 """Count, or forbid, every way this process could compile a TileLang kernel.
 
-For proofs, not for serving: tests and the GPU benchmark wrap the precompiled path in
+For proofs, not for serving (so not in the package): tests and the GPU benchmarks (`import jit_guard`, as they
+import the harness) wrap the precompiled path in
 `jit_guard(forbid=True)` and assert the counter stays at zero; wrapped around laya's own
 `fast=True` path with `forbid=False` it counts what that path compiles.
 
@@ -18,7 +19,7 @@ import threading
 from collections import Counter
 from typing import Iterator, List, Tuple
 
-from ..errors import LayaAotError
+from laya_aot.errors import LayaAotError
 
 
 class JITForbidden(LayaAotError, RuntimeError):

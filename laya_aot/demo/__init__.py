@@ -4,7 +4,7 @@ No network exists where laya-aot is built and tested, so nothing may download we
 builds laya's DecisionModel for a ModernBERT config of any size, fills it with weights drawn from a
 seeded generator (scaled so that answers differ across options and inputs: a model that answers
 uniformly would make every numerical comparison pass trivially), trains it when its shape asks (the
-`tiny-trained` preset `laya-aot demo` uses: synthetic support tickets, `demo_training.py`, so its answers
+`tiny-trained` preset `laya-aot demo` uses: synthetic support tickets, `demo/training.py`, so its answers
 mean something), and writes it with laya's own
 `laya.train.save_checkpoint`: fp16 weights on disk and the config keys laya's trainer writes, as a
 user's fine-tuned checkpoint has them. `amp_dtype` is written only when a shape sets it; absent, laya
@@ -22,9 +22,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .checkpoint import CheckpointError, read_config
-from .checkpoint import resolve as resolve_checkpoint
-from .files import cached_sha256, make_readable, sha256_file
+from ..checkpoint import WEIGHTS_FILE, CheckpointError, read_config
+from ..checkpoint import resolve as resolve_checkpoint
+from ..files import cached_sha256, make_readable, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ class DemoShape:
     # weight scales: large enough that options and inputs get clearly different answers; deep presets use
     # a smaller layer gain so that 22-28 random layers stay as well conditioned as trained ones. They are
     # not chosen to make any dtype pass verification: a 16-bit artifact is judged against laya's own
-    # forward in that dtype (laya_aot/tolerance.py), however decisive the checkpoint's answers are
+    # forward in that dtype (laya_aot/numerics/tolerance.py), however decisive the checkpoint's answers are
     embed_std: float = 0.5
     layer_gain: float = 1.0
     head_gain: float = 3.0
-    # synthetic support tickets the model is trained on when it is made (laya_aot/demo_training.py), from the
+    # synthetic support tickets the model is trained on when it is made (laya_aot/demo/training.py), from the
     # seeded weights above; 0 keeps those weights as drawn
     train_tickets: int = 0
 
@@ -242,7 +242,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
     from laya.common import build_model
     from laya.train import save_checkpoint
 
-    from .staging import MARKER, OutputRefused, may_replace, staged
+    from ..staging import MARKER, OutputRefused, may_replace, staged
 
     spec = demo_shape(shape) if isinstance(shape, str) else shape
     facts = {"seed": seed, "shape": asdict(spec), "format": FORMAT}
@@ -276,7 +276,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
         model = build_model(cfg, encoder_dir=str(tmp / "encoder"), pretrained=False)
         model.load_state_dict(_fill_weights(model, seed, spec), strict=True)
         if spec.train_tickets:
-            from .demo_training import train
+            from .training import train
 
             log.info("training the demo model on %d synthetic tickets (about a minute on a small CPU)",
                      spec.train_tickets)
@@ -293,7 +293,7 @@ def make_checkpoint(out_dir: str | os.PathLike, shape: str | DemoShape = "tiny",
 def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
     """Whether `ckpt` is the demo checkpoint of `facts` (seed, shape, format), written to the end and, where it
     holds the record of its files (every one since that record exists), unchanged since."""
-    return _demo_facts(ckpt) == facts and (ckpt / "model.safetensors").is_file() and (
+    return _demo_facts(ckpt) == facts and (ckpt / WEIGHTS_FILE).is_file() and (
         not os.path.lexists(ckpt / RECORD) or _changed(ckpt) is None)
 
 
@@ -301,7 +301,7 @@ def _holds(ckpt: Path, facts: Dict[str, object]) -> bool:
 # included), so that make-demo never replaces one a user edited in place; not one of the files laya reads
 RECORD = "laya_aot_demo_files.json"
 _RECORD_MAX_BYTES = 1 << 20
-_DEMO_LAYOUT = {"model.safetensors", "rl_agent_config.json", "encoder", "tokenizer", RECORD}
+_DEMO_LAYOUT = {WEIGHTS_FILE, "rl_agent_config.json", "encoder", "tokenizer", RECORD}
 
 
 def _write_record(ckpt: Path, leave_out: str) -> None:

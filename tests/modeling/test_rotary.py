@@ -1,4 +1,4 @@
-"""`laya_aot.rotary`: the export copy's rotary tables give what transformers' own rotary forward computes.
+"""`laya_aot.modeling.rotary`: the export copy's rotary tables give what transformers' own rotary forward computes.
 
 The tables are made by that forward, so on the CPU the copy's cos and sin must equal it exactly at every
 position of the export; a wrong table (another frequency, another position) must be caught. Two demo checkpoints
@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from laya_aot import rotary
-from laya_aot.model import ExplicitDtypeModel
+from laya_aot.modeling import rotary
+from laya_aot.modeling.model import ExplicitDtypeModel
 
 
 def _model(ckpt):

@@ -1,6 +1,6 @@
 """Mistakes on the command line, caught before anything heavy loads, each as one line naming the fix.
 
-torch, laya and transformers take seconds to import; a typo should not. `cli.py` asks `mistake` before it
+torch, laya and transformers take seconds to import; a typo should not. `cli/__init__.py` asks `mistake` before it
 dispatches: a build override naming no key of the schema (`export.max_row=32`: did you mean
 `export.max_rows`?) or no option of a config group (`target=sm90`: did you mean `sm_90`?), a value of the
 wrong type, a file where a directory is expected (`inspect .../bundle.json`, `checkpoint.path=<a file>`), a
@@ -19,9 +19,9 @@ import typing
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .distribution import PACK_SUFFIX
+from ..distribution import PACK_SUFFIX
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("checkpoint", "target")
 DEFAULTS = {"checkpoint": "demo", "target": "cpu"}  # configs/build.yaml's defaults list
 # the Hydra flags that take a value (the value is not an override)
@@ -125,7 +125,7 @@ def _value_of(argv: List[str], flag: str) -> Optional[str]:
 
 def schema_keys() -> Dict[str, Any]:
     """Every dotted key of the build config (`export.max_rows`, `verify.tolerance.fp32`) and its type."""
-    from .config import BuildConfig
+    from ..config import BuildConfig
 
     out: Dict[str, Any] = {}
 
@@ -307,7 +307,7 @@ def implied_overrides(argv: List[str]) -> List[str]:
     the config the build prints (`--cfg job`) is the one it builds: the checkpoint named after DIR
     (`checkpoint.path_name`, as `checkpoint.describe` names it), no demo shape. Nothing where the command line picks
     a checkpoint config, a name or a demo shape itself, or sweeps paths."""
-    from .checkpoint import path_name
+    from ..checkpoint import path_name
 
     sweep = _sweep(argv)
     found = {key: value for prefix, key, value in _overrides(argv) if not prefix}
@@ -328,7 +328,7 @@ def _wrong_value(key: str, value: str, t: Any, sweep: bool, builds_here: bool) -
     if key == "checkpoint.path" and Path(value).expanduser().is_file():
         return "checkpoint.path=%s is a file; pass the checkpoint directory%s" % (value, _parent_hint(Path(value)))
     if key == "checkpoint.path" and builds_here and value not in ("null", "") and not _quoted_or_interpolated(value):
-        from .checkpoint import CheckpointError, check_layout
+        from ..checkpoint import CheckpointError, check_layout
 
         try:
             check_layout(Path(value).expanduser())

@@ -1,0 +1,119 @@
+"""The host_path route: laya's host-side steps of a call (question heads, state tokenisation, answer decoding) as
+`runtime/host_path.py` and `runtime/host_steps.py` run them with less work, and the seams where they go in."""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+_HOST_ROUTED = threading.Lock()
+
+
+def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable]) -> None:
+    """Send laya's `build_head` and `Agent._encode_state`'s tokenizer call through `head(stock)` and `state(stock)`
+    (runtime/host_path.py), once per process. Both return laya's stock function's result outside a host path's
+    call, so other agents in the process run exactly as before."""
+    import laya.agent
+    import laya.common
+
+    with _HOST_ROUTED:
+        if getattr(laya.common.build_head, "laya_aot_stock", None) is None:
+            wrapped = head(laya.common.build_head)
+            wrapped.laya_aot_stock = laya.common.build_head  # type: ignore[attr-defined]
+            laya.common.build_head = wrapped
+        if getattr(laya.agent.encode_text, "laya_aot_stock", None) is None:
+            wrapped = state(laya.agent.encode_text)
+            wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
+            laya.agent.encode_text = wrapped
+
+
+def stock_decode(agent: Any) -> Callable:
+    """laya's `Agent._decode_answers` bound to `agent` (whatever the instance holds in its place)."""
+    import laya.agent
+
+    return laya.agent.Agent._decode_answers.__get__(agent)
+
+
+def route_decode(agent: Any, decode: Callable[..., Any]) -> None:
+    """Make this agent's answer decoding (laya's `Agent._decode_answers`) `decode(stock, *args, **kwargs)`, `stock`
+    being the function the agent held."""
+    stock = agent._decode_answers
+    agent._decode_answers = functools.wraps(stock)(functools.partial(decode, stock))
+
+
+def decode_helpers() -> Tuple[Callable, Callable, Dict[str, int], Callable]:
+    """(apply_binning_map, temp_bucket, QTYPES, render_criterion) as `Agent._decode_answers` calls them."""
+    import laya.agent
+
+    return laya.agent.apply_binning_map, laya.agent.temp_bucket, laya.agent.QTYPES, laya.agent.render_criterion
+
+
+def decode_numbers() -> Tuple[Callable, Callable, Callable]:
+    """(answer_confidence, confidence_from_probs, unpermute_probs): the functions `_decode_answers` computes with."""
+    import laya.agent
+
+    return laya.agent.answer_confidence, laya.agent.confidence_from_probs, laya.agent.unpermute_probs
+
+
+def state_encoder(tok: Any) -> Optional[Callable[[List[str]], Optional[List[List[int]]]]]:
+    """`encode(texts)`: exactly `tok(texts, add_special_tokens=False)["input_ids"]`, from the tokenizer's Rust
+    backend directly (its `encode_batch_fast`, which skips the offsets nobody reads here), or None (the answer
+    is laya's call; this tokenizer's class is not one whose call is known to be that).
+
+    The call is known for two classes: laya-aot's `SnapshotTokenizer` (its plain call is `encode_batch` on its
+    backend) and transformers' fast tokenizer class itself (its `_encode_plus` resets the backend's truncation
+    and padding and sets `encode_special_tokens` to `split_special_tokens`, then calls `encode_batch`). `encode`
+    runs under laya's tokenizer lock and answers None, leaving the call to laya, when the backend is not in the
+    state that call would run `encode_batch` in (truncation or padding left on by an earlier call, another
+    special-token setting): it never changes the shared backend."""
+    import sys
+
+    from ..tokenizer_snapshot import SnapshotTokenizer
+
+    if type(tok) is SnapshotTokenizer:
+        if not tok.__dict__.get("_right"):  # its plain call then goes to the real tokenizer
+            return None
+        backend = tok.__dict__.get("_backend")
+        want = None  # the snapshot's call never changes its backend's setting
+    else:
+        module = sys.modules.get("transformers.tokenization_utils_tokenizers")
+        fast_class = getattr(module, "TokenizersBackend", None) or getattr(module, "PreTrainedTokenizerFast", None)
+        if fast_class is None or type(tok) is not fast_class:
+            return None
+        backend = tok.__dict__.get("_tokenizer")
+        want = bool(getattr(tok, "split_special_tokens", False))
+    run = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+    if run is None:
+        return None
+    from laya.common import _TOKENIZE_LOCK
+
+    def encode(texts: List[str]) -> Optional[List[List[int]]]:
+        with _TOKENIZE_LOCK:
+            if backend.truncation is not None or backend.padding is not None \
+                    or (want is not None and backend.encode_special_tokens != want):
+                return None
+            encs = run(texts, add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    return encode
+
+
+def render_options(q: Dict[str, Any]) -> List[str]:
+    """A normalised question's option texts, as laya's build_head renders them."""
+    from laya.common import render_options as stock
+
+    return stock(q)
+
+
+def state_text(tok: Any, state: Any) -> str:
+    """The text `Agent._encode_state` tokenises for `state`."""
+    from laya.common import serialize_state
+
+    return serialize_state(state).replace(tok.mask_token, " ")
+
+
+def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
+    """`texts` tokenised as `Agent._encode_state` tokenises a state, in one batched call under laya's lock."""
+    from laya.common import encode_text
+
+    return encode_text(tok, texts, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,1 @@
+"""Tests of laya_aot.modeling: the module artifacts are exported from."""
