@@ -14,19 +14,23 @@ from .errors import LayaAotError
 if TYPE_CHECKING:  # type checkers and IDEs see the loader's own signature
     from .runtime.batcher import Batcher
     from .runtime.loader import load
+    from .runtime.session import LoadConfig
 
 
 def __getattr__(name: str) -> Any:
     """`laya_aot.load` is `laya_aot.runtime.loader.load` itself, not a wrapper: `help()` and IDEs show its
-    signature, and its warnings point at the caller's line. It is imported on first use (torch, laya)."""
+    signature, and its warnings point at the caller's line. Looking it up imports the loader, which imports no torch
+    and starts nothing: torch and laya load when it is called, after the checks of its paths and bundle."""
     if name == "load":
-        from .probe import start_ahead
-
-        start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
         from .runtime.loader import load
 
         globals()["load"] = load
         return load
+    if name == "LoadConfig":  # load()'s keywords as one object (runtime/session.py)
+        from .runtime.session import LoadConfig
+
+        globals()["LoadConfig"] = LoadConfig
+        return LoadConfig
     if name == "Batcher":  # the dynamic batcher (runtime/batcher.py): no torch until a Batcher is made
         from .runtime.batcher import Batcher
 
@@ -36,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | {"load", "Batcher"})
+    return sorted(set(globals()) | {"load", "Batcher", "LoadConfig"})
 
 
-__all__ = ["Batcher", "LayaAotError", "load", "__version__"]
+__all__ = ["Batcher", "LayaAotError", "LoadConfig", "load", "__version__"]

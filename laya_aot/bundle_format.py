@@ -117,7 +117,12 @@ def read_bundle(bundle: str | os.PathLike, kinds: Kinds, sha256: Optional[str] =
     """Read and check a bundle's manifest; raise BundleError naming the field, the cause and the fix.
 
     `sha256` pins the bundle (`bundle_sha256`): the manifest's bytes must hash to it, checked on the very
-    bytes that are then parsed."""
+    bytes that are then parsed (`read_pinned`)."""
+    return parse_bundle(read_pinned(bundle, sha256), kinds, str(Path(bundle) / MANIFEST))
+
+
+def read_pinned(bundle: str | os.PathLike, sha256: Optional[str] = None) -> bytes:
+    """bundle.json's bytes (`_manifest_bytes`), which must hash to the pin `sha256` when one is given."""
     bundle = Path(bundle)
     raw = _manifest_bytes(bundle)
     if sha256 is not None:
@@ -128,7 +133,7 @@ def read_bundle(bundle: str | os.PathLike, kinds: Kinds, sha256: Optional[str] =
                               "bundle that was pinned, or pin this one after checking where it came from "
                               "(`laya-aot inspect %s` prints its sha256)"
                               % (bundle / MANIFEST, got, PIN_SETTING, want[:64], bundle))
-    return parse_bundle(raw, kinds, str(bundle / MANIFEST))
+    return raw
 
 
 def encode(bundle: Bundle) -> bytes:

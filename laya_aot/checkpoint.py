@@ -13,7 +13,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
 from .files import PART_BYTES, cached_sha256, cached_sha256_parts
@@ -26,7 +26,7 @@ WEIGHTS_FILE = "model.safetensors"  # the checkpoint's tensors, read through `We
 FINGERPRINT_FILES = (WEIGHTS_FILE, AGENT_CONFIG, ENCODER_CONFIG)
 TOKENIZER_DIR = "tokenizer"
 # a file this large (the weights) is fingerprinted in pieces too (`fingerprint`), and is not one of the "small
-# files" a start checks first (`small_files_match`)
+# files" a start checks first (`differing_small_files`)
 LARGE_FILE_BYTES = 64 << 20
 
 
@@ -91,22 +91,24 @@ def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
             % (ckpt, recorded.sha256[:12], combined_digest(digests)[:12], ", ".join(differ[:5]) or "?"))
 
 
-def small_files_match(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: Optional[int] = None) -> bool:
-    """Whether every fingerprinted file under `limit_bytes` (LARGE_FILE_BYTES: configs, tokenizer) has the
-    digest `recorded` in a manifest: a check of milliseconds that tells a checkpoint of another architecture or
-    tokenizer apart before the weights' digest (seconds for a large model never seen here) is known."""
+def differing_small_files(ckpt: str | os.PathLike, recorded: Dict[str, str], limit_bytes: Optional[int] = None
+                          ) -> List[str]:
+    """The fingerprinted files under `limit_bytes` (LARGE_FILE_BYTES: configs, tokenizer) whose digest is not the one
+    `recorded` in a manifest (absent or unreadable ones included), by their path in the checkpoint: a check of
+    milliseconds, made before any heavy import (`session.LoadSession.open`), that tells a checkpoint of another
+    architecture or tokenizer apart before the weights' digest (seconds for a large model never seen here) is known.
+    """
     ckpt = Path(ckpt)
     limit_bytes = LARGE_FILE_BYTES if limit_bytes is None else limit_bytes
-    if not recorded:
-        return False
+    differ = []
     for rel, digest in recorded.items():
         p = ckpt / rel
         try:
             if p.stat().st_size < limit_bytes and cached_sha256(p) != digest:
-                return False
+                differ.append(rel)
         except OSError:
-            return False
-    return True
+            differ.append(rel)
+    return sorted(differ)
 
 
 # safetensors' dtype names -> torch's attribute names (what a checkpoint laya saves can hold)

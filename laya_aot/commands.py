@@ -196,14 +196,20 @@ def _guarded(name: str, run: Callable[[], int]) -> int:
 
 
 def inspect(argv: List[str], start: float) -> int:
-    p = argparse.ArgumentParser(prog="laya-aot inspect", description="List a bundle's artifacts and whether each "
-                                "is usable on this machine.")
-    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p = _bundle_parser("inspect", "List a bundle's artifacts and whether each is usable on this machine.")
     p.add_argument("--json", action="store_true", help="print the same facts as JSON (for scripts)")
-    p.add_argument("--device", default=None, type=device_arg,
-                   help="the agent's device: cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     a = p.parse_args(argv)
     return _guarded("inspect", lambda: _inspect(a))
+
+
+def _bundle_parser(command: str, description: str, device: bool = True) -> argparse.ArgumentParser:
+    """`laya-aot COMMAND BUNDLE`'s parser, with --device where the command runs artifacts here."""
+    p = argparse.ArgumentParser(prog="laya-aot %s" % command, description=description)
+    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    if device:
+        p.add_argument("--device", default=None, type=device_arg,
+                       help="the agent's device: cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
+    return p
 
 
 def device_arg(value: str) -> str:
@@ -273,7 +279,7 @@ def _inspect(a: argparse.Namespace) -> int:
     if probed:
         con.print("probe child (native artifacts, on a start here): %s" % ", ".join(
             "%s %s" % (name, _PROBE_WORDS[state]) for name, state in probed.items()), soft_wrap=True)
-    con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, dev_type),
+    con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, here, raw_sha),
               soft_wrap=True)
     return 0
 
@@ -304,36 +310,33 @@ _PROBE_WORDS = {"cached": "none (probed here before)",
 TABLE_WIDTH = 170
 
 
-def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], device: str) -> str:
-    """The artifact `laya_aot.load` tries first here, by the loader's own ranking, and why (from the manifest and
-    the hashes; the probe, the load and the smoke check come at load time)."""
-    from .runtime import start_costs
-    from .runtime.select import plan, rank, start_tie_reason
-    from .variant import current_machine
+def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], here: Any, bundle_sha: str) -> str:
+    """The artifact `laya_aot.load` tries first here, in the loader's own start order (`select.select`), and why
+    (from the manifest and the hashes; the probe, the load and the smoke check come at load time)."""
+    from .runtime.select import select
 
-    here = {r["name"]: r["here"] for r in rows}
-    usable_here = [e for e in artifacts if here[e.name] == "usable"]
-    starts = start_costs.known(usable_here, current_machine(device), device) if usable_here else {}
-    start = plan(rank(usable_here, device, starts=starts)[0], device, starts)
-    ranked = start.order
+    usable = {r["name"] for r in rows if r["here"] == "usable"}
+    order = select(artifacts, here, fits=lambda a: a.name in usable, bundle_sha256=bundle_sha)
+    ranked, device = order.plan.order, here.device_type
     if not ranked:
         return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
                 "why)")
     first = ranked[0]
-    lat = first.latency_ms.get(device) or {}
-    tie = start.why or start_tie_reason(first, usable_here, device, starts)
+    lat = order.latencies(first)
+    where = "at build" if order.ranking == "build" else order.ranking
+    tie = order.why_first(first, [a for a in artifacts if a.name in usable])
     if lat and tie:
-        why = "measured on %s at build: %s; %s" % (device, _latencies(lat), tie)
+        why = "measured on %s %s: %s; %s" % (device, where, _latencies(lat), tie)
     elif lat:
-        why = "the fastest usable artifact measured on %s at build: %s" % (device, _latencies(lat))
+        why = "the fastest usable artifact measured on %s %s: %s" % (device, where, _latencies(lat))
     else:
         why = "no latency measured on %s, so the kinds' fixed order decides" % device
     more = " (then %s if it fails to load)" % ", ".join(e.name for e in ranked[1:]) if len(ranked) > 1 else ""
     then = ""
-    if start.handover_to is not None:
-        best = start.handover_to
+    if order.plan.handover_to is not None:
+        best = order.plan.handover_to
         then = ("; once it answers, [bold]%s[/] takes over in the background (the best measured mix: %s)"
-                % (best.name, _latencies(best.latency_ms.get(device) or {}) or "no figures"))
+                % (best.name, _latencies(order.latencies(best)) or "no figures"))
     return "[bold]%s[/] (given the checkpoint it was built from; %s)%s%s" % (first.name, why, then, more)
 
 
@@ -418,10 +421,60 @@ def _artifact_list(title: str, rows: List[Dict[str, Any]], artifacts: List[Artif
     return "\n".join(lines)
 
 
+def bench(argv: List[str], start: float) -> int:
+    p = _bundle_parser("bench", "Time the artifacts of a bundle that this machine can run, on the build's mix of "
+                       "shapes, and store the ranking for laya_aot.load here.")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="the checkpoint it was built from (default: the path its manifest records)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="timed rounds, each calling every artifact once per shape (default: %d)" % _bench_rounds())
+    a = p.parse_args(argv)
+    if a.rounds is not None and a.rounds < 1:
+        p.error("--rounds %d: give a whole number >= 1" % a.rounds)
+    return _guarded("bench", lambda: _bench(a))
+
+
+def _bench_rounds() -> int:
+    from .runtime.bench import ROUNDS
+
+    return ROUNDS
+
+
+def _bench(a: argparse.Namespace) -> int:
+    """`laya-aot bench`: the ranking measured here (runtime/bench.py), printed and stored in the cache."""
+    from .runtime import bench as bench_mod
+    from .runtime.measure import measure
+    from .runtime.session import LoadConfig, LoadSession
+
+    ckpt = a.checkpoint
+    if ckpt is None:
+        from . import kinds
+
+        ckpt = read_bundle(a.bundle, kinds.BY_NAME).checkpoint.path
+    session = LoadSession.open(ckpt, a.bundle, LoadConfig(device=a.device, handover=False))
+    if not session.usable:
+        raise BundleError(session.reasons())
+    try:
+        measured = measure(session, **({"rounds": a.rounds} if a.rounds else {}))
+    except ValueError as e:
+        raise BundleError(str(e)) from None
+    here = session.order().here
+    path = bench_mod.store(session.bundle.sha256, session.manifest.artifacts, here, measured)
+    con = _console()
+    ranked = sorted(measured.figures, key=lambda n: sum(measured.figures[n].values()))
+    for name in ranked:
+        con.print("%-24s %s (spread %s)" % (name, _latencies(measured.figures[name]),
+                                            _latencies(measured.spread.get(name) or {})), soft_wrap=True)
+    for name, why in measured.not_timed.items():
+        con.print("%-24s not timed: %s" % (name, why), soft_wrap=True)
+    con.print("ranking on %s, %s; stored in %s: `laya_aot.load` of this bundle on this machine ranks by it"
+              % (here.device_type, measured.describe(), path), soft_wrap=True)
+    return 0
+
+
 def verify(argv: List[str], start: float) -> int:
-    p = argparse.ArgumentParser(prog="laya-aot verify", description="Re-check a bundle's hashes and re-run the "
-                                "numerical verification on this machine.")
-    p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
+    p = _bundle_parser("verify", "Re-check a bundle's hashes and re-run the numerical verification on this machine.",
+                       device=False)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="the Laya checkpoint directory the bundle was built from (its fingerprint is checked)")
     p.add_argument("--seed", type=int, default=None,

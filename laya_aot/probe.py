@@ -16,7 +16,8 @@ $LAYA_AOT_PROBE_ENTRY_SHA256: a file, because Linux caps one environment variabl
 artifact's entry (a record per kernel) is larger. Build and runtime both use it.
 
 Most of a child's time is importing torch. On a machine whose cache holds no verdict yet (a first start, as
-every start of a fresh container is), `start_ahead` starts a child as soon as `laya_aot.load` is looked up:
+every start of a fresh container is), `start_ahead` starts a child as soon as `laya_aot.load` is called
+and its checkpoint and bundle passed the checks that need no heavy import (looking `load` up starts nothing):
 it imports torch and the kinds while the service imports its own, then waits (`--wait`) for the artifact that
 `start` hands it on stdin, with the environment a child started then would get. It is used only by a `start`
 with the same interpreter and the same variables its imports may read (`_IMPORT_ENV`), and ended when the load

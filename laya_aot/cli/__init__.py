@@ -1,4 +1,4 @@
-"""The `laya-aot` command: build (Hydra), demo, inspect, verify, make-demo.
+"""The `laya-aot` command: build (Hydra), demo, inspect, bench, verify, make-demo.
 
 Arguments are checked before anything heavy loads (`usage.py`: a typo fails in a fraction of a second,
 with the fix). `laya-aot build` then hands its arguments to Hydra unchanged, so every Hydra feature works:
@@ -22,12 +22,13 @@ START = time.perf_counter()
 # where each job of `laya-aot build -m ...` writes when output_dir is unset: one partial bundle per
 # checkpoint x target, joined by `laya-aot merge artifacts/NAME artifacts/parts/NAME/*`
 MULTIRUN_OUTPUT = "artifacts/parts/{checkpoint}/{target}"
-COMMANDS = ("build", "demo", "inspect", "verify", "make-demo", "serve", "merge", "pack", "unpack", "fetch")
+COMMANDS = ("build", "demo", "inspect", "bench", "verify", "make-demo", "serve", "merge", "pack", "unpack", "fetch")
 USAGE = """usage: laya-aot [--version] COMMAND [--quiet] [ARGS]
 
   build [HYDRA OVERRIDES]        build a verified bundle (default: the demo checkpoint, target cpu)
   demo [--bundle DIR]            build the demo bundle if missing, load it, answer typed questions
   inspect BUNDLE [--json]        list a bundle's artifacts and whether each is usable on this machine
+  bench BUNDLE [--rounds N]      time the artifacts usable here: laya_aot.load here then ranks by it
   verify BUNDLE --checkpoint DIR re-check hashes and re-run the numerical verification here
   make-demo DIR [--shape S]      write a demo checkpoint (tiny, tiny-alt, base-512, large-1024, ...)
   serve                          laya's HTTP server, bundled checkpoints loaded from LAYA_AOT_BUNDLES
@@ -149,6 +150,9 @@ def _dispatch(argv: Optional[List[str]]) -> int:
         print("laya-aot %s" % __version__)
         return 0
     cmd, rest = argv[0], argv[1:]
+    from ..kinds.cpu_threads import settle
+
+    settle()  # before torch is imported (every command): CPU threads that do not collapse on a busy machine
     if cmd not in COMMANDS:
         import difflib
 
@@ -196,4 +200,6 @@ def _dispatch(argv: Optional[List[str]]) -> int:
 
         return commands._guarded("make-demo", lambda: demo_main(rest))
 
-    return {"demo": commands.demo, "inspect": commands.inspect, "verify": commands.verify}[cmd](rest, START)
+    return {"demo": commands.demo, "inspect": commands.inspect, "bench": commands.bench,
+            "verify": commands.verify}[cmd](rest, START)
+

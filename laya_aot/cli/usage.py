@@ -34,6 +34,7 @@ _TRUE_FALSE = {"true", "false", "yes", "no", "on", "off", "1", "0"}
 # what each command needs on its command line: (positional arguments, what they are, an example)
 NEEDS = {
     "inspect": (1, "a bundle directory", "laya-aot inspect artifacts/demo"),
+    "bench": (1, "a bundle directory", "laya-aot bench artifacts/demo"),
     "verify": (1, "a bundle directory and --checkpoint DIR",
                "laya-aot verify artifacts/demo --checkpoint artifacts/checkpoints/demo-tiny-trained-seed0"),
     "pack": (2, "a bundle directory and the pack to write", "laya-aot pack artifacts/demo demo.tar.zst"),
@@ -54,11 +55,11 @@ def mistake(cmd: str, argv: List[str]) -> Optional[str]:
         n, what, example = NEEDS[cmd]
         if len(args) < n or (cmd == "verify" and _value_of(argv, "--checkpoint") is None):
             return "needs %s, e.g. `%s` (laya-aot %s --help lists its options)" % (what, example, cmd)
-    if cmd in ("inspect", "verify") and args:
+    if cmd in ("inspect", "bench", "verify") and args:
         why = _not_a_bundle_dir(cmd, Path(args[0]))
         if why:
             return why
-    if cmd == "verify":
+    if cmd in ("verify", "bench"):
         ckpt = _value_of(argv, "--checkpoint")
         if ckpt and Path(ckpt).is_file():
             return "--checkpoint %s is a file; pass the checkpoint directory%s" % (ckpt, _parent_hint(Path(ckpt)))

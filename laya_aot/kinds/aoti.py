@@ -233,11 +233,14 @@ class AOTIRunner(Runner):
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def _plain_run(self) -> Callable[..., Outputs]:
-        """The package's C++ `run` on a list of tensors: no pytree specs parsed on every call."""
+        """The package's C++ `run` on a list of tensors: no pytree specs parsed on every call. Every input reaches
+        the package here (a plain call, a CUDA graph's capture, an early call), made contiguous: the package reads
+        each as laid out row after row, so a strided view (a transpose, a column slice) gave wrong answers without
+        an error; `contiguous` returns a contiguous tensor itself."""
         loader = getattr(self._compiled, "loader", None)
         if loader is None or not hasattr(loader, "run"):
-            return lambda *xs: tuple(self._compiled(*xs))
-        return lambda *xs: tuple(loader.run(list(xs)))
+            return lambda *xs: tuple(self._compiled(*(x.contiguous() for x in xs)))
+        return lambda *xs: tuple(loader.run([x.contiguous() for x in xs]))
 
     takes_host_inputs = True
 

@@ -22,6 +22,7 @@ from ..kinds import Runner
 from ..laya_internals import Backend
 from ..manifest import Artifact, VerifyResult
 from ..padding import CHUNK_TOKENS, Ranges, chunks, for_runner, near_tie_rows, pad_batch
+from .session import DEFAULT_NEAR_TIES, NEAR_TIE_MODES, near_tie_mode  # noqa: F401 - also read from here (serve)
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +32,6 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     do, and copies a row slice that does not (a half after running out of memory) itself, warning on every call
     ("Input 3 was compiled as 16-bytes aligned, but it is not aligned at run time", seen on an H100)."""
     return x if x.data_ptr() % 16 == 0 else x.clone()
-
-
-NEAR_TIE_MODES = ("call", "rows", "off")
-
-
-DEFAULT_NEAR_TIES = "off"
-
-
-def near_tie_mode(value: Any) -> str:
-    """One of NEAR_TIE_MODES; True/False are "call"/"off" (the switch's first form: on or off)."""
-    if value is True or value is False:
-        return "call" if value else "off"
-    if isinstance(value, str) and value in NEAR_TIE_MODES:
-        return value
-    raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
-                     % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
 
 
 class TokenIdError(LayaAotError, IndexError):

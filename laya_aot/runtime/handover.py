@@ -10,7 +10,7 @@ one's, and none sees half of each. A hand-over that fails leaves the first artif
 the log and in `load_stats["handover"]`.
 
 Serving pauses while the new artifact makes its first calls (its verification here and smoke check, under laya's
-write lock: `loader._paused_serving`, recorded as `serving_paused_s`): they may capture CUDA graphs in torch's
+write lock: `trial._paused_serving`, recorded as `serving_paused_s`): they may capture CUDA graphs in torch's
 global mode (laya's fast path, which the TileLang artifact drives), and a serving forward's allocation or
 synchronising call on another thread during such a capture fails both.
 
@@ -27,11 +27,15 @@ import atexit
 import logging
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol
 
 from ..manifest import Artifact
 from ..variant import current_machine
 from . import start_costs
+
+if TYPE_CHECKING:
+    from .backend import AOTBackend
+    from .eager_module import EagerModule
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +43,27 @@ IDLE_S = 2.0  # with no call this long after the start, the hand-over begins any
 EXIT_WAIT_S = 60.0  # at exit, the longest wait for the step under way to end
 
 
+class HandoverTrial(Protocol):
+    """What a hand-over needs of the start's checks (runtime/trial.Trial): the agent and its eager module, the checks
+    themselves (`run`, with serving paused where the new artifact makes its first calls) and why the last one failed,
+    and `detach`: the start's head start dropped, and an event that ends the checks between their steps."""
+
+    agent: Any
+    eager: Optional["EagerModule"]
+    last_reason: Optional[str]
+
+    def run(self, art: Artifact, handover: bool = False) -> Optional["AOTBackend"]: ...
+
+    def detach(self, stop: threading.Event) -> None: ...
+
+
 class Handover:
     """One hand-over from the serving backend to `art` (module docstring); `stats` is the record of it, shared by
     both backends' `load_stats["handover"]`."""
 
-    def __init__(self, trial: Any, art: Artifact, served: Any, why: Optional[str]):
+    def __init__(self, trial: HandoverTrial, art: Artifact, served: "AOTBackend", why: Optional[str]):
         self.trial, self.art = trial, art
-        self._served = served
+        self._served: Optional["AOTBackend"] = served
         self._done = threading.Event()
         self._begun = threading.Lock()  # taken once, by whichever comes first: the first answer or the timer
         self._timer: Optional[threading.Timer] = None
@@ -56,8 +74,7 @@ class Handover:
 
     def start(self) -> None:
         """Arm it: it begins, in a daemon thread, after the serving backend's first call or IDLE_S without one."""
-        self.trial.early = None  # the start's head start is closed: the hand-over makes its own checks
-        self.trial.stop = self._stop
+        self.trial.detach(self._stop)
         atexit.register(self._at_exit)
         self._served.after_first_call = self.begin
         self._timer = threading.Timer(IDLE_S, self.begin)

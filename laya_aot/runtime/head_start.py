@@ -3,22 +3,24 @@
 A start's critical path is laya's agent (imports, config, tokenizer: about 2 s for a large checkpoint on
 an H200) followed by the artifact (its probe child on a first start, its weights copied to the device,
 its package loaded, its first call). Everything the artifact needs but the agent can run beside it, in
-one thread, as long as it makes only the checks `_choose` makes first:
+one thread, as long as it makes only the checks the loader makes first:
 
-1. the manifest, the checkpoint's small files (configs, tokenizer), this machine's fit, the files' hash;
+1. the load's start order (`LoadSession.order`: the manifest, read once, ranked and planned once, made here first),
+   the first candidate's files' hash;
 2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents; on a GPU
    only their tensors are made here, written once the artifact has them);
-3. the checkpoint's fingerprint, in a thread of its own (a mismatch kills the child and drops everything);
+3. the checkpoint's fingerprint (`LoadSession.mismatch`), in a thread of its own (a mismatch kills the child and
+   drops everything);
 4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
    itself: loaded with the prepared weights while the fingerprint is still being computed on a first start
-   (nothing serves before `_choose` has checked it). On a GPU the weights are handed over allocated but not yet
+   (nothing serves before the loader's trial has checked it). On a GPU the weights are handed over allocated but not yet
    written (`kinds.Incoming`), then written while the artifact makes its first call at the smoke check's shape
    (`LoadEnv.early_calls`: what a first call loads lazily, kernels and CUDA modules, paid beside the copy);
    elsewhere it is called once where the loader runs no smoke check (otherwise the smoke check's call is the
    first and pays that loading). Nothing native is loaded in this process before that verdict.
 
-`_choose` still makes every check in order and takes what was done here for the same artifact on the same
-device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
+The loader's trial (runtime/trial.py) still makes every check in order and takes what was done here for the same
+artifact on the same device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
 """
 from __future__ import annotations
 
@@ -26,18 +28,18 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
 from .. import checkpoint as ckpt_mod
 from .. import kinds
-from ..bundle_format import artifact_path, check_artifact_hash, read_bundle
-from ..kinds import usable
+from ..bundle_format import artifact_path, check_artifact_hash
 from ..manifest import Artifact
 from ..padding import Batch, batch_of_shape, smallest_batch
-from . import start_costs
-from .select import plan, rank
+
+if TYPE_CHECKING:
+    from .session import LoadSession
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,7 @@ log = logging.getLogger(__name__)
 class HeadStart:
     """The first candidate artifact's checks, probe, weights and load, run beside laya's load (module doc)."""
 
-    def __init__(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str],
-                 pin: Optional[str] = None, thin: bool = False, probe: bool = True, cuda_graphs: bool = True,
-                 handover: bool = True, warm: bool = True):
+    def __init__(self, session: "LoadSession", thin: bool = False):
         self.name: Optional[str] = None      # the artifact worked on
         self.device: Optional[str] = None    # the device it was prepared for
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
@@ -63,62 +63,54 @@ class HeadStart:
         self._mismatch = False               # the checkpoint is not the bundle's (`_fingerprint`)
         # call the artifact once after its load; not where the loader's smoke check calls it next anyway (that
         # call pays what a first call loads: a second forward in a row on the start's critical path saves nothing)
-        self._warm = warm
-        self._thread = threading.Thread(target=self._run, args=(ckpt, bundle, device, prefer, pin, thin, probe,
-                                                                cuda_graphs, handover),
-                                        daemon=True, name="laya-aot-head-start")
+        self._warm = not session.config.smoke_check
+        self._thread = threading.Thread(target=self._run, args=(session, thin), daemon=True,
+                                        name="laya-aot-head-start")
         self._thread.start()
 
     def _since(self) -> float:
         return round(time.perf_counter() - self._t0, 3)
 
-    def _run(self, ckpt: Path, bundle: Path, device: Optional[str], prefer: Optional[str], pin: Optional[str],
-             thin: bool, probe: bool, cuda_graphs: bool, handover: bool) -> None:
+    def _run(self, session: "LoadSession", thin: bool) -> None:
         from ..probe import start
 
         try:
-            manifest = read_bundle(bundle, kinds.BY_NAME, sha256=pin)
-            if not ckpt_mod.small_files_match(ckpt, manifest.checkpoint.fingerprint.files):  # another architecture
-                return                                                                       # or tokenizer
-            # what laya will serve in once loaded (the agent does not exist yet); _choose uses the agent's own
-            here = usable.here(ckpt_mod.read_config(ckpt), device)
-            starts = start_costs.known(manifest.artifacts, here.machine, here.device_type)
-            ranked, _ = rank(manifest.artifacts, here.device_type, prefer, starts)
-            fits = [a for a in ranked if here.reject_reason(a) is None]
-            art = next(iter(plan(fits, here.device_type, starts, handover).order), None)
+            config, bundle, ckpt = session.config, session.bundle.path, session.ckpt
+            order = session.order()  # the load's one start order, made here first (laya's agent does not exist yet)
+            here, art = order.here, order.first
             kind = kinds.get(art.kind) if art is not None else None
-            probed = bool(kind and kind.native and probe)
+            probed = bool(kind and kind.native and config.probe)
             prepare = kind.prepare if kind is not None and thin else None
             ok = art is not None and (probed or prepare is not None) and check_artifact_hash(bundle, art) is None
             if ok:
                 self.name, self.device = art.name, here.device
                 if probed:
                     self.started_after_s = self._since()
-                    self._pending = start(bundle, art, ckpt, here.device, here.machine, pinned=pin is not None)
+                    self._pending = start(bundle, art, ckpt, here.device, here.machine, pinned=session.pinned)
                 if prepare is not None:
                     path = artifact_path(bundle, art)
                     self._weights_thread = threading.Thread(target=self._prepare, args=(prepare, path, ckpt),
                                                             daemon=True, name="laya-aot-head-start-weights")
                     self._weights_thread.start()
             # the fingerprint (seconds for a large checkpoint never seen here), beside the probe and the load
-            # (it is cached for _choose, which waits for it: `files.cached_sha256`); a mismatch kills the child
-            fingerprint = threading.Thread(target=self._fingerprint, args=(manifest, ckpt), daemon=True,
+            # (`LoadSession.mismatch`: computed once, the loader waits for it); a mismatch kills the child
+            fingerprint = threading.Thread(target=self._fingerprint, args=(session,), daemon=True,
                                            name="laya-aot-head-start-fingerprint")
             fingerprint.start()
             try:
                 if ok and prepare is not None:
-                    self._verdict_then_load(kind, art, bundle, ckpt, cuda_graphs, manifest.smoke)
+                    self._verdict_then_load(kind, art, bundle, ckpt, config.cuda_graphs, session.manifest.smoke)
             finally:
                 fingerprint.join()
             if self._mismatch:
                 self._drop()
-        except Exception as e:  # noqa: BLE001 - _choose repeats every check and reports it
+        except Exception as e:  # noqa: BLE001 - the loader's trial repeats every check and reports it
             log.debug("head start stopped: %s", e)
 
-    def _fingerprint(self, manifest: Any, ckpt: Path) -> None:
+    def _fingerprint(self, session: "LoadSession") -> None:
         try:
-            self._mismatch = ckpt_mod.mismatch(manifest, ckpt) is not None
-        except Exception as e:  # noqa: BLE001 - _choose checks it again and reports it
+            self._mismatch = session.mismatch() is not None
+        except Exception as e:  # noqa: BLE001 - the loader checks it again and reports it
             log.debug("head start's fingerprint failed: %s", e)
             self._mismatch = True
         pending = self._pending

@@ -1,18 +1,23 @@
 """Which of a bundle's artifacts this machine can run, in which order to try them, and why not the rest.
 
-Every rejected artifact gets exactly one reason, phrased so an operator knows what to do about it.
-Checks here (and in `usable.reject_reason`) read only the manifest and the machine's facts; hashing and
-probing (which touch the artifact's bytes) come after, in `loader`.
+`select` is the start order, written once: the start costs recorded here, the ranking (`rank`: the latencies
+`laya-aot bench` measured on this machine where it ran, else the build's), what fits here (`usable.reject_reason`),
+then the start's plan (`plan`: which one answers first, and a hand-over). The loader, its head start and `laya-aot
+inspect` all take it from there. Every rejected artifact gets exactly one reason, phrased so an operator knows what
+to do about it. Checks here read only the manifest, the machine's facts and this machine's cache; hashing and
+probing (which touch the artifact's bytes) come after, in runtime/trial.py.
 """
 from __future__ import annotations
 
-from typing import List, Mapping, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from .. import kinds
-from ..kinds.usable import reject_reason
+from ..kinds.usable import Here, reject_reason
 from ..manifest import Artifact
 
-__all__ = ["MIX_TIE", "START_SLACK_S", "StartPlan", "plan", "rank", "reject_reason"]  # reject_reason: ..usable
+__all__ = ["MIX_TIE", "START_SLACK_S", "StartOrder", "StartPlan", "plan", "rank", "reject_reason",  # kinds.usable's
+           "select"]
 
 # artifacts whose measured mix is within this fraction of the fastest one's are a tie on the mix (a build's
 # figures vary by a few percent from run to run): among them, the one that starts faster on this machine wins
@@ -23,19 +28,26 @@ MIX_TIE = 0.05
 START_SLACK_S = 1.0
 
 
-def _latency(art: Artifact, device: str) -> Optional[float]:
+def _build_latency(art: Artifact, device: str) -> Optional[float]:
     per_device = art.latency_ms.get(device) or {}
     return sum(per_device.values()) if per_device else None
 
 
+def _latency(art: Artifact, device: str, here: Optional[Mapping[str, float]] = None) -> Optional[float]:
+    """The sum the artifact is ranked by: measured on this machine (`here`) where given, else at build."""
+    return here.get(art.name) if here else _build_latency(art, device)
+
+
 def rank(arts: List[Artifact], device: str, prefer: Optional[str] = None,
-         starts: Optional[Mapping[str, float]] = None) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
+         starts: Optional[Mapping[str, float]] = None, here: Optional[Mapping[str, float]] = None
+         ) -> Tuple[List[Artifact], List[Tuple[str, str]]]:
     """Candidates in the order to try them, and (name, reason) for those `prefer` rules out.
 
-    The mix of shapes measured at build on this kind of device ranks first (fastest sum first); among those
-    within MIX_TIE of the fastest, the one with the cheapest start recorded on this machine (`starts`, from
-    `start_costs.known`) goes first. Artifacts without a figure follow in the kinds' fixed order
-    (`kinds.RUNTIME_ORDER`).
+    The mix of shapes measured on this kind of device ranks first (fastest sum first): measured on this machine
+    (`here`, the sums `laya-aot bench` stored: runtime/bench.py) where given, else at build (`Artifact.latency_ms`);
+    among those within MIX_TIE of the fastest, the one with the cheapest start recorded on this machine (`starts`,
+    from `start_costs.known`) goes first. Artifacts without a figure follow (those the build measured, by the
+    build's figures, where `here` ranks the rest) in the kinds' fixed order (`kinds.RUNTIME_ORDER`).
     """
     order = kinds.RUNTIME_ORDER
     skipped: List[Tuple[str, str]] = []
@@ -48,28 +60,31 @@ def rank(arts: List[Artifact], device: str, prefer: Optional[str] = None,
         pool = [a for a in pool if a.kind == prefer]
 
     def key(a: Artifact):
-        lat = _latency(a, device)
+        lat, built = _latency(a, device, here), _build_latency(a, device)
         rank_of_kind = order.index(a.kind) if a.kind in order else len(order)
-        return (0, lat, rank_of_kind) if lat is not None else (1, rank_of_kind, 0.0)
+        if lat is not None:
+            return (0, lat, rank_of_kind)
+        return (1, built, rank_of_kind) if here and built is not None else (2, rank_of_kind, 0.0)
 
     ordered = sorted(pool, key=key)
-    measured = [a for a in ordered if _latency(a, device) is not None]
+    measured = [a for a in ordered if _latency(a, device, here) is not None]
     if starts and len(measured) > 1:
-        bound = _latency(measured[0], device) * (1 + MIX_TIE)
-        tied = [a for a in measured if _latency(a, device) <= bound]
-        tied.sort(key=lambda a: (starts.get(a.name, float("inf")), _latency(a, device)))
+        bound = _latency(measured[0], device, here) * (1 + MIX_TIE)
+        tied = [a for a in measured if _latency(a, device, here) <= bound]
+        tied.sort(key=lambda a: (starts.get(a.name, float("inf")), _latency(a, device, here)))
         ordered = tied + [a for a in ordered if all(a is not t for t in tied)]
     return ordered, skipped
 
 
-def start_tie_reason(art: Artifact, arts: List[Artifact], device: str, starts: Mapping[str, float]) -> Optional[str]:
+def start_tie_reason(art: Artifact, arts: List[Artifact], device: str, starts: Mapping[str, float],
+                     here: Optional[Mapping[str, float]] = None) -> Optional[str]:
     """Why `art` went first on its start cost rather than its mix (None when the mix alone put it first)."""
-    lat = _latency(art, device)
-    faster = [a for a in arts if a is not art and _latency(a, device) is not None and lat is not None
-              and _latency(a, device) < lat]
+    lat = _latency(art, device, here)
+    faster = [a for a in arts if a is not art and _latency(a, device, here) is not None and lat is not None
+              and _latency(a, device, here) < lat]
     if not faster or art.name not in starts:
         return None
-    other = min(faster, key=lambda a: _latency(a, device))
+    other = min(faster, key=lambda a: _latency(a, device, here))
     return ("within %d%% of %s's mix, and it starts faster here (%.2f s against %s)"
             % (round(MIX_TIE * 100), other.name, starts[art.name],
                "%.2f s" % starts[other.name] if other.name in starts else "no start recorded"))
@@ -99,7 +114,7 @@ def _starts_quicker(art: Artifact, best: Artifact, starts: Mapping[str, float]) 
 
 
 def plan(ranked: List[Artifact], device: str, starts: Optional[Mapping[str, float]] = None,
-         handover: bool = True) -> StartPlan:
+         handover: bool = True, here: Optional[Mapping[str, float]] = None) -> StartPlan:
     """The start's order of `ranked` (`rank`'s order of the candidates that fit here): `rank`'s, except that a best
     mix which starts slowly is not what a start waits for.
 
@@ -116,10 +131,69 @@ def plan(ranked: List[Artifact], device: str, starts: Optional[Mapping[str, floa
         why = _starts_quicker(art, best, starts or {})
         if why:
             first = [art] + [a for a in order if a is not art]
-            quick, slow = _latency(art, device), _latency(best, device)
+            quick, slow = _latency(art, device, here), _latency(best, device, here)
             if quick is not None and slow is not None and quick <= slow * (1 + MIX_TIE):  # not worth a hand-over
                 return StartPlan(first, None, "within %d%% of %s's mix, and it starts quicker here: %s"
                                  % (round(MIX_TIE * 100), best.name, why))
             return StartPlan(first, best, "it starts quicker here than %s, the best measured mix, which takes "
                                           "over once loaded: %s" % (best.name, why))
     return StartPlan(order, None, None)
+
+
+@dataclass(frozen=True)
+class StartOrder:
+    """A start's order of business (`select`): the facts it was made for, every candidate in `rank`'s order, those
+    `prefer` ruled out, the plan of those that fit here, and whose latencies ranked them."""
+
+    here: Here
+    ranked: List[Artifact]
+    skipped: List[Tuple[str, str]]
+    plan: StartPlan
+    starts: Dict[str, float]                     # start costs recorded here (`start_costs.known`)
+    measured_here: Optional[Dict[str, Dict[str, float]]]  # `laya-aot bench`'s figures, by artifact and shape
+    ranking: str                                 # "build" or what `laya-aot bench` measured here, and when
+
+    @property
+    def first(self) -> Optional[Artifact]:
+        return self.plan.order[0] if self.plan.order else None
+
+    def tries(self) -> List[Artifact]:
+        """The plan's order, then every other candidate (each is tried to get its reason)."""
+        return self.plan.order + [a for a in self.ranked if all(a is not f for f in self.plan.order)]
+
+    def sums(self) -> Optional[Dict[str, float]]:
+        """The mix's sum per artifact measured here (None: the build's figures rank)."""
+        if self.measured_here is None:
+            return None
+        return {name: sum(shapes.values()) for name, shapes in self.measured_here.items()}
+
+    def latencies(self, art: Artifact) -> Dict[str, float]:
+        """The figures `art` was ranked by, per shape (empty: none)."""
+        if self.measured_here is not None:
+            return dict(self.measured_here.get(art.name) or {})
+        return dict(art.latency_ms.get(self.here.device_type) or {})
+
+    def why_first(self, art: Artifact, arts: List[Artifact]) -> Optional[str]:
+        """Why `art`, which serves, was tried before a faster mix (None: its mix put it first)."""
+        if art is self.first and self.plan.why:
+            return self.plan.why
+        return start_tie_reason(art, arts, self.here.device_type, self.starts, self.sums())
+
+
+def select(arts: List[Artifact], here: Here, prefer: Optional[str] = None, handover: bool = True,
+           fits: Optional[Callable[[Artifact], bool]] = None, bundle_sha256: Optional[str] = None) -> StartOrder:
+    """The start order of a bundle's artifacts on this machine, for an agent with the facts `here`: the one place
+    it is made (module docstring). `fits`: which candidates may serve here (default: `here.reject_reason` finds
+    nothing; `laya-aot inspect` also checks their files); `bundle_sha256`: the bundle's, whose ranking measured on
+    this machine by `laya-aot bench` is taken where one is stored (`bench.known`)."""
+    from . import bench, start_costs
+
+    device = here.device_type
+    fits = fits or (lambda a: here.reject_reason(a) is None)
+    measured = bench.known(bundle_sha256, arts, here) if bundle_sha256 else None
+    sums = None if measured is None else {n: sum(shapes.values()) for n, shapes in measured.figures.items()}
+    starts = start_costs.known(arts, here.machine, device)
+    ranked, skipped = rank(arts, device, prefer, starts, sums)
+    start = plan([a for a in ranked if fits(a)], device, starts, handover, sums)
+    return StartOrder(here, ranked, skipped, start, starts, measured.figures if measured else None,
+                      measured.describe() if measured else "build")

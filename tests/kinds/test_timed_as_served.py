@@ -13,7 +13,7 @@ import torch
 
 from laya_aot import kinds
 from laya_aot.pipeline import stages
-from laya_aot.runtime import loader
+from laya_aot.runtime import trial
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "cpu"])
@@ -25,7 +25,7 @@ def test_the_build_loads_every_kind_with_the_graphs_the_loader_serves_it_with(de
     for kind in kinds.REGISTRY:
         art = SimpleNamespace(kind=kind.name, device=device, dtype="bf16")
         env = stages._load_env(None, kind, art, ref, {}, {"bf16": object()})   # a GPU agent already made
-        served = loader._graphs_wanted(True, art, torch.device(device), False, {})
+        served = trial._graphs_wanted(True, art, torch.device(device), False, {})
         assert env.cuda_graphs == served, kind.name
         if served:
             graphed.append(kind.name)

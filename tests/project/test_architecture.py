@@ -111,7 +111,7 @@ def test_layers_below_the_halves_never_reach_up(layer):
         bad = sorted(x for x in reachable(m) if x.startswith(BELOW_THE_HALVES[layer]))
         assert not bad, "%s reaches %s" % (m, bad)
     # the loader turns hf:// and packs into a directory through the distribution layer
-    assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.loader"]
+    assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.session"]
 
 
 # the shared layer (docs/architecture.md's table): what both halves need, reaching no layer above it; of the kinds
@@ -298,7 +298,7 @@ def _calls(module: str, name: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("module", ["laya_aot.pipeline.stages", "laya_aot.runtime.loader", "laya_aot.commands"])
+@pytest.mark.parametrize("module", ["laya_aot.pipeline.stages", "laya_aot.runtime.trial", "laya_aot.commands"])
 def test_build_loader_and_verify_command_call_the_one_verification(module):
     assert "laya_aot.verification" in GRAPH[module], "%s does not import laya_aot.verification" % module
     assert _calls(module, "verify_artifact"), "%s does not call verification.verify_artifact" % module

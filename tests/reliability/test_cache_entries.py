@@ -145,7 +145,7 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
     anything but one `_store_verdict` wrote for this artifact is none, so the artifact is verified again."""
     from laya_aot.manifest import VerifyResult
     from laya_aot.numerics.tolerance import Agreement, DecisionAgreement
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
 
     art, twin = sample.artifact("aoti-cpu"), sample.artifact("onnx-fp32")
     res = VerifyResult(passed=True, tolerance=0.01, rule="relative", eager_in_dtype=Agreement(1e-3, 2e-3, 0.99),
@@ -156,17 +156,17 @@ def test_a_damaged_verify_here_verdict_is_verified_again(cache, sample):
     near = dataclasses.replace(res, decisions=dataclasses.replace(
         res.decisions, near_ties=DecisionAgreement(64, 0.95, 0.8, 1, 9, 0.02, 0.005), gap=0.02,
         compared_with="float16", laya_serving=0.78))
-    loader._store_verdict(path, art, near)
-    assert loader._cached_verdict(path, art) == near
-    loader._store_verdict(path, art, res)
-    loader._store_verdict(other, twin, res)
-    assert loader._cached_verdict(path, art) == res
+    trial._store_verdict(path, art, near)
+    assert trial._cached_verdict(path, art) == near
+    trial._store_verdict(path, art, res)
+    trial._store_verdict(other, twin, res)
+    assert trial._cached_verdict(path, art) == res
     for done in _damaged_entries(path, other, "verify"):
-        assert _within(10, loader._cached_verdict, path, art) is None, done
+        assert _within(10, trial._cached_verdict, path, art) is None, done
     for edit in ({"tolerance": None}, {"tolerance": -1.0}, {"eager_in_dtype": {"max_abs_option_prob": "1"}},
                  {"decisions": {"decisions": 1}}, {"figures": {}}, {"reason": 3}):
         files.write_json_atomic(path, dict(json.loads(other.read_text()), artifact=art.name, **edit))
-        assert loader._cached_verdict(path, art) is None, edit
+        assert trial._cached_verdict(path, art) is None, edit
 
 
 # ------------------------------------------------------------------------------------------------- start costs

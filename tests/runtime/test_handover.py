@@ -264,11 +264,11 @@ def test_serving_pauses_while_the_artifact_taking_over_makes_its_first_calls(dem
     # catches: the hand-over's smoke check run while a serving forward may run beside it (a CUDA graph it captures
     # in torch's global mode fails then, with that forward), serving paused on a start (nothing serves yet: the
     # lock taken whatever `handover` says), or the pause not recorded in load_stats["handover"]
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
 
     seen = []     # (artifact, laya's write lock held, a forward from another thread began during the check)
     readers = []
-    real = loader._smoke_check
+    real = trial._smoke_check
 
     def smoke_check(agent, backend, art, manifest):
         began = threading.Event()
@@ -281,7 +281,7 @@ def test_serving_pauses_while_the_artifact_taking_over_makes_its_first_calls(dem
         readers.append(reader)
         seen.append((art.name, agent._gate._writers == 1, began.wait(0.5)))
         return real(agent, backend, art, manifest)
-    monkeypatch.setattr(loader, "_smoke_check", smoke_check)
+    monkeypatch.setattr(trial, "_smoke_check", smoke_check)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
     first = agent.backend_object
     assert first.artifact.kind == "aoti" and "serving_paused_s" not in first.load_stats

@@ -469,8 +469,8 @@ def finetuned_ckpt(demo_ckpt, tmp_path, monkeypatch) -> Path:
     w[key] = w[key] + 0.5
     save_file(w, str(other / "model.safetensors"), metadata={"format": "pt"})
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "fresh-cache"))
-    monkeypatch.setattr(ckpt_mod, "small_files_match", functools.partial(ckpt_mod.small_files_match,
-                                                                         limit_bytes=1 << 18))
+    monkeypatch.setattr(ckpt_mod, "differing_small_files", functools.partial(ckpt_mod.differing_small_files,
+                                                                             limit_bytes=1 << 18))
     return other
 
 
@@ -525,7 +525,7 @@ def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check
     from laya_aot import kinds
     from laya_aot.bundle_format import read_bundle
     from laya_aot.manifest import VerifyResult
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
     from laya_aot.runtime.backend import AOTBackend
     from laya_aot.variant import current_machine
 
@@ -536,12 +536,12 @@ def test_an_artifact_verified_here_carries_the_bound_it_met_into_the_smoke_check
     agent = laya.load(str(demo_ckpt), device="cpu")
     runner = kinds.load(demo_bundle / art.path, art, kinds.LoadEnv(device="cpu"))
     stats = {}
-    here = loader._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), stats)
+    here = trial._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), stats)
     assert here.passed and here.tolerance == 1e-4 and "verify_here_s" in stats
-    again = loader._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), {})
+    again = trial._verify_here(agent, agent.model, runner, art, manifest, current_machine("cpu"), {})
     assert again.passed and again.tolerance == here.tolerance           # from the cache
     art = dataclasses.replace(art, verify=here)
     backend = AOTBackend(agent, runner, art, 0)
-    assert loader._smoke_check(agent, backend, art, manifest) is None
+    assert trial._smoke_check(agent, backend, art, manifest) is None
     unverified = dataclasses.replace(art, verify=VerifyResult(False, "cross-compiled without its GPU"))
-    assert "no verified tolerance" in loader._smoke_check(agent, backend, unverified, manifest)
+    assert "no verified tolerance" in trial._smoke_check(agent, backend, unverified, manifest)

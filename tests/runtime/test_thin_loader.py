@@ -105,17 +105,18 @@ def _module_route(monkeypatch, tmp_path, runs_module):
     """The loader told that the artifacts `runs_module(art)` picks run laya's own module (as TileLang's route does),
     an empty verdict cache (a first start on this machine: the probe child runs), and a record, per probed
     artifact, of whether laya's module was building when its verdict was awaited."""
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
 
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "_runs_module", runs_module)
+    monkeypatch.setattr(trial, "_runs_module", runs_module)
+    _package_first(monkeypatch)  # a native first candidate (probed), whatever a noisy build's figures ranked first
     building_at_probe = []
-    real = loader._Trial._probe
+    real = trial.Trial._probe
 
     def probe(self, art, stats):
         building_at_probe.append((art.name, self.eager is not None and self.eager._thread is not None))
         return real(self, art, stats)
-    monkeypatch.setattr(loader._Trial, "_probe", probe)
+    monkeypatch.setattr(trial.Trial, "_probe", probe)
     return building_at_probe
 
 
@@ -145,7 +146,7 @@ def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves
     """The first candidate runs laya's module and its probe (a child: a machine unlike the build's) fails; the next
     one, which does not run it, serves the thin agent: the module built beside the failed probe is not left
     holding the weights again."""
-    from laya_aot.runtime import loader
+    from laya_aot.runtime import trial
 
     demo_bundle = other_facts_bundle
     first = []
@@ -154,12 +155,12 @@ def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves
         first.append(art.name) if not first else None
         return art.name == first[0]
     seen = _module_route(monkeypatch, tmp_path, runs_module)
-    probing = loader._Trial._probe
+    probing = trial.Trial._probe
 
     def probe(self, art, stats):
         why = probing(self, art, stats)
         return "refused by the test" if art.name == first[0] else why
-    monkeypatch.setattr(loader._Trial, "_probe", probe)
+    monkeypatch.setattr(trial.Trial, "_probe", probe)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", probe=True)
     bo = agent.backend_object
     assert seen[0] == (first[0], True) and bo.artifact.name != first[0]
@@ -171,17 +172,16 @@ def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves
 
 
 def _package_first(monkeypatch):
-    """Rank the AOTInductor package that takes its weights at load (not the frozen one) first, for the loader
-    and its early thread alike."""
-    from laya_aot.runtime import head_start, loader
+    """Rank the AOTInductor package that takes its weights at load (not the frozen one) first, in the one start
+    order the loader and its head start share (`select.select`)."""
+    from laya_aot.runtime import select
 
-    real = loader.rank
+    real = select.rank
 
-    def rank(arts, device, prefer=None, starts=None):
-        order, skipped = real(arts, device, prefer, starts)
+    def rank(arts, device, prefer=None, starts=None, here=None):
+        order, skipped = real(arts, device, prefer, starts, here)
         return sorted(order, key=lambda a: a.name != "aoti-cpu"), skipped
-    monkeypatch.setattr(loader, "rank", rank)
-    monkeypatch.setattr(head_start, "rank", rank)
+    monkeypatch.setattr(select, "rank", rank)
 
 
 def test_the_weights_reach_the_device_beside_laya_load_and_serve_laya_eagers_answers(demo_ckpt, demo_bundle,
@@ -243,12 +243,13 @@ def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(de
     import time
 
     from laya_aot.runtime.head_start import HeadStart
+    from laya_aot.runtime.session import LoadConfig, LoadSession
 
     demo_bundle = other_facts_bundle  # a machine unlike the build's: its first start runs a child
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
     _package_first(monkeypatch)
     started = probe_starts
-    hs = HeadStart(demo_ckpt, demo_bundle, "cpu", None, thin=True)
+    hs = HeadStart(LoadSession.open(demo_ckpt, demo_bundle, LoadConfig(device="cpu")), thin=True)
     deadline = time.monotonic() + 60
     while not started and time.monotonic() < deadline:
         time.sleep(0.02)

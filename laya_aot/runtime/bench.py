@@ -1,0 +1,180 @@
+"""The artifacts' latencies measured on the machine that serves them (`laya-aot bench BUNDLE`), which the loader
+ranks by in place of the build's.
+
+A build times each artifact on the build machine, whose load and threads are not the service's.
+`runtime/measure.measure` loads every artifact of a bundle that can serve here, through the loader's own checks
+(hash, probe child, load, smoke check: runtime/trial.py), and `timed` times them on the mix of shapes their build
+timed (the keys of `Artifact.latency_ms`) in interleaved rounds after warm-up calls: every artifact sees the same
+moments of a busy machine, so a burst of other work slows all of them alike instead of one. The medians, their
+spread and the threads they ran on are stored in this machine's cache (`store`), keyed by the bundle's sha256 (its
+bundle.json's), the machine's facts, the device type, the serving dtype and the compute threads (`_key`); `known`
+reads an entry back through `files.read_cache_json`, each figure checked, each artifact by name and sha256, and
+`select.select` ranks by it where one exists (the load's
+log line and `load_stats["ranking"]` say which ranked). A figure that is not one, or not this artifact's, is a
+miss: the build's figures rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+
+from ..files import cache_dir, read_cache_json, sha256_hex, write_json_atomic
+from ..manifest import Artifact
+
+if TYPE_CHECKING:
+    from ..kinds.usable import Here
+
+log = logging.getLogger(__name__)
+
+BENCH_VERSION = 1  # bumped when what is measured changes: older rankings are then not read
+WARMUP = 3   # calls per artifact and shape before any is timed (kernels, caches, the first call's lazy loading)
+ROUNDS = 20  # timed rounds; each round calls every artifact once on every shape, one after another
+_SHAPE = re.compile(r"[0-9]{1,6}x[0-9]{1,7}x[0-9]{1,5}")
+
+
+@dataclass
+class Measured:
+    """A ranking measured here: per artifact, the median ms and the spread (90th minus 10th percentile) per shape,
+    when and how it was measured, and why any usable artifact could not be timed."""
+
+    figures: Dict[str, Dict[str, float]]
+    spread: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    when: str = ""
+    rounds: int = 0
+    threads: int = 0
+    not_timed: Dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """How the load's log line and load_stats["ranking"] name it."""
+        return "measured here by `laya-aot bench` at %s (%d rounds, %d threads)" % (self.when, self.rounds,
+                                                                                     self.threads)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
+def threads() -> int:
+    """The compute threads the artifacts run on in this process (torch's intra-op pool, which ONNX follows)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _key(bundle_sha256: str, here: "Here") -> str:
+    """One ranking per bundle, machine (its facts, CPU model and count), device, serving dtype and thread count."""
+    facts = {"bundle": bundle_sha256, "machine": dict(here.machine.as_dict(), traced_packages=None),
+             "device": here.device_type, "serving": here.serving, "threads": threads(), "cpu": _cpu_model(),
+             "cpus": os.cpu_count(), "wait_policy": os.environ.get("OMP_WAIT_POLICY"), "version": BENCH_VERSION}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+def path(bundle_sha256: str, here: "Here") -> Path:
+    """Where the ranking of that bundle on this machine is cached."""
+    return cache_dir() / "rankings" / (_key(bundle_sha256, here) + ".json")
+
+
+def _ms(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and 0 <= value < 1e7
+
+
+def _shapes(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, str) and _SHAPE.fullmatch(k) and _ms(v) for k, v in value.items())
+
+
+def _entry(value: Any) -> bool:
+    return isinstance(value, dict) and sha256_hex(value.get("sha256")) and _shapes(value.get("latency_ms")) \
+        and (value.get("spread_ms") is None or _shapes(value.get("spread_ms")))
+
+
+def known(bundle_sha256: str, arts: Iterable[Artifact], here: "Here") -> Optional[Measured]:
+    """The ranking `store` wrote for this bundle on this machine, of those of `arts` it timed (None: none, or an
+    entry that is not one, or one that times none of them)."""
+    entry = read_cache_json(path(bundle_sha256, here), {
+        "bundle_sha256": lambda v: v == bundle_sha256, "when": str,
+        "rounds": lambda v: type(v) is int and v > 0, "threads": lambda v: type(v) is int and v > 0,
+        "artifacts": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _entry(e) for k, e in v.items()),
+        "not_timed": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())})
+    if entry is None:
+        return None
+    by_name = {a.name: a for a in arts}
+    timed = {n: e for n, e in entry["artifacts"].items() if n in by_name and by_name[n].sha256 == e["sha256"]}
+    if not timed:
+        return None
+    return Measured({n: dict(e["latency_ms"]) for n, e in timed.items()},
+                    {n: dict(e.get("spread_ms") or {}) for n, e in timed.items()},
+                    entry["when"], entry["rounds"], entry["threads"], dict(entry["not_timed"]))
+
+
+def store(bundle_sha256: str, arts: Iterable[Artifact], here: "Here", measured: Measured) -> Path:
+    """Write `measured` as this machine's ranking of the bundle (an OSError says why it could not be)."""
+    by_name = {a.name: a for a in arts}
+    out = path(bundle_sha256, here)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, {
+        "bundle_sha256": bundle_sha256, "when": measured.when, "rounds": measured.rounds,
+        "threads": measured.threads, "device": here.device,
+        "artifacts": {n: {"sha256": by_name[n].sha256, "latency_ms": ms, "spread_ms": measured.spread.get(n)}
+                      for n, ms in measured.figures.items()},
+        "not_timed": measured.not_timed})
+    return out
+
+
+def _spread(times: List[float]) -> float:
+    """The 90th minus the 10th percentile: how far a busy moment moved the figures."""
+    ordered = sorted(times)
+    return ordered[int(0.9 * (len(ordered) - 1))] - ordered[int(0.1 * (len(ordered) - 1))]
+
+
+def timed(runners: Dict[str, Tuple[Any, Artifact]], shapes: Dict[str, List[str]], pad_id: int, rounds: int,
+           warmup: int) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+    """Per artifact and shape, the median ms and the spread over `rounds` interleaved rounds (module docstring)."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..padding import batch_of_shape
+    from ..verification import run_padded
+
+    calls = []
+    for name, (runner, art) in runners.items():
+        for shape in shapes[name]:
+            batch = batch_of_shape(*(int(x) for x in shape.split("x")))
+            sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+            calls.append((name, shape, lambda r=runner, a=art, b=batch: run_padded(r, b, a.ranges, pad_id,
+                                                                                     r.device), sync))
+    with torch.no_grad():
+        for _ in range(warmup):
+            for _, _, call, _ in calls:
+                call()
+        times: Dict[Tuple[str, str], List[float]] = {(n, s): [] for n, s, _, _ in calls}
+        for _ in range(rounds):
+            for name, shape, call, sync in calls:
+                t0 = time.perf_counter()
+                call()
+                if sync:
+                    sync()
+                times[(name, shape)].append((time.perf_counter() - t0) * 1e3)
+    medians: Dict[str, Dict[str, float]] = {}
+    spread: Dict[str, Dict[str, float]] = {}
+    for (name, shape), ts in times.items():
+        medians.setdefault(name, {})[shape] = round(statistics.median(ts), 3)
+        spread.setdefault(name, {})[shape] = round(_spread(ts), 3)
+    return medians, spread
