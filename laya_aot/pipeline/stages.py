@@ -142,9 +142,9 @@ def _time_together(ctx: BuildContext, serving: Dict[str, Tuple[Any, Artifact]], 
         for shape, batch in ref_batches.items():
             calls.append((name, "x".join(map(str, shape)), lambda r=runner, b=batch: run_padded(
                 r, b, ctx.ranges, ctx.pad_id, r.device), sync))
-    medians, _ = verification.interleaved_ms(calls, ctx.cfg.verify.latency_repeats, warmup=WARMUP_ROUNDS)
+    medians, spread = verification.interleaved_ms(calls, ctx.cfg.verify.latency_repeats, warmup=WARMUP_ROUNDS)
     for name, (_, art) in serving.items():
-        art.latency_ms = {art.device: medians[name]}
+        art.latency_ms, art.latency_spread_ms = {art.device: medians[name]}, {art.device: spread[name]}
 
 
 def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, tensors,
