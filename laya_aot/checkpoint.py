@@ -309,6 +309,18 @@ def read_config(ckpt: str | os.PathLike, name: str = AGENT_CONFIG) -> Dict[str, 
         return json.load(f)
 
 
+def eager_only(ckpt: str | os.PathLike) -> Optional[str]:
+    """Why no artifact can serve this checkpoint, whatever bundle is given (None: one can): laya's
+    option_layout='parallel' masks, which only laya's eager forward computes (the build refuses it too)."""
+    try:
+        layout = read_config(ckpt).get("option_layout", "sequential")
+    except (OSError, ValueError, AttributeError):  # laya's own load says what is wrong with the file
+        return None
+    if layout == "parallel":
+        return "this checkpoint uses option_layout='parallel', which only laya's eager forward runs"
+    return None
+
+
 def resolve(cfg: Any) -> Path:
     """The checkpoint directory a `CheckpointConfig` names by `path` or `hub_id` (the demo's: `demo.resolve`)."""
     if cfg.path:

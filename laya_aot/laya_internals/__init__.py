@@ -26,7 +26,6 @@ from .core import (  # noqa: F401
     is_thin,
     pad_batch,
     pad_id,
-    parallel_options,
     serving_dtype,
     serving_paused,
     set_model,
@@ -84,7 +83,7 @@ __all__ = ["AGENT_NAMES", "APP_CELLS", "AgentWithModel", "Backend", "BackendUnav
            "bucket_tokens", "build_eager_module", "build_router", "check", "context_len", "decode_helpers",
            "decode_numbers", "eager_agent", "embedding_rows", "embedding_rows_short", "encode_texts",
            "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin", "missing_packages",
-           "overloaded_error", "pad_batch", "pad_id", "parallel_options", "predict_call", "render_options", "require",
+           "overloaded_error", "pad_batch", "pad_id", "predict_call", "render_options", "require",
            "resident_agent", "route_decode", "route_host_path", "router_agent_kwargs", "serve_settings",
            "serving_dtype", "serving_paused", "set_model", "state_encoder", "state_text", "stock_decode",
            "thin_agent", "vocab", "with_router"]

@@ -105,10 +105,6 @@ def context_len(agent: Any) -> int:
     return int(agent.cfg.get("max_len", 512))
 
 
-def parallel_options(agent: Any) -> bool:
-    return bool(getattr(agent, "parallel_options", False))
-
-
 def serving_dtype(agent: Any) -> str:
     """The precision laya runs this agent's forward in: its autocast dtype when on, else fp32."""
     if not getattr(agent, "amp_enabled", False):
@@ -369,4 +365,4 @@ def set_model(agent: Any, model: torch.nn.Module) -> None:
 __all__ = ["AgentWithModel", "Backend", "BackendUnavailable", "accelerated", "bucket_rows", "bucket_tokens",
            "build_eager_module", "context_len", "eager_agent", "embedding_rows", "embedding_rows_short",
            "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin", "pad_batch", "pad_id",
-           "parallel_options", "serving_dtype", "serving_paused", "set_model", "thin_agent", "vocab"]
+           "serving_dtype", "serving_paused", "set_model", "thin_agent", "vocab"]

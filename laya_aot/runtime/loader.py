@@ -87,6 +87,8 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
         from ..probe import end_ahead
 
         end_ahead()  # a probe child started ahead has no artifact of this load to probe
+        if session.bundle is not None and session.manifest.tokenizer_snapshot is not None:
+            session.stats.tokenizer_snapshot = "the bundle's not used: the bundle was refused"
         _refused(session, stacklevel=2)
         agent, _ = _agent(session, thin=False, agent_kwargs=agent_kwargs)
         _install_fallback(agent, None, session)
@@ -319,16 +321,11 @@ def _choose(session: LoadSession, agent: Any, eager: Optional["EagerModule"],
 
 def _bundle_refused(session: LoadSession, agent: Any) -> bool:
     """Whether no artifact of the bundle may serve this agent at all (the reason is then the bundle's)."""
-    from .. import laya_internals as laya_api
-
-    if laya_api.parallel_options(agent):
-        session.refuse("this checkpoint uses option_layout='parallel', which only laya's eager forward runs")
-        return True
     t_fp = time.perf_counter()
     why = session.mismatch()
     session.stats.fingerprint_s = round(time.perf_counter() - t_fp, 3)
     if why is not None:
-        session.refuse_foreign(why)
+        session.refuse_other_checkpoint(why)
     return why is not None
 
 

@@ -27,7 +27,7 @@ def measure(session: "LoadSession", rounds: int = ROUNDS, warmup: int = WARMUP) 
     agent, _ = _agent(session, thin=False, agent_kwargs={})
     why = session.mismatch()
     if why is not None:
-        session.refuse_foreign(why)
+        session.refuse_other_checkpoint(why)
         raise ValueError(session.reasons())
     order = session.order(agent)
     trial = Trial(session, agent, None)

@@ -239,18 +239,22 @@ class LoadSession:
         except BundleError as e:
             return cls(ckpt, None, config, [("bundle", str(e))], local)
         session = cls(ckpt, opened, config)
+        eager_only = ckpt_mod.eager_only(ckpt)
+        if eager_only:  # before the files' comparison: no rebuild can serve this checkpoint, its fix would mislead
+            session.refuse(eager_only)
+            return session
         recorded = opened.recorded_files()
         differ = ckpt_mod.differing_small_files(ckpt, recorded) if recorded else []
         if differ:
-            session.refuse_foreign("it was built from another checkpoint than %s (differing: %s)"
-                                   % (ckpt, ", ".join(differ[:5])))
+            session.refuse_other_checkpoint("it was built from another checkpoint than %s (differing: %s)"
+                                            % (ckpt, ", ".join(differ[:5])))
         return session
 
     def refuse(self, why: str) -> None:
         """No artifact of the bundle may serve this agent: `why` is the bundle's reason."""
         self.rejected.append(("bundle", why))
 
-    def refuse_foreign(self, why: str) -> None:
+    def refuse_other_checkpoint(self, why: str) -> None:
         """The bundle was not built from this checkpoint (`why`, in `checkpoint.mismatch`'s words): refused, with the
         fix."""
         self.refuse("%s; its artifacts would give wrong answers: rebuild it with `laya-aot build checkpoint.path=%s`"

@@ -286,5 +286,4 @@ def test_a_refused_bundle_seeds_nothing(demo_ckpt, demo_bundle, tmp_path, monkey
     with pytest.warns(RuntimeWarning, match="built from"):
         agent = laya_aot.load(str(ckpt), bundle=str(demo_bundle), device="cpu")
     assert agent.backend == "eager" and not seeded
-    assert agent.backend_object.stats["tokenizer_snapshot"] == \
-        "the bundle's not used: the bundle was not built from this checkpoint"
+    assert agent.backend_object.stats["tokenizer_snapshot"].startswith("the bundle's not used: the bundle was ")
