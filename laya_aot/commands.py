@@ -345,7 +345,13 @@ def _latencies(per_shape: Dict[str, float]) -> str:
 
 
 def _build_latency(e: Artifact) -> str:
-    return "; ".join("%s %s" % (dev, _latencies(v)) for dev, v in e.latency_ms.items() if v) or "-"
+    """The build's figures, each with its spread (90th minus 10th percentile) where the build recorded one."""
+    def one(dev: str, per_shape: Dict[str, float]) -> str:
+        spread = e.latency_spread_ms.get(dev) or {}
+        return ", ".join("%.2f ms%s @%s" % (ms, " (spread %.2f)" % spread[shape] if shape in spread else "", shape)
+                         for shape, ms in per_shape.items())
+
+    return "; ".join("%s %s" % (dev, one(dev, v)) for dev, v in e.latency_ms.items() if v) or "-"
 
 
 def _cells(r: Dict[str, Any]) -> Dict[str, str]:

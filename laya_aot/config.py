@@ -76,8 +76,9 @@ class VerifyConfig:
     seed: int = 1234
     # the rule every artifact is verified by (laya_aot.numerics.tolerance); stored in the manifest
     tolerance: Tolerance = field(default_factory=Tolerance)
-    # calls per artifact at the reference shape, for the latency the runtime ranks by
-    latency_repeats: int = 5
+    # timed rounds for the latency the runtime ranks by; each round calls every verified serving artifact once on
+    # every reference shape, one after another (pipeline/stages._time_together)
+    latency_repeats: int = 9
 
 
 @dataclass

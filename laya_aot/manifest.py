@@ -178,6 +178,8 @@ class Artifact:
     details: Dict[str, Any] = field(default_factory=dict)
     verify: Optional[VerifyResult] = None
     latency_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # the 90th minus the 10th percentile of the same calls' times (absent in bundles built before it existed)
+    latency_spread_ms: Dict[str, Dict[str, float]] = field(default_factory=dict)
     error: Optional[str] = None
     # every file of the artifact by its path in the bundle (schema 2), and the machine that built it
     files: Dict[str, FileRecord] = field(default_factory=dict)
@@ -453,10 +455,11 @@ def _value_problem(a: Artifact, at: str) -> Optional[str]:
         return bad("build_seconds", "a duration in seconds", a.build_seconds)
     if a.size is not None and a.size < 0:
         return bad("size", "a size in bytes", a.size)
-    for device, figures in a.latency_ms.items():
-        for shape, ms in figures.items():
-            if not seconds(ms):
-                return bad("latency_ms.%s.%s" % (device, shape), "milliseconds", ms)
+    for name, table in (("latency_ms", a.latency_ms), ("latency_spread_ms", a.latency_spread_ms)):
+        for device, figures in table.items():
+            for shape, ms in figures.items():
+                if not seconds(ms):
+                    return bad("%s.%s.%s" % (name, device, shape), "milliseconds", ms)
     return None
 
 

@@ -457,6 +457,39 @@ def verify_artifact(runner, dtype: str, ref: Reference, device: str, label: str 
                              decisions=decisions)
 
 
+Call = Tuple[str, str, Callable[[], Any], Optional[Callable[[], None]]]  # (artifact, shape, call, sync)
+
+
+def interleaved_ms(calls: List[Call], rounds: int, warmup: int
+                   ) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+    """Per artifact and shape, the median ms and the spread (90th minus 10th percentile) over `rounds` rounds, each
+    round making every call once, one after another, after `warmup` untimed rounds. Interleaved, every artifact
+    sees the same moments of a busy machine: timed one artifact after another, a burst of other work fell on one of
+    them and the ranking changed from one build (or bench) to the next."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            for _, _, call, sync in calls:
+                call()
+                if sync:
+                    sync()
+        times: Dict[Tuple[str, str], List[float]] = {(n, s): [] for n, s, _, _ in calls}
+        for _ in range(max(1, rounds)):
+            for name, shape, call, sync in calls:
+                t0 = time.perf_counter()
+                call()
+                if sync:
+                    sync()
+                times[(name, shape)].append((time.perf_counter() - t0) * 1e3)
+    medians: Dict[str, Dict[str, float]] = {}
+    spread: Dict[str, Dict[str, float]] = {}
+    for (name, shape), ts in times.items():
+        ordered = sorted(ts)
+        medians.setdefault(name, {})[shape] = round(statistics.median(ts), 3)
+        spread.setdefault(name, {})[shape] = round(
+            ordered[int(0.9 * (len(ordered) - 1))] - ordered[int(0.1 * (len(ordered) - 1))], 3)
+    return medians, spread
+
+
 def latency_ms(fn: Callable[[], Any], repeats: int, sync: Optional[Callable[[], None]] = None) -> float:
     """Median wall time of `fn` after one warm-up call."""
     fn()

@@ -65,7 +65,7 @@ Keys (KEY=VALUE overrides one value):
   verify.tolerance.near_ties, verify.tolerance.near_tie_pool
                           the statement's near-tie part: up to this many rows whose fp32 top two options are
                           within the 16-bit error (default 512), found among at most this many seeded rows (8192)
-  verify.latency_repeats  calls per artifact when measuring latency
+  verify.latency_repeats  timed rounds of the artifacts' interleaved latency calls
   output_dir              where the bundle goes (default artifacts/<checkpoint name>)
   overwrite               replace output_dir even if laya-aot did not write it (default false)
   jobs                    parallel compile jobs (default: all cores)

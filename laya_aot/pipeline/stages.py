@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 # the calls an artifact's latency is measured on at build (rows, tokens, markers; capped by its ranges): one row
 # short, a few rows medium and, on a GPU, many rows long; the loader ranks artifacts by their sum (select.rank)
 REFERENCE_SHAPES = ((1, 128, 4), (8, 256, 4))
+WARMUP_ROUNDS = 2  # untimed rounds of every serving artifact's calls before the timed ones
 LONG_SHAPE = (32, 512, 4)
 
 
@@ -119,16 +120,35 @@ def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: p
     tensors = model_tensors(model)
     ref = verification.reference(model, ctx.ranges, ctx.vocab, ctx.pad_id, ctx.cfg.verify.seed, tol)
     gpu_agents: Dict[str, Any] = {}
+    serving: Dict[str, Tuple[Any, Artifact]] = {}
     summary = []
     for art in todo:
         line.describe("verify: %s" % art.name)
-        summary.append(_verify_one(ctx, art, ref, ref_batches, tensors, gpu_agents))
+        summary.append(_verify_one(ctx, art, ref, tensors, gpu_agents, serving))
         line.advance()
+    if serving:
+        line.describe("verify: timing %s together" % ", ".join(serving))
+        _time_together(ctx, serving, ref_batches)
     return ", ".join(summary)
 
 
-def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, ref_batches, tensors,
-                gpu_agents: Dict[str, Any]) -> str:
+def _time_together(ctx: BuildContext, serving: Dict[str, Tuple[Any, Artifact]], ref_batches) -> None:
+    """The verified serving artifacts' latencies (ms) on each reference call, padded as the runtime pads it, timed
+    in interleaved rounds (`verification.interleaved_ms`), so that a repeat build on a busy machine ranks them
+    the same."""
+    calls: List[verification.Call] = []
+    for name, (runner, _) in serving.items():
+        sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+        for shape, batch in ref_batches.items():
+            calls.append((name, "x".join(map(str, shape)), lambda r=runner, b=batch: run_padded(
+                r, b, ctx.ranges, ctx.pad_id, r.device), sync))
+    medians, spread = verification.interleaved_ms(calls, ctx.cfg.verify.latency_repeats, warmup=WARMUP_ROUNDS)
+    for name, (_, art) in serving.items():
+        art.latency_ms, art.latency_spread_ms = {art.device: medians[name]}, {art.device: spread[name]}
+
+
+def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, tensors,
+                gpu_agents: Dict[str, Any], serving: Dict[str, Tuple[Any, Artifact]]) -> str:
     """One artifact against the eager fp32 forward: its verdict goes into `art`; returns its summary word."""
     kind = kinds.get(art.kind)
     why_not_here = _cannot_verify_here(kind, art)
@@ -147,8 +167,8 @@ def _verify_one(ctx: BuildContext, art: Artifact, ref: verification.Reference, r
         runner = kind.load(ctx.staging / art.path, art, _load_env(ctx, kind, art, ref, tensors, gpu_agents))
         result = verification.verify_artifact(runner, art.dtype, ref, art.device, label=art.name,
                                               gemm=art.precision.gemm if art.precision else None)
-        if kind.serves:
-            art.latency_ms = {art.device: _latencies(ctx, runner, ref_batches)}
+        if kind.serves and result.passed:  # timed with the others once all are verified
+            serving[art.name] = (runner, art)
     except Exception as e:  # noqa: BLE001 - recorded as this artifact's failure
         result = _not_verified("running it failed: %s: %s" % (type(e).__name__, e))
     result.seconds = round(time.perf_counter() - t0, 3)
@@ -169,14 +189,6 @@ def _load_env(ctx: BuildContext, kind: Kind, art: Artifact, ref: verification.Re
     if not kind.verified_at_build:  # drives laya's own agent: one on this GPU, serving in the artifact's dtype
         env.agent = gpu_agents.get(art.dtype) or gpu_agents.setdefault(art.dtype, _gpu_agent(ctx, art.dtype))
     return env
-
-
-def _latencies(ctx: BuildContext, runner, ref_batches) -> Dict[str, float]:
-    """The artifact's median latency (ms) on each reference call, padded as the runtime pads it."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-    return {"x".join(map(str, shape)): round(latency_ms(
-        lambda r=runner, b=batch: run_padded(r, b, ctx.ranges, ctx.pad_id, r.device), ctx.cfg.verify.latency_repeats,
-        sync), 3) for shape, batch in ref_batches.items()}
 
 
 def _not_verified(reason: str, seconds: Optional[float] = None) -> VerifyResult:

@@ -136,22 +136,13 @@ def store(bundle_sha256: str, arts: Iterable[Artifact], here: "Here", measured: 
     return out
 
 
-def _spread(times: List[float]) -> float:
-    """The 90th minus the 10th percentile: how far a busy moment moved the figures."""
-    ordered = sorted(times)
-    return ordered[int(0.9 * (len(ordered) - 1))] - ordered[int(0.1 * (len(ordered) - 1))]
-
-
 def timed(runners: Dict[str, Tuple[Any, Artifact]], shapes: Dict[str, List[str]], pad_id: int, rounds: int,
-           warmup: int) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+          warmup: int) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
     """Per artifact and shape, the median ms and the spread over `rounds` interleaved rounds (module docstring)."""
-    import statistics
-    import time
-
     import torch
 
     from ..padding import batch_of_shape
-    from ..verification import run_padded
+    from ..verification import interleaved_ms, run_padded
 
     calls = []
     for name, (runner, art) in runners.items():
@@ -160,21 +151,4 @@ def timed(runners: Dict[str, Tuple[Any, Artifact]], shapes: Dict[str, List[str]]
             sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
             calls.append((name, shape, lambda r=runner, a=art, b=batch: run_padded(r, b, a.ranges, pad_id,
                                                                                      r.device), sync))
-    with torch.no_grad():
-        for _ in range(warmup):
-            for _, _, call, _ in calls:
-                call()
-        times: Dict[Tuple[str, str], List[float]] = {(n, s): [] for n, s, _, _ in calls}
-        for _ in range(rounds):
-            for name, shape, call, sync in calls:
-                t0 = time.perf_counter()
-                call()
-                if sync:
-                    sync()
-                times[(name, shape)].append((time.perf_counter() - t0) * 1e3)
-    medians: Dict[str, Dict[str, float]] = {}
-    spread: Dict[str, Dict[str, float]] = {}
-    for (name, shape), ts in times.items():
-        medians.setdefault(name, {})[shape] = round(statistics.median(ts), 3)
-        spread.setdefault(name, {})[shape] = round(_spread(ts), 3)
-    return medians, spread
+    return interleaved_ms(calls, rounds, warmup)

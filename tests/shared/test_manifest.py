@@ -223,3 +223,14 @@ def test_an_export_of_the_context_rounded_up_to_the_token_step_reads_and_one_bey
     m["artifacts"][0]["ranges"]["max_tokens"] = 224
     with pytest.raises(BundleError, match=re.escape("artifacts[0].ranges.max_tokens") + ".*at most 208"):
         Bundle.from_dict(m, kinds.BY_NAME)
+
+
+def test_a_latency_or_its_spread_that_is_not_milliseconds_costs_its_artifact(manifest):
+    """The build's figures rank the artifacts: a negative or endless one marks its own artifact invalid, naming the
+    field, and leaves the others usable."""
+    for field in ("latency_ms", "latency_spread_ms"):
+        m = copy.deepcopy(manifest)
+        m["artifacts"][1][field]["cpu"]["1x128x4"] = -1.0
+        read = Bundle.from_dict(m, kinds.NAMES).artifacts
+        assert "%s.cpu.1x128x4" % field in (read[1].invalid or ""), field
+        assert read[2].invalid is None
