@@ -348,7 +348,7 @@ def _build_latency(e: Artifact) -> str:
     """The build's figures, each with its spread (90th minus 10th percentile) where the build recorded one."""
     def one(dev: str, per_shape: Dict[str, float]) -> str:
         spread = e.latency_spread_ms.get(dev) or {}
-        return ", ".join("%.2f ms%s @%s" % (ms, " (spread %.2f)" % spread[shape] if shape in spread else "", shape)
+        return ", ".join("%.2f ms @%s%s" % (ms, shape, " (spread %.2f)" % spread[shape] if shape in spread else "")
                          for shape, ms in per_shape.items())
 
     return "; ".join("%s %s" % (dev, one(dev, v)) for dev, v in e.latency_ms.items() if v) or "-"

@@ -87,9 +87,9 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
         from ..probe import end_ahead
 
         end_ahead()  # a probe child started ahead has no artifact of this load to probe
+        _refused(session, stacklevel=2)  # strict: raised here, before torch or laya is imported
         if session.bundle is not None and session.manifest.tokenizer_snapshot is not None:
             session.stats.tokenizer_snapshot = "the bundle's not used: the bundle was refused"
-        _refused(session, stacklevel=2)
         agent, _ = _agent(session, thin=False, agent_kwargs=agent_kwargs)
         _install_fallback(agent, None, session)
         return agent
