@@ -699,6 +699,7 @@ def main() -> int:
         gpu = GpuSampler.available()
         for name in servers:
             result["servers"][name] = run_server(name, a, ckpt, bundle, streams, work, gpu)
+            harness.write(a.out, "http_load" + a.tag, result, partial=True)  # a run cut short keeps what it measured
         if a.python:
             result["python"] = run_python(a, ckpt, bundle, streams)
     harness.write(a.out, "http_load" + a.tag, result, markdown(result),
