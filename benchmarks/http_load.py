@@ -585,7 +585,7 @@ def shape_bits(agent: Any, req: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def markdown(r: Dict[str, Any]) -> str:
-    lines = ["Checkpoint: %s; bundle: %s. A shared machine's figures are noisy. Each level runs %.0f s; the client "
+    lines = ["Checkpoint: %s; bundle: %s. A shared machine's figures are noisy. Each level runs %g s; the client "
              "spreads its connections over up to %d processes; its own ceiling against a stub server answering at "
              "once, at %d clients: %.0f requests/s." % (r["checkpoint"], r["bundle"], r["seconds"], r["client_procs"],
                                                        r["client_ceiling"]["clients"], r["client_ceiling"]["rps"]),

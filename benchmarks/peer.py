@@ -29,7 +29,9 @@ Per checkpoint (`--shapes`, laya_aot.demo presets; default large-1024 and base-1
   with the fp32 mode's, over the pool and over its near ties (fp32's top two probabilities within --near-gap),
   which must number at least --min-near (the pool grows with --pool-sets);
 - starts: process start to first answer (a 1x1 call) of `aot` and `cuda`, first start (the mode's own run, its
-  caches empty) and --starts later starts (the same caches, bytecode written by the first).
+  caches empty) and --starts later starts (the same caches, bytecode written by the first: every process writes its
+  bytecode under --bytecode, also where the host's environment sets PYTHONDONTWRITEBYTECODE, as a pip install
+  leaves bytecode beside each module).
 
 `--device cpu` runs the torch modes on the CPU with a CPU bundle (`--build-args` there: no AOTInductor needed), for
 checking this script where no GPU is (tests/bench_scripts/test_peer.py); laya-cuda needs CUDA and is skipped.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -411,6 +414,7 @@ def main() -> None:
     ap.add_argument("--near-gap", type=float, default=0.05)
     ap.add_argument("--min-near", type=int, default=2000)
     ap.add_argument("--starts", type=int, default=3, help="later starts of aot and cuda")
+    ap.add_argument("--bytecode", default="", help="PYTHONPYCACHEPREFIX of every process (default: --work/pyc)")
     ap.add_argument("--timeout", type=float, default=300, help="per mode, seconds")
     ap.add_argument("--budget-s", type=float, default=540, help="start no step once this is spent")
     ap.add_argument("--child")
@@ -430,6 +434,9 @@ def main() -> None:
 def run(a: argparse.Namespace) -> Dict[str, Any]:
     t_end = time.time() + a.budget_s
     work, out = Path(a.work), Path(a.out)
+    # a host image may set PYTHONDONTWRITEBYTECODE: then no later start would find bytecode, unlike a pip install's
+    os.environ["PYTHONPYCACHEPREFIX"] = str(Path(a.bytecode or work / "pyc").resolve())
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     out.mkdir(parents=True, exist_ok=True)
     shapes = [s for s in a.shapes.split(",") if s]
     res: Dict[str, Any] = {"device": a.device, "shapes": {}, "complete": False}
