@@ -79,3 +79,15 @@ def test_a_mode_runs_in_its_own_process_on_the_cpu(peer, demo_ckpt, tmp_path):
     modes = {"fp32": json.loads((tmp_path / "fp32.json").read_text()), "eager": saved}
     d = peer.decisions(modes, 1.0)
     assert d["pool"] == d["near_ties"] == 72 and d["eager"]["overall"] == [72, 72]  # CPU: laya eager is fp32
+
+
+def test_the_plot_pairs_laya_aot_with_laya_cuda_s_faster_mode():
+    rows = load_script("plot_peer").rows({
+        "aot": {"calls_ms": {"1x1": 2.0, "8x3": 8.0}, "stream": {"p50_ms": 9.0, "p95_ms": 15.0}},
+        "cuda": {"calls_ms": {"1x1": 1.5, "8x3": 25.0}, "stream": {"p50_ms": 13.0}},
+        "cuda-batch": {"calls_ms": {"8x3": 18.0}},
+        "eager": {"calls_ms": {"1x1": 25.0}}})
+    assert rows == [("1x1", {"eager": 25.0, "aot": 2.0, "cuda": 1.5}),
+                    ("8x3", {"eager": None, "aot": 8.0, "cuda": 18.0}),
+                    ("stream p50", {"eager": None, "aot": 9.0, "cuda": 13.0}),
+                    ("stream p95", {"eager": None, "aot": 15.0, "cuda": None})]
