@@ -508,15 +508,21 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
                     for c in a.clients:  # warm-up: every level's call shapes seen (and captured) before
                         _callers(submit, reqs, c, min(1.0, a.seconds))
                     for c in a.clients:
+                        before = _graph_counts(agent) if name == "laya-aot Batcher" else None
                         lv = _callers(submit, reqs, c, a.seconds)
                         kept = lv.pop("answers")
                         lv["decisions_differ"] = sum(1 for i, ans in kept if decisions(ans["answers"]) != ref[i])
                         lv["decisions_checked"] = len(kept)
+                        if before is not None:  # what the level's calls did with CUDA graphs (captures' seconds)
+                            lv["cuda_graphs"] = {k: round(v - before.get(k, 0), 3)
+                                                 for k, v in _graph_counts(agent).items() if v != before.get(k, 0)}
                         levels.append(lv)
                         print("%-22s %-6s %4d callers: %7.1f req/s  p50 %7.1f ms  p99 %7.1f ms  errors %d  "
-                              "decisions differ %d/%d" % (name, stream, c, lv["rps"], lv["p50_ms"] or -1,
-                                                           lv["p99_ms"] or -1, lv["errors"], lv["decisions_differ"],
-                                                           lv["decisions_checked"]), flush=True)
+                              "decisions differ %d/%d%s" % (name, stream, c, lv["rps"], lv["p50_ms"] or -1,
+                                                             lv["p99_ms"] or -1, lv["errors"], lv["decisions_differ"],
+                                                             lv["decisions_checked"],
+                                                             "  graphs %s" % lv["cuda_graphs"] if before else ""),
+                              flush=True)
                     out.setdefault(stream, {})[name] = levels
         finally:
             if cuda is not None:
@@ -525,6 +531,12 @@ def run_python(a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]
     out["backend_stats"] = {k: v for k, v in agent.backend_object.stats.items() if k != "host_path"}
     out["shape_bits"] = shape_bits(agent, short_requests()[0])
     return out
+
+
+def _graph_counts(agent: Any) -> Dict[str, float]:
+    """The agent's CUDA graph counters now (numbers only; none without graphs)."""
+    graphs = agent.backend_object.stats.get("cuda_graphs") or {}
+    return {k: v for k, v in graphs.items() if isinstance(v, (int, float))}
 
 
 def shape_bits(agent: Any, req: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -620,14 +632,15 @@ def markdown(r: Dict[str, Any]) -> str:
                   "laya-aot backend: %s.%s" % (p.get("laya_aot_backend"),
                                               " laya-cuda: %s." % p["laya_cuda"] if "laya_cuda" in p else ""),
                   "`decisions differ`: against the same engine's answer to the request sent alone first.", "",
-                  "| engine | stream | callers | requests/s | p50 ms | p99 ms | errors | decisions differ |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| engine | stream | callers | requests/s | p50 ms | p99 ms | errors | decisions differ | "
+                  "CUDA graphs in the level |", "|---|---|---|---|---|---|---|---|---|"]
         for stream in r["streams"]:
             for name, levels in (p.get(stream) or {}).items():
                 for lv in levels:
-                    lines.append("| %s | %s | %d | %.1f | %s | %s | %d | %d / %d |" % (
+                    lines.append("| %s | %s | %d | %.1f | %s | %s | %d | %d / %d | %s |" % (
                         name, stream, lv["callers"], lv["rps"], lv["p50_ms"], lv["p99_ms"], lv["errors"],
-                        lv["decisions_differ"], lv["decisions_checked"]))
+                        lv["decisions_differ"], lv["decisions_checked"],
+                        ", ".join("%s %s" % kv for kv in lv.get("cuda_graphs", {}).items()) or "-"))
         if p.get("backend_stats"):
             lines += ["", "laya-aot Batcher's artifact calls: %s" % _calls(p["backend_stats"])]
         if p.get("shape_bits"):

@@ -42,7 +42,7 @@ def test_second_call_of_a_small_shape_is_captured_and_then_replayed():
     calls = []
     g = GraphedCalls(_fn(calls), max_tokens=256, graph_factory=FakeGraph)
     first = g(*_inputs(1, 128))
-    assert g.stats == {"graphs": 0}
+    assert g.stats == {"graphs": 0, "plain_rare": 1}
     second = g(*_inputs(1, 128))
     assert g.stats["captured"] == 1 and g.stats["graphs"] == 1
     third = g(*_inputs(1, 128, value=3))   # new values, same shape: a replay on the new inputs
@@ -54,7 +54,7 @@ def test_large_shapes_are_never_captured():
     g = GraphedCalls(_fn([]), max_tokens=256, graph_factory=FakeGraph)
     for _ in range(3):
         g(*_inputs(4, 128))          # 512 tokens > 256
-    assert g.stats == {"graphs": 0}
+    assert g.stats == {"graphs": 0, "plain_large": 3}
 
 
 def test_a_failing_capture_leaves_plain_calls_and_says_why():
@@ -198,3 +198,117 @@ def test_a_capture_is_checked_by_a_replay_that_takes_the_callers_inputs_and_give
         g(*_inputs(1, 16), out_device=cpu)
     assert seen == [("cpu", cpu)] and g.stats.get("refusals") == 1 and not g._graphs
 
+
+
+def test_a_call_past_the_launch_bound_is_neither_stepped_nor_captured():
+    """By default a graph replays only calls of at most 2,048 rows x tokens (where a replay stops saving launch
+    time, `graphs.MAX_TOKENS`): a mixed stream's long calls run plain at their own shape, unpadded."""
+    from laya_aot.padding import Ranges
+
+    ranges = Ranges(min_rows=1, max_rows=64, min_tokens=16, max_tokens=1024, min_markers=2, max_markers=64)
+    made = []
+    g = GraphedCalls(_fn([]), graph_factory=lambda fn, x, pool: made.append(1) or FakeGraph(fn, x, pool))
+    assert g.shape_for(3, 800, 3, ranges) is None              # 3 x 896 cells: plain, its own shape
+    assert g.shape_for(5, 400, 3, ranges) is None
+    assert g.shape_for(3, 100, 3, ranges) == (3, 112, 3)       # a short request's call: stepped, replayed
+    for _ in range(4):
+        g(*_inputs(2, 1040))
+    assert not made and g.stats["plain_large"] == 4
+
+
+def test_small_recurring_calls_are_still_captured_on_their_second_call_and_replayed():
+    """A short stream's calls (a few stepped shapes of a few hundred cells) keep their graphs under the default
+    policy: each shape captured on its second call, every later call replayed."""
+    g = GraphedCalls(_fn([]), graph_factory=FakeGraph)
+    for _ in range(20):
+        for rows in (3, 24, 48):
+            g(*_inputs(rows, 32))
+    assert g.stats["captured"] == 3 and g.stats["replays"] == 3 * 18 and g.stats["plain_rare"] == 3
+
+
+def test_a_shape_rarer_than_a_graphs_life_is_never_captured():
+    """A shape whose calls come further apart than `stale_calls` calls would not be replayed before its graph could
+    be dropped: it runs plain (`plain_rare`), however many times it comes in all."""
+    made = []
+    g = GraphedCalls(_fn([]), stale_calls=16, graph_factory=lambda fn, x, pool: made.append(1) or
+                     FakeGraph(fn, x, pool))
+    for i in range(5):
+        g(*_inputs(1, 16))                                      # the rare shape
+        for tokens in range(32, 32 + 16 * 20, 16):              # 20 calls of shapes seen once each in between
+            g(*_inputs(i + 2, tokens))
+    assert not made and g.stats["plain_rare"] == 5 * 21
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_captures_under_churn_take_at_most_their_share_of_the_time():
+    """Mixed traffic: merged calls of ever new shapes, each recurring now and then, and captures that cost as much as
+    50 plain calls. Every shape seen twice was captured before, each capture stopping the GPU (64 captures, 16 s of
+    the 20 s); now captures take at most CAPTURE_SHARE of the time after a burst, and the rest run plain, counted."""
+    from laya_aot.kinds import graphs
+
+    clock = _Clock()
+
+    def fn(ids, att):
+        clock.now += 0.005                                     # a plain call: 5 ms
+        return (ids.float().sum(1, keepdim=True), att.float().mean(1))
+
+    def slow_capture(fn_, inputs, pool):
+        clock.now += 0.25
+        return FakeGraph(fn_, inputs, pool)
+
+    g = GraphedCalls(fn, graph_factory=slow_capture, clock=clock)
+    shapes = [(rows, 16 * t) for rows in range(1, 11) for t in range(1, 21)]   # 200 shapes, all small
+    for i in range(4000):
+        rows, tokens = shapes[(i * 7) % len(shapes)]
+        g(*_inputs(rows, tokens))
+    stats = g.stats
+    assert stats["capture_s"] <= graphs.CAPTURE_BURST_S + graphs.CAPTURE_SHARE * clock.now + 0.25
+    assert stats["plain_capture_budget"] > 0 and stats["captured"] < 20 and stats["replays"] > 0
+
+
+def test_a_capture_leaves_the_allocators_caches_and_reports_its_own_error(monkeypatch):
+    """`_Graph` captures without torch.cuda.graph's emptying of the allocator's caches (every plain call after a
+    capture allocated its blocks again from the driver), in thread_local mode; a call that fails mid-capture ends the
+    capture and raises its own error, so that running out of memory is still recognised (`_capture`)."""
+    import contextlib
+
+    from laya_aot.kinds import graphs
+
+    events = []
+
+    class Graph:
+        def capture_begin(self, **kw):
+            events.append(("begin", kw))
+
+        def capture_end(self):
+            events.append(("end",))
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    def emptied(*a):
+        raise AssertionError("the allocator's cache was emptied")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "empty_cache", emptied)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", emptied, raising=False)
+    monkeypatch.setattr(graphs, "_capture_stream", lambda device: None)
+
+    def short(*inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    try:
+        graphs._Graph(short, _inputs(1, 16), pool=None)
+    except torch.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("the capture's own error was not raised")
+    assert events == [("begin", {"capture_error_mode": "thread_local"}), ("end",)]
