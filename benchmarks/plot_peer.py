@@ -1,17 +1,18 @@
 """A PNG of `peer.py`'s calls: per checkpoint, each call's median time for laya eager, laya-aot and laya-cuda's
 faster mode, on a log scale, with laya-aot's ratio to laya-cuda over its bar.
 
-    python benchmarks/plot_peer.py PEER.json [PEER.json ...] --png docs/img/peer_calls.png
+    python benchmarks/plot_peer.py PEER.json [PEER.json ...] [--png docs/img/peer_calls.png]
 
 Each PEER.json is what `peer.py` wrote (peer<tag>.json); every checkpoint in them gets a panel. Needs matplotlib
 (not a dependency of laya-aot: `pip install matplotlib`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+import harness
 
 PATHS = (("eager", "laya eager"), ("aot", "laya-aot"), ("cuda", "laya-cuda"))
 COLORS = {"eager": "#b0b0b0", "aot": "#1f6fb4", "cuda": "#e07b2a"}
@@ -66,17 +67,18 @@ def plot(shapes: Dict[str, Dict[str, dict]], dst: Path, title: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", type=Path)
-    ap.add_argument("--png", type=Path, required=True)
+    ap = harness.parser(__doc__)
+    ap.add_argument("results", nargs="+", type=Path, help="peer.py's peer<tag>.json, one or more")
+    ap.add_argument("--png", type=Path, help="where the plot goes (default: peer_calls<tag>.png in --out)")
     ap.add_argument("--title", default="laya eager, laya-aot and laya-cuda, one GPU, one run per checkpoint")
     a = ap.parse_args()
     shapes: Dict[str, Dict[str, dict]] = {}
     for path in a.results:
         for shape, s in json.loads(path.read_text())["shapes"].items():
             shapes[shape] = s["modes"]
-    plot(shapes, a.png, a.title)
-    print("wrote", a.png)
+    dst = a.png or a.out / ("peer_calls%s.png" % a.tag)
+    plot(shapes, dst, a.title)
+    print("wrote", dst)
 
 
 if __name__ == "__main__":
