@@ -552,7 +552,8 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, machines: Dict[str
 
     from . import kinds, verification
     from .bundle_format import artifact_path
-    from .variant import current_machine, mismatch
+    from .kinds.usable import machine_misfit
+    from .variant import current_machine
 
     if e.invalid:  # values no build writes: the entry is not trusted enough to run
         t.add_row(e.name, "-", "[red]INVALID[/] its manifest entry: %s" % e.invalid)
@@ -576,7 +577,7 @@ def _verify_one(a: argparse.Namespace, e: Artifact, t: Table, machines: Dict[str
         return 0
     if e.device not in machines:
         machines[e.device] = current_machine(e.device)
-    misfit = mismatch(e.needs, machines[e.device])
+    misfit = machine_misfit(e, machines[e.device])
     if misfit:  # a merged bundle holds artifacts for other machines (another torch, GPU or CPU)
         t.add_row(e.name, "ok", "not run here: %s" % misfit)
         return 0

@@ -166,12 +166,11 @@ def isa_satisfies(have: str, need: str) -> bool:
 
 
 def mismatch(needs: "Needs", m: Machine) -> Optional[str]:
-    """Why a machine `m` cannot run an artifact that needs `needs`, or None when it can."""
+    """Why a machine `m` cannot run an artifact that needs `needs` by the facts every kind shares (torch's minor
+    version and ABI, the CPU or GPU, CUDA, the platform), or None when it can; what a kind alone needs is its own
+    `Kind.misfit`, asked first (`kinds.usable.machine_misfit`)."""
     needs = {k: v for k, v in asdict(needs).items() if v is not None}
     why = []
-    exact = _exact_build_mismatch(needs, m)
-    if exact:  # the precompiled function's own key, which includes torch's minor version: one reason, its fix
-        return exact
     if needs.get("torch") and torch_tag(str(needs["torch"])) != torch_tag(m.torch):
         why.append(torch_fix("built for torch %s, this process has torch %s" % (needs["torch"], m.torch),
                              str(needs["torch"])))
@@ -202,40 +201,16 @@ def torch_fix(why: str, torch: str) -> str:
             "torch (`laya-aot build`)" % (why, torch.split("+")[0]))
 
 
-SOFTWARE = ("torch", "cxx11_abi", "cuda", "torch_build", "python_build", "triton", "traced_packages")
+SOFTWARE = ("torch", "cxx11_abi", "cuda")
 
 
 def with_software_of(m: Machine, needs: "Needs") -> Machine:
     """`m` with the installed software an artifact needing `needs` was built with (torch and its C++ ABI and CUDA
-    runtime, Python, triton, the traced packages); its hardware stays `m`'s. An artifact `mismatch` refuses on `m`
-    but not on this is refused for what an install changes, not for the machine."""
+    runtime); its hardware stays `m`'s. An artifact `mismatch` refuses on `m` but not on this is refused for what
+    an install changes, not for the machine (what its kind alone needs says so itself: `Misfit.software`)."""
     got = {k: getattr(needs, k) for k in SOFTWARE if getattr(needs, k) is not None}
     if "torch" in got:
         got["torch"] = str(got["torch"]).split("+")[0]
     if m.cuda is None:
         got.pop("cuda", None)  # no GPU here: no CUDA runtime to match; a CUDA artifact is refused for the GPU
     return replace(m, **got)
-
-
-def _exact_build_mismatch(needs: Dict[str, object], m: Machine) -> Optional[str]:
-    """Why `m` is not the exact build a precompiled function was compiled on (None: it is, or `needs` does not
-    ask). torch refuses such a function on load (or worse, runs kernels built for another GPU); this says it
-    before anything is loaded."""
-    facts = (("torch_build", "torch", m.torch_build), ("python_build", "Python", m.python_build))
-    if needs.get("device") == "cuda":
-        facts += (("triton", "triton", m.triton), ("gpu_name", "GPU", m.gpu_name))
-    diffs = ["%s %s, this process has %s" % (what, needs[key], have or "none")
-             for key, what, have in facts if needs.get(key) and str(needs[key]) != have]
-    if diffs:
-        return ("a precompiled function runs only on the exact build it was compiled on (%s): rebuild the compile "
-                "route with this machine's torch (`laya-aot build` here)" % "; ".join(diffs))
-    if not needs.get("traced_packages"):
-        return None
-    want = dict(p.split("==", 1) for p in str(needs["traced_packages"]).split())
-    have = dict(p.split("==", 1) for p in (m.traced_packages or traced_packages()).split())
-    diffs = ["%s %s, this process has %s" % (name, v, have.get(name, "none"))
-             for name, v in want.items() if have.get(name, "none") != v]
-    if not diffs:
-        return None
-    return ("a precompiled function runs only with the packages whose code it traced (%s): rebuild the compile "
-            "route with this process's packages (`laya-aot build` here)" % "; ".join(diffs))

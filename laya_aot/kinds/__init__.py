@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, List
 
 if TYPE_CHECKING:
-    from .base import BuildContext, Built, Exported, Incoming, Kind, LoadEnv, Runner, Skip, model_tensors
+    from .base import BuildContext, Built, Exported, Incoming, Kind, LoadEnv, Misfit, Runner, Skip, model_tensors
     from .registry import BY_NAME, NAMES, PORTABLE, REGISTRY, RUNTIME_ORDER, get, load, runtime_kinds
 
-_FROM_BASE = ("BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "Runner", "Skip", "model_tensors")
+_FROM_BASE = ("BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "Misfit", "Runner", "Skip",
+              "model_tensors")
 _FROM_REGISTRY = ("BY_NAME", "NAMES", "PORTABLE", "REGISTRY", "RUNTIME_ORDER", "get", "load", "runtime_kinds")
 
 
@@ -36,5 +37,5 @@ def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "NAMES", "PORTABLE",
+__all__ = ["BY_NAME", "BuildContext", "Built", "Exported", "Incoming", "Kind", "LoadEnv", "Misfit", "NAMES", "PORTABLE",
            "REGISTRY", "RUNTIME_ORDER", "Runner", "Skip", "get", "load", "model_tensors", "runtime_kinds"]

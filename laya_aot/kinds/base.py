@@ -195,6 +195,16 @@ class BuildContext:
         return art
 
 
+@dataclass(frozen=True)
+class Misfit:
+    """Why a machine cannot run an artifact for what its kind alone needs of it (`Kind.misfit`)."""
+
+    # the reason, with its fix
+    why: str
+    # an install fixes it (a library's version, torch's exact build); False: this machine's hardware never will
+    software: bool = True
+
+
 def native_needs(m: Machine, device: str) -> Needs:
     """What compiled native code needs: this torch build and ABI, and the CPU ISA or GPU architecture."""
     if device == "cpu":
@@ -237,6 +247,10 @@ class Kind:
     interchangeable: bool = False
     needs: Callable[[Machine, str], Needs] = native_needs
     variant: Callable[[Machine, str], str] = native_variant
+    # what the kind alone needs of a machine beyond the shared facts `variant.mismatch` compares (a library's
+    # version, the exact build a precompiled function is bound to), recorded in its `needs` or its `details`:
+    # misfit(artifact, machine) -> why not, with the fix (None: it fits). Asked first; its reason is the only one
+    misfit: Callable[[Artifact, Machine], Optional[Misfit]] = lambda art, machine: None
     # why an agent on this device should not use it even when the machine fits (None: it may)
     refuse_device: Callable[[str], Optional[str]] = lambda device: None
     # runs laya's own module (its weights, its forward): the loader builds laya's eager module first

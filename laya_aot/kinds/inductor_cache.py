@@ -6,8 +6,8 @@ The build compiles the explicit-dtype model once, as one graph with dynamic rows
 and calls it: no Dynamo trace, no AOTAutograd, no Inductor (a saved Inductor cache still left Dynamo's trace
 and AOTAutograd to every start: 10 s of a ModernBERT-large start on an H200). Its guards are saved with it,
 so a batch outside them is one error, never a recompile. Such a function is bound to the exact torch, Python,
-triton and GPU it was compiled on: its `Needs` say so (`precompiled_needs`), and the loader refuses it
-elsewhere before loading anything. The function takes laya's module as its argument (its weights are read from
+triton and GPU it was compiled on: its `Needs` say so (`precompiled_needs`), and `misfit` refuses it
+elsewhere before anything is loaded. The function takes laya's module as its argument (its weights are read from
 it at each call), and loading it needs a transformers model instance in the process anyway: its saved guards
 check the key order of transformers' `_CAN_RECORD_REGISTRY`, which a model's construction fills (in a process
 without one, building the guards fails with an IndexError). So this route cannot start without laya's module.
@@ -42,7 +42,8 @@ from ..manifest import Artifact, Needs
 from ..modeling.model import ExplicitDtypeModel
 from ..numerics.dtypes import torch_dtype
 from ..padding import Ranges
-from .base import BuildContext, Built, Exported, Kind, LoadEnv, Outputs, Runner, Skip
+from ..variant import Machine, traced_packages
+from .base import BuildContext, Built, Exported, Kind, LoadEnv, Misfit, Outputs, Runner, Skip
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def _aot_compile_enabled() -> Iterator[None]:
 def _system_of(fn, device: str) -> Dict[str, Optional[str]]:
     """What torch checks before it runs a precompiled function (`SystemInfo`), as `Needs` fields; from the function
     itself where this torch records it there, else from this process."""
-    from ..variant import current_machine, traced_packages
+    from ..variant import current_machine
 
     m = current_machine(device)
     info = getattr(getattr(fn, "_artifacts", None), "system_info", None)
@@ -284,7 +285,7 @@ def _system_of(fn, device: str) -> Dict[str, Optional[str]]:
 
 def precompiled_needs(needs: Needs, system: Dict[str, Optional[str]]) -> Needs:
     """`needs` bound to the exact build the function was compiled on and the packages it traced
-    (`variant.mismatch` refuses any other); the GPU's facts only for a CUDA artifact, as torch checks them only
+    (`misfit` refuses any other); the GPU's facts only for a CUDA artifact, as torch checks them only
     there."""
     gpu = needs.device == "cuda"
     return dataclasses.replace(needs, torch_build=system["torch_build"], python_build=system["python_build"],
@@ -568,10 +569,37 @@ def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
     return load_runner(path, env.model, env.device)
 
 
+def misfit(art: Artifact, m: Machine) -> Optional[Misfit]:
+    """Why `m` is not the exact build a precompiled function was compiled on, or lacks the packages whose code it
+    traced (None: it is, or `art.needs` does not ask: an Inductor cache, every bundle built before). torch refuses
+    such a function on load (or worse, runs kernels built for another GPU); this says it before anything is
+    loaded, as one reason (the exact build includes torch's minor version) with its fix."""
+    needs = art.needs
+    facts = [("torch_build", "torch", m.torch_build), ("python_build", "Python", m.python_build)]
+    if needs.device == "cuda":
+        facts += [("triton", "triton", m.triton), ("gpu_name", "GPU", m.gpu_name)]
+    differ = [(key, "%s %s, this process has %s" % (what, getattr(needs, key), have or "none"))
+              for key, what, have in facts if getattr(needs, key) and str(getattr(needs, key)) != have]
+    if differ:
+        return Misfit("a precompiled function runs only on the exact build it was compiled on (%s): rebuild the "
+                      "compile route with this machine's torch (`laya-aot build` here)"
+                      % "; ".join(d for _, d in differ), software=all(key != "gpu_name" for key, _ in differ))
+    if not needs.traced_packages:
+        return None
+    want = dict(p.split("==", 1) for p in needs.traced_packages.split())
+    have = dict(p.split("==", 1) for p in (m.traced_packages or traced_packages()).split())
+    diffs = ["%s %s, this process has %s" % (name, v, have.get(name, "none"))
+             for name, v in want.items() if have.get(name, "none") != v]
+    if not diffs:
+        return None
+    return Misfit("a precompiled function runs only with the packages whose code it traced (%s): rebuild the "
+                  "compile route with this process's packages (`laya-aot build` here)" % "; ".join(diffs))
+
+
 # not native: Python plus Triton kernels (a precompiled function too: torch checks its build before it runs a
 # kernel, and the manifest's needs before that); loaded in-process, where a failure is an exception the loader
 # catches like any other
-KIND = Kind(name=NAME, stage=STAGE, build=build, load=load, order=2, reverify=False, needs_module=True)
+KIND = Kind(name=NAME, stage=STAGE, build=build, load=load, order=2, reverify=False, needs_module=True, misfit=misfit)
 
 
 if __name__ == "__main__":

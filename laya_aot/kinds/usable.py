@@ -2,8 +2,8 @@
 
 Used by the loader's selection (`runtime/select.py`), `laya-aot inspect` and fetching (`distribution/fetch.py`,
 which downloads only the artifacts this machine can use), so it sits below them; `default_device` is the
-one place that picks cuda or cpu when no device is given. It reads the manifest, the kinds' facts, the
-machine's variant and laya's precision policy, never an artifact's bytes.
+one place that picks cuda or cpu when no device is given. It reads the manifest, the kinds' facts (what each
+alone needs of a machine: `Kind.misfit`), the machine's variant and laya's precision policy, never an artifact's bytes.
 """
 from __future__ import annotations
 
@@ -70,21 +70,36 @@ def usable_here(manifest: Bundle, device: Optional[str] = None) -> Tuple[List[Ar
 
 def refused_for_software(arts: Iterable[Artifact], h: Here) -> List[Tuple[str, str]]:
     """(name, reason) of each artifact of `arts` refused here only for this process's software (torch, its CUDA
-    runtime, Python, the traced packages): with what it was built with installed, it could serve. A load stops at
-    the first artifact that serves and never examines these; `laya-aot serve` and `laya-aot demo` name them, with
-    the fix, beside the load's own reasons."""
+    runtime, what its kind alone needs and says an install fixes, `Misfit.software`): with what it was built with
+    installed, it could serve. A load stops at the first artifact that serves and never examines these; `laya-aot
+    serve` and `laya-aot demo` name them, with the fix, beside the load's own reasons."""
     out: List[Tuple[str, str]] = []
     for art in arts:
         why = h.reject_reason(art)
-        if why is not None and reject_reason(art, with_software_of(h.machine, art.needs), h.device_type,
-                                             h.serving) is None:
+        if why is None:
+            continue
+        own = kinds.get(art.kind).misfit(art, h.machine)
+        if (own is None or own.software) and _reject(art, with_software_of(h.machine, art.needs), h.device_type,
+                                                     h.serving, own_needs=False) is None:
             out.append((art.name, why))
     return out
+
+
+def machine_misfit(art: Artifact, machine: Machine) -> Optional[str]:
+    """Why `machine` cannot run `art` (None: it can): what its kind alone needs first, whose reason names its own
+    fix and is the only one (`Kind.misfit`), else the facts every kind shares (`variant.mismatch`)."""
+    own = kinds.get(art.kind).misfit(art, machine)
+    return own.why if own else mismatch(art.needs, machine)
 
 
 def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str) -> Optional[str]:
     """Why `art` cannot serve an agent on `agent_device` that laya runs in `serving_dtype`, from the manifest
     alone (None: it may)."""
+    return _reject(art, machine, agent_device, serving_dtype, own_needs=True)
+
+
+def _reject(art: Artifact, machine: Machine, agent_device: str, serving_dtype: str, own_needs: bool) -> Optional[str]:
+    """`reject_reason`; without `own_needs`, what the artifact's kind alone needs of a machine is taken as met."""
     if art.invalid:  # the reader found values no build writes in this entry: this artifact only is out
         return "its manifest entry is invalid (%s); rebuild the bundle with `laya-aot build`" % art.invalid
     kind = kinds.get(art.kind)
@@ -104,5 +119,6 @@ def reject_reason(art: Artifact, machine: Machine, agent_device: str, serving_dt
         return refused
     if art.needs.device != agent_device:
         return "built for %s, the agent runs on %s" % (art.needs.device, agent_device)
-    return mismatch(art.needs, machine) or precision.why_not(str(art.dtype), serving_dtype, agent_device,
-                                                             art.precision.gemm if art.precision else None)
+    misfit = machine_misfit(art, machine) if own_needs else mismatch(art.needs, machine)
+    return misfit or precision.why_not(str(art.dtype), serving_dtype, agent_device,
+                                       art.precision.gemm if art.precision else None)

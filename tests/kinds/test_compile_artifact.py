@@ -317,27 +317,38 @@ def _set_version(packages: str, name: str, version: str) -> str:
     return " ".join("%s==%s" % (n, version if n == name else v) for n, v in (p.split("==") for p in packages.split()))
 
 
+def _compile_misfit(needs, machine):
+    """Why `machine` cannot run a compile artifact needing `needs`: the compile kind's own need (`Kind.misfit`),
+    else the shared facts, as selection asks."""
+    from laya_aot.kinds.usable import machine_misfit
+    from laya_aot.manifest import Artifact
+
+    return machine_misfit(Artifact(name="compile", kind="compile", status="verified", device=needs.device,
+                                   needs=needs), machine)
+
+
 def test_a_gpu_artifact_needs_the_gpu_name_and_triton_it_was_compiled_with():
     from dataclasses import replace
 
     from laya_aot.manifest import Needs
-    from laya_aot.variant import Machine, mismatch
+    from laya_aot.variant import Machine
 
     needs = Needs(device="cuda", torch="2.11.0", cxx11_abi=True, gpu_arch="sm_90", cuda="13.0", machine="x86_64",
                   os="linux", torch_build="2.11.0+cu130", python_build="3.12.3", triton="3.5", gpu_name="NVIDIA H200")
     h200 = Machine(torch="2.11.0", cxx11_abi=True, cpu_isa="AVX512", cuda="13.0", gpu_arch="sm_90", machine="x86_64",
                    os="linux", python="3.12", torch_build="2.11.0+cu130", python_build="3.12.3", triton="3.5",
                    gpu_name="NVIDIA H200")
-    assert mismatch(needs, h200) is None
+    assert _compile_misfit(needs, h200) is None
     h100 = replace(h200, gpu_name="NVIDIA H100 80GB HBM3")
-    assert mismatch(needs, h100) == (
+    assert _compile_misfit(needs, h100) == (
         "a precompiled function runs only on the exact build it was compiled on (GPU NVIDIA H200, this process has "
         "NVIDIA H100 80GB HBM3): rebuild the compile route with this machine's torch (`laya-aot build` here)")
-    why = mismatch(needs, replace(h200, torch="2.13.0", torch_build="2.13.0+cu130", triton="3.9"))
+    why = _compile_misfit(needs, replace(h200, torch="2.13.0", torch_build="2.13.0+cu130", triton="3.9"))
     assert "torch 2.11.0+cu130, this process has 2.13.0+cu130; triton 3.5, this process has 3.9" in why
     assert "built for torch" not in why  # one reason: the exact build's, not the minor version's as well
     # an artifact without those fields (every bundle built before) is compared as before
-    assert mismatch(replace(needs, torch_build=None, python_build=None, triton=None, gpu_name=None), h100) is None
+    unbound = replace(needs, torch_build=None, python_build=None, triton=None, gpu_name=None)
+    assert _compile_misfit(unbound, h100) is None
 
 
 def test_the_exact_build_fields_are_read_and_checked_by_the_manifest_reader():
@@ -558,18 +569,18 @@ def test_a_precompiled_function_needs_the_packages_it_traced():
     from dataclasses import replace
 
     from laya_aot.manifest import Needs
-    from laya_aot.variant import Machine, mismatch
+    from laya_aot.variant import Machine
 
     built = "laya==0.4.15 transformers==5.25.0 kernels==0.19.1"
     needs = Needs(device="cpu", torch="2.13.0", torch_build="2.13.0+cpu", python_build="3.11.7", traced_packages=built)
     here = Machine(torch="2.13.0", cxx11_abi=True, cpu_isa="AVX512", cuda=None, gpu_arch=None, machine="x86_64",
                    os="linux", python="3.11", torch_build="2.13.0+cpu", python_build="3.11.7", traced_packages=built)
-    assert mismatch(needs, here) is None
+    assert _compile_misfit(needs, here) is None
     older = replace(here, traced_packages="laya==0.4.15 transformers==5.24.0 kernels==none")
-    assert mismatch(needs, older) == (
+    assert _compile_misfit(needs, older) == (
         "a precompiled function runs only with the packages whose code it traced (transformers 5.25.0, this process "
         "has 5.24.0; kernels 0.19.1, this process has none): rebuild the compile route with this process's packages "
         "(`laya-aot build` here)")
-    assert mismatch(replace(needs, traced_packages=None), older) is None
+    assert _compile_misfit(replace(needs, traced_packages=None), older) is None
     # another torch build is the first reason, alone
-    assert "exact build" in mismatch(needs, replace(older, torch_build="2.13.1+cpu"))
+    assert "exact build" in _compile_misfit(needs, replace(older, torch_build="2.13.1+cpu"))

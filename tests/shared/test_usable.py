@@ -44,6 +44,27 @@ def test_only_what_an_install_fixes_is_named():
 
 def test_the_software_of_a_build_leaves_the_hardware_as_it_is():
     built = with_software_of(CPU, Needs(device="cuda", torch="2.13.0+cu128", cuda="12.8", gpu_arch="sm_90",
-                                        python_build="3.11.4"))
-    assert (built.torch, built.python_build) == ("2.13.0", "3.11.4")
+                                        cxx11_abi=False))
+    assert (built.torch, built.cxx11_abi) == ("2.13.0", False)
     assert built.cuda is None and built.gpu_arch is None and built.cpu_isa == CPU.cpu_isa   # no GPU here stays so
+
+
+def test_what_a_kind_alone_needs_says_whether_an_install_fixes_it():
+    """The compile kind's exact build (`Kind.misfit`): another torch build or Python is named with its fix, another
+    GPU is not (no install changes it), whatever else the shared facts say."""
+    gpu = replace(CPU, cuda="13.0", gpu_arch="sm_90", triton="3.5", gpu_name="NVIDIA H200")
+    here = Here("cuda", "cuda", gpu, "bf16")
+    exact = dict(torch="2.14.1", cuda="13.0", gpu_arch="sm_90", torch_build="2.14.1+cu130", python_build="3.11.7",
+                 triton="3.5", gpu_name="NVIDIA H200")
+
+    def compile_art(name: str, **changed) -> Artifact:
+        return replace(_art(name, "compile", "cuda", **dict(exact, **changed)), dtype="bf16")
+
+    arts = [compile_art("compile-here"), compile_art("compile-torch", torch_build="2.14.1+cu128"),
+            compile_art("compile-python", python_build="3.11.4"), compile_art("compile-h100", gpu_name="NVIDIA H100"),
+            compile_art("compile-torch-h100", torch_build="2.14.1+cu128", gpu_name="NVIDIA H100"),
+            compile_art("compile-torch-sm80", torch_build="2.14.1+cu128", gpu_arch="sm_80")]
+    got = dict(refused_for_software(arts, here))
+    assert sorted(got) == ["compile-python", "compile-torch"]
+    assert got["compile-torch"].startswith("a precompiled function runs only on the exact build it was compiled on "
+                                           "(torch 2.14.1+cu128, this process has 2.14.1+cu130)")
