@@ -30,10 +30,10 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol
 
 from ..manifest import Artifact
-from ..variant import current_machine
 from . import start_costs
 
 if TYPE_CHECKING:
+    from ..kinds.usable import Here
     from .backend import AOTBackend
     from .eager_module import EagerModule
 
@@ -44,11 +44,13 @@ EXIT_WAIT_S = 60.0  # at exit, the longest wait for the step under way to end
 
 
 class HandoverTrial(Protocol):
-    """What a hand-over needs of the start's checks (runtime/trial.Trial): the agent and its eager module, the checks
+    """What a hand-over needs of the start's checks (runtime/trial.Trial): the agent, the machine it runs on (`here`,
+    where its start's cost is recorded) and its eager module, the checks
     themselves (`run`, with serving paused where the new artifact makes its first calls) and why the last one failed,
     and `detach`: the start's head start dropped, and an event that ends the checks between their steps."""
 
     agent: Any
+    here: "Here"
     eager: Optional["EagerModule"]
     last_reason: Optional[str]
 
@@ -139,11 +141,9 @@ class Handover:
         backend.handover = self
         backend.host_path = served.host_path
         backend.load_stats["handover"] = self.stats
-        stats = backend.load_stats
-        if stats.get("probe") in (None, "cached"):  # as start_costs records a start: not one that ran the child
-            agent = self.trial.agent
-            start_costs.record(self.art, current_machine(str(agent.device)), agent.device.type,
-                               float(stats.get("agent_load_s", 0.0)) + seconds)
+        stats, here = backend.load_stats, self.trial.here
+        start_costs.record_start(self.art, here.machine, here.device_type,
+                                 float(stats.get("agent_load_s", 0.0)) + seconds, stats.get("probe"))
         log.info("laya-aot: %s now serves in place of %s; the hand-over took %.2f s (serving paused %.3f s)",
                  self.art.name, served.artifact.name, seconds, self.stats["serving_paused_s"] or 0.0)
 

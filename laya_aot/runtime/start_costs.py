@@ -42,6 +42,14 @@ def record(art: Artifact, machine: Machine, device: str, seconds: float) -> None
         log.debug("could not record the start cost of %s: %s", art.name, e)
 
 
+def record_start(art: Artifact, machine: Machine, device: str, seconds: float, probe: Optional[str]) -> None:
+    """`record` a start of `art` that took `seconds`, unless it ran the probe child (`probe`: the start's record of
+    its probe, None where its kind has none), paid once per machine: the figures compare later starts with later
+    starts."""
+    if probe in (None, "cached"):
+        record(art, machine, device, seconds)
+
+
 def known(arts: Iterable[Artifact], machine: Machine, device: str) -> Dict[str, float]:
     """The recorded start cost of each of `arts` on this machine and device, by name (those never started here
     are left out)."""
