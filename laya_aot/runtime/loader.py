@@ -26,6 +26,7 @@ from ..padding import CHUNK_TOKENS
 from .session import DEFAULT_NEAR_TIES, EAGER_MODULE_MODES, LoadConfig, LoadSession, config_of
 
 if TYPE_CHECKING:
+    from ..kinds.usable import Here
     from .backend import AOTBackend
     from .eager_module import EagerModule
     from .head_start import HeadStart
@@ -83,16 +84,6 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
 
     settle()  # before torch is imported: CPU threads that do not collapse on a busy machine
     session = LoadSession.open(checkpoint, bundle, cfg)
-    if not session.usable:
-        from ..probe import end_ahead
-
-        end_ahead()  # a probe child started ahead has no artifact of this load to probe
-        _refused(session, stacklevel=2)  # strict: raised here, before torch or laya is imported
-        if session.bundle is not None and session.manifest.tokenizer_snapshot is not None:
-            session.stats.tokenizer_snapshot = "the bundle's not used: the bundle was refused"
-        agent, _ = _agent(session, thin=False, agent_kwargs=agent_kwargs)
-        _install_fallback(agent, None, session)
-        return agent
     return _load(session, agent_kwargs, t0)
 
 
@@ -106,25 +97,31 @@ def _refused(session: LoadSession, stacklevel: int) -> None:
 
 
 def _load(session: LoadSession, agent_kwargs: Dict[str, Any], t0: float):
-    """The agent, with the first artifact of the start order that passes every check, else laya's eager forward."""
-    from .. import laya_internals as laya_api
+    """The agent, with the first artifact of the start order that passes every check, else laya's eager forward
+    (at once, for a bundle refused as a whole)."""
     from ..probe import end_ahead, start_ahead
+
+    cfg, usable = session.config, session.usable
+    if not usable:
+        end_ahead()  # a probe child started ahead has no artifact of this load to probe
+        if cfg.strict:
+            _refused(session, stacklevel=3)  # raised here, before torch or laya is imported
+    elif cfg.probe:
+        start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
+    from .. import laya_internals as laya_api
     from .head_start import HeadStart
 
-    cfg = session.config
-    if cfg.probe:
-        start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
-    # laya's own accelerations replace the forward themselves: those agents are built whole
-    thin = cfg.eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    early = HeadStart(session, thin) if cfg.probe or thin else None
+    # laya's own accelerations replace the forward themselves: those agents are built whole, as is one that no
+    # artifact may serve
+    thin = usable and cfg.eager_module != "now" and not laya_api.accelerated(agent_kwargs)
+    early = HeadStart(session, thin) if usable and (cfg.probe or thin) else None
     try:
         seed = _Seed(session) if thin else None
         agent, eager = _agent(session, thin, agent_kwargs, seed)
         session.stats.agent_load_s = round(time.perf_counter() - t0, 3)
         session.stats.thin_agent = thin
-        if seed is not None:
-            session.stats.tokenizer_snapshot = seed.wait()
-        chosen = _choose_or_fall_back(session, agent, eager, early)
+        session.stats.tokenizer_snapshot = seed.wait() if seed is not None else _snapshot_unused(session)
+        chosen = _choose_or_fall_back(session, agent, eager, early) if usable else None
     finally:
         if early is not None:
             early.close()
@@ -138,48 +135,45 @@ def _load(session: LoadSession, agent_kwargs: Dict[str, Any], t0: float):
     return agent
 
 
+def _snapshot_unused(session: LoadSession) -> Optional[str]:
+    """Why a start that seeds nothing did not take the bundle's tokenizer snapshot (None: nothing to say)."""
+    if session.usable or session.bundle is None or session.manifest.tokenizer_snapshot is None:
+        return None
+    return "the bundle's not used: the bundle was refused"
+
+
 def _serve(session: LoadSession, agent: Any, chosen: "AOTBackend") -> None:
     """What follows the choice: the load's figures, laya's host path, the start's record, laya's module in the
     background where asked, the hand-over, and the artifacts this torch refuses named once."""
     from . import host_path as host_path_mod
+    from . import start_costs
 
     cfg = session.config
+    here = session.order(agent).here
     chosen.load_stats.update(session.stats.as_dict())
     if cfg.host_path:
         chosen.host_path = host_path_mod.install(agent)
-    _remember_start(agent, chosen)
+    stats = chosen.load_stats  # what this start cost, for the next start's ranking
+    start_costs.record_start(chosen.artifact, here.machine, here.device_type,
+                             stats["agent_load_s"] + stats["select_s"], stats.get("probe"))
     if chosen.eager_module is not None and (cfg.eager_module == "background" or cfg.near_ties != "off"):
         chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (cfg.eager_module, cfg.near_ties))
     if chosen.handover is not None:
         chosen.handover.start()
-    _name_refused_for_software(session, agent)
-
-
-def _remember_start(agent, backend: "AOTBackend") -> None:
-    """What this start of the artifact cost, for the next start's ranking (`start_costs`): not a start that ran the
-    probe child (paid once per machine), so the figures compare later starts with later starts."""
-    from ..variant import current_machine
-    from . import start_costs
-
-    stats = backend.load_stats
-    if stats.get("probe") not in (None, "cached"):
-        return
-    start_costs.record(backend.artifact, current_machine(str(agent.device)), agent.device.type,
-                       stats["agent_load_s"] + stats["select_s"])
+    _name_refused_for_software(session, agent, here)
 
 
 _named_once: set = set()
 _named_lock = threading.Lock()
 
 
-def _name_refused_for_software(session: LoadSession, agent: Any) -> None:
+def _name_refused_for_software(session: LoadSession, agent: Any, here: "Here") -> None:
     """Artifacts the load never examined (it stops at the first that serves) that would serve here with the build's
     software (`usable.refused_for_software`: another torch, ...): one warning per process for each, with the fix,
     as `laya-aot serve` names them in its log and `/v1/aot`."""
     from ..kinds.usable import refused_for_software
 
     examined = {agent.backend_object.artifact.name} | {name for name, _ in session.rejected}
-    here = session.order(agent).here
     refused = [(n, why) for n, why in refused_for_software(
         [a for a in session.manifest.artifacts if a.name not in examined], here)
         if (session.bundle.sha256, n) not in _named_once]
@@ -306,7 +300,7 @@ def _choose(session: LoadSession, agent: Any, eager: Optional["EagerModule"],
     session.stats.serving_dtype = order.here.serving
     session.stats.ranking = order.ranking
     session.stats.start_costs_here_s = order.starts
-    trial = Trial(session, agent, eager, early)
+    trial = Trial(session, order.here, agent, eager, early)
     for art in order.tries():
         backend = trial.run(art)
         if backend is not None:

@@ -30,7 +30,7 @@ def measure(session: "LoadSession", rounds: int = ROUNDS, warmup: int = WARMUP) 
         session.refuse_other_checkpoint(why)
         raise ValueError(session.reasons())
     order = session.order(agent)
-    trial = Trial(session, agent, None)
+    trial = Trial(session, order.here, agent, None)
     runners: Dict[str, Tuple[Any, Artifact]] = {}
     shapes: Dict[str, List[str]] = {}
     not_timed: Dict[str, str] = {}

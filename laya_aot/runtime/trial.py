@@ -28,6 +28,7 @@ from ..numerics.tolerance import Agreement, DecisionAgreement
 from .backend import AOTBackend
 
 if TYPE_CHECKING:
+    from ..kinds.usable import Here
     from .eager_module import EagerModule
     from .head_start import HeadStart
     from .session import LoadSession
@@ -209,10 +210,9 @@ class Trial:
     session (its bundle, config, refusals and stats), the agent's facts here (`usable.Here`: device, machine,
     serving dtype), the weights an artifact is loaded with, what the head start did."""
 
-    def __init__(self, session: "LoadSession", agent: Any, eager: Optional["EagerModule"],
+    def __init__(self, session: "LoadSession", here: "Here", agent: Any, eager: Optional["EagerModule"],
                  early: Optional["HeadStart"] = None):
-        self.session, self.agent, self.eager, self.early = session, agent, eager, early
-        self.here = session.order(agent).here
+        self.session, self.here, self.agent, self.eager, self.early = session, here, agent, eager, early
         self.bundle = session.bundle.path if session.bundle is not None else Path()
         self.pad_id = laya_api.pad_id(agent)
         self.tensors: Any = None
