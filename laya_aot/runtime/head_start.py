@@ -20,13 +20,14 @@ one thread, as long as it makes only the checks the loader makes first:
    first and pays that loading). Nothing native is loaded in this process before that verdict.
 
 The loader's trial (runtime/trial.py) still makes every check in order and takes what was done here for the same
-artifact on the same device (`take_probe`, `take_runner`, `take_prepared`); `close` drops what nobody took.
+artifact on the same device (`take`, once, after its cheap checks); `close` drops what nobody took.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
@@ -42,6 +43,20 @@ if TYPE_CHECKING:
     from .session import LoadSession
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Taken:
+    """What a head start did for the artifact a trial checks, handed over once (`HeadStart.take`)."""
+
+    # waits for the probe child's verdict, adding its figures to the stats given (None: no probe started here)
+    probe: Optional[Callable[[Dict[str, Any]], Optional[str]]]
+    probe_started_after_s: Optional[float]  # from load() to the probe child's start
+    waited_s: float                         # what `take` waited for the head start's thread
+    runner: Any                             # the artifact loaded here (None: not loaded)
+    graphs: Optional[bool]                  # whether it was loaded with CUDA graphs
+    prepared: Callable[[], Any]             # waits for the weights put on the device here (None: none)
+    stats: Dict[str, Any]                   # what was done here, for the load's stats
 
 
 class HeadStart:
@@ -178,39 +193,37 @@ class HeadStart:
         prepared, self._prepared = self._prepared, None
         return prepared
 
-    def take_probe(self, name: str, device: str) -> Optional[Callable[[Dict[str, Any]], Optional[str]]]:
-        """The probe of artifact `name` on `device` started here, as a function that waits for its verdict (and
-        adds its figures to the load's stats); None when none was started for it. The thread finishes the probe
-        itself when it goes on to load the artifact, so this waits for the thread first."""
+    def take(self, name: str, device: str) -> Optional["Taken"]:
+        """What was done here for artifact `name` on `device` (waiting for the thread), handed over once: the probe
+        started here (the thread finishes it itself when it goes on to load the artifact), the runner loaded here
+        and the weights prepared here; None when this head start worked on another artifact or device."""
         from ..probe import finish
 
+        t = time.perf_counter()
         self._thread.join()
         if self.name != name or self.device != device:
             return None
         verdict = self._verdict
+        probe: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None
         if verdict is not None:
-            def done(stats: Dict[str, Any]) -> Optional[str]:
+            def probe(stats: Dict[str, Any]) -> Optional[str]:
                 stats.update(verdict["stats"], probe_done_after_s=verdict["done_after_s"])
                 return verdict["why"]
-            return done
-        pending, self._pending = self._pending, None
-        return None if pending is None else (lambda stats: finish(pending, stats))
-
-    def take_runner(self, name: str, device: str, graphs: bool) -> Any:
-        """The artifact `name` loaded here on `device` with CUDA graphs as asked (waiting for it), or None."""
-        self._thread.join()
+        else:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                def probe(stats: Dict[str, Any]) -> Optional[str]:
+                    return finish(pending, stats)
         runner, self._runner = self._runner, None
-        if runner is not None and self.name == name and self.device == device and self._runner_graphs == graphs:
-            return runner
-        return None
+        return Taken(probe, self.started_after_s, round(time.perf_counter() - t, 3), runner, self._runner_graphs,
+                     self._take_prepared, self.stats)
 
-    def take_prepared(self, name: str, device: str) -> Any:
-        """The weights prepared here for artifact `name` on `device` (waiting for them), or None."""
-        self._thread.join()
+    def _take_prepared(self) -> Any:
+        """The weights prepared here (waiting for them), or None."""
         if self._weights_thread is not None:
             self._weights_thread.join()
         got, self._prepared = self._prepared, None
-        return got if got is not None and self.name == name and self.device == device else None
+        return got
 
     def _drop(self) -> None:
         if self._pending is not None:

@@ -30,7 +30,7 @@ from .backend import AOTBackend
 if TYPE_CHECKING:
     from ..kinds.usable import Here
     from .eager_module import EagerModule
-    from .head_start import HeadStart
+    from .head_start import HeadStart, Taken
     from .session import LoadSession
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,17 @@ def _paused_serving(agent: Any, stats: Dict[str, Any]) -> Iterator[None]:
         stats["serving_paused_s"] = round(stats.get("serving_paused_s", 0.0) + time.perf_counter() - t0, 3)
 
 
+def _prepared(taken: Optional["Taken"], stats: Dict[str, Any]) -> Any:
+    """The artifact's weights, put on the device while laya loaded (None: its load reads them now)."""
+    if taken is None:
+        return None
+    t = time.perf_counter()
+    got = taken.prepared()
+    if got is not None:
+        stats.update(taken.stats, weights_wait_after_laya_load_s=round(time.perf_counter() - t, 3))
+    return got
+
+
 def _runs_module(art: Artifact) -> bool:
     """Whether the artifact runs laya's own module (its kind's `needs_module`): the agent then gets laya's module."""
     return kinds.get(art.kind).needs_module
@@ -237,10 +248,11 @@ class Trial:
         while this artifact makes its first calls (verified here, smoke check: `_paused_serving`), as they may
         capture CUDA graphs in torch's global mode, which a concurrent serving forward would break."""
         stats: Dict[str, Any] = {}
-        why = self._before_load(art, stats) or self._stopped()
+        why, taken = self._before_load(art, stats)
+        why = why or self._stopped()
         if why is None:
             try:
-                backend, why = self._load(art, stats, handover)
+                backend, why = self._load(art, stats, taken, handover)
             except Exception as e:  # noqa: BLE001 - any load failure means: try the next artifact
                 why = "loading it failed: %s: %s" % (type(e).__name__, e)
         why = why or self._stopped()
@@ -257,17 +269,21 @@ class Trial:
         laya_api.install_backend(self.agent, backend)
         return backend
 
-    def _before_load(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
-        """The manifest's verdict for this machine, the files' hash, then the probe child (native kinds)."""
+    def _before_load(self, art: Artifact, stats: Dict[str, Any]) -> Tuple[Optional[str], Optional["Taken"]]:
+        """The manifest's verdict for this machine, the files' hash, then the probe child (native kinds); and what
+        the head start did for the artifact, taken once those cheap checks passed."""
         why = self.here.reject_reason(art)
         if why is None:
             t_hash = time.perf_counter()
             why = check_artifact_hash(self.bundle, art)
             stats["hash_s"] = round(time.perf_counter() - t_hash, 3)
-        if why is None and self.session.config.probe and kinds.get(art.kind).native:
+        if why is not None:
+            return why, None
+        probed = self.session.config.probe and kinds.get(art.kind).native
+        if probed:
             self._module_beside_probe(art)
-            why = self._probe(art, stats)
-        return why
+        taken = self.early.take(art.name, str(self.agent.device)) if self.early is not None else None
+        return (self._probe(art, stats, taken) if probed else None), taken
 
     def _module_beside_probe(self, art: Artifact) -> None:
         """An artifact that runs laya's own module (`_runs_module`) waits for it to be built, seconds for a large
@@ -292,24 +308,23 @@ class Trial:
                            % (self.module_for, served.artifact.name))
         served.load_stats.update(self.eager.stats)
 
-    def _probe(self, art: Artifact, stats: Dict[str, Any]) -> Optional[str]:
+    def _probe(self, art: Artifact, stats: Dict[str, Any], taken: Optional["Taken"]) -> Optional[str]:
         """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""
         from ..probe import probe as run_probe
 
-        device = str(self.agent.device)
-        t_wait = time.perf_counter()
-        verdict = self.early.take_probe(art.name, device) if self.early is not None else None
-        if verdict is None:
-            return run_probe(self.bundle, art, self.session.ckpt, device, self.here.machine, stats,
+        if taken is None or taken.probe is None:
+            return run_probe(self.bundle, art, self.session.ckpt, str(self.agent.device), self.here.machine, stats,
                              self.session.pinned)
-        why = verdict(stats)
-        stats.update(probe_overlapped_laya_load=True, probe_started_after_s=self.early.started_after_s,
-                     probe_wait_after_laya_load_s=round(time.perf_counter() - t_wait, 3))
+        t_wait = time.perf_counter()
+        why = taken.probe(stats)
+        stats.update(probe_overlapped_laya_load=True, probe_started_after_s=taken.probe_started_after_s,
+                     probe_wait_after_laya_load_s=round(taken.waited_s + time.perf_counter() - t_wait, 3))
         return why
 
-    def _load(self, art: Artifact, stats: Dict[str, Any], handover: bool = False
+    def _load(self, art: Artifact, stats: Dict[str, Any], taken: Optional["Taken"], handover: bool = False
               ) -> Tuple[AOTBackend, Optional[str]]:
-        """Load it in this process, verify it here if the build could not, smoke-check it; why it fails."""
+        """Load it in this process (with what the head start did for it, `taken`, for a thin agent), verify it here
+        if the build could not, smoke-check it; why it fails."""
         agent, eager, kind = self.agent, self.eager, kinds.get(art.kind)
         thin = laya_api.is_thin(agent)
         model = agent.model
@@ -328,11 +343,14 @@ class Trial:
         if self._stopped():
             raise RuntimeError(self._stopped())
         t1 = time.perf_counter()
-        runner = self._early_runner(art, thin, graphs, stats)
-        if runner is None:
+        taken = taken if thin else None  # a whole agent's artifact takes laya's module, not what was made early
+        runner = taken.runner if taken is not None and taken.graphs == graphs else None
+        if runner is not None:
+            stats.update(taken.stats, loaded_early=True)
+        else:
             env = kinds.LoadEnv(device=str(agent.device), tensors=self.tensors, model=model,
                                 agent=agent if model is agent.model else laya_api.AgentWithModel(agent, model),
-                                cuda_graphs=graphs, prepared=self._prepared(art, thin, stats))
+                                cuda_graphs=graphs, prepared=_prepared(taken, stats))
             runner = kind.load(artifact_path(self.bundle, art), art, env)
         stats["artifact_load_s"] = round(time.perf_counter() - t1, 3)
         backend = AOTBackend(agent, runner, art, self.pad_id, self.session.rejected,
@@ -355,24 +373,3 @@ class Trial:
                 why = _smoke_check(agent, backend, art, self.session.manifest)
                 stats["smoke_check_s"] = round(time.perf_counter() - t_smoke, 3)
         return backend, why
-
-    def _early_runner(self, art: Artifact, thin: bool, graphs: bool, stats: Dict[str, Any]) -> Any:
-        """The artifact as the head start loaded it while laya loaded (None: it did not, or not like this)."""
-        if not thin or self.early is None:
-            return None
-        runner = self.early.take_runner(art.name, str(self.agent.device), graphs)
-        if runner is not None:
-            stats.update(self.early.stats, loaded_early=True)
-        return runner
-
-    def _prepared(self, art: Artifact, thin: bool, stats: Dict[str, Any]) -> Any:
-        """The artifact's weights, put on the device while laya loaded (None: its load reads them now)."""
-        if not thin or self.early is None:
-            return None
-        t = time.perf_counter()
-        got = self.early.take_prepared(art.name, str(self.agent.device))
-        if got is not None:
-            stats.update(self.early.stats, weights_wait_after_laya_load_s=round(time.perf_counter() - t, 3))
-        return got
-
-

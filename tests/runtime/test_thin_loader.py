@@ -113,9 +113,9 @@ def _module_route(monkeypatch, tmp_path, runs_module):
     building_at_probe = []
     real = trial.Trial._probe
 
-    def probe(self, art, stats):
+    def probe(self, art, stats, *taken):
         building_at_probe.append((art.name, self.eager is not None and self.eager._thread is not None))
-        return real(self, art, stats)
+        return real(self, art, stats, *taken)
     monkeypatch.setattr(trial.Trial, "_probe", probe)
     return building_at_probe
 
@@ -157,8 +157,8 @@ def test_a_module_built_for_a_rejected_artifact_is_discarded_when_another_serves
     seen = _module_route(monkeypatch, tmp_path, runs_module)
     probing = trial.Trial._probe
 
-    def probe(self, art, stats):
-        why = probing(self, art, stats)
+    def probe(self, art, stats, *taken):
+        why = probing(self, art, stats, *taken)
         return "refused by the test" if art.name == first[0] else why
     monkeypatch.setattr(trial.Trial, "_probe", probe)
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", probe=True)
@@ -257,7 +257,8 @@ def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(de
     hs.close()
     assert started[0].cancelled and started[0].proc.poll() is not None
     assert not list((tmp_path / "cache" / "probes").glob("*.json"))   # a cancelled probe says nothing: not cached
-    assert hs.take_runner("aoti-cpu", "cpu", False) is None and hs.take_prepared("aoti-cpu", "cpu") is None
+    taken = hs.take("aoti-cpu", "cpu")   # what it worked on, with nothing loaded or prepared left in it
+    assert taken is not None and taken.runner is None and taken.prepared() is None
 
 
 def _incoming(path, ckpt):
