@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .backend import AOTBackend
     from .eager_module import EagerModule
     from .head_start import HeadStart
-    from .select import StartOrder
 
 __all__ = ["EAGER_MODULE_MODES", "LoadConfig", "NoArtifactError", "load"]
 
@@ -305,7 +304,15 @@ def _choose(session: LoadSession, agent: Any, eager: Optional["EagerModule"],
         backend = trial.run(art)
         if backend is not None:
             trial.drop_unused_module(backend)
-            _log_choice(session, order, backend, order.why_first(art, session.manifest.artifacts))
+            # one log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists
+            near = ("every answer is the artifact's" if backend.tie_margin is None else
+                    "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
+                    % (backend.tie_margin, session.config.near_ties))
+            module = backend.eager_module
+            log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", session.ckpt, art.name,
+                     art.variant, order.chosen_by(art, session.manifest.artifacts), near,
+                     "built" if module is None or module.model is not None else
+                     "not built yet (the log says when and why it is)")
             target = order.plan.handover_to
             if target is not None and art is not target and all(name != target.name for name, _ in session.rejected):
                 backend.handover = Handover(trial, target, backend, order.plan.why)
@@ -321,22 +328,3 @@ def _bundle_refused(session: LoadSession, agent: Any) -> bool:
     if why is not None:
         session.refuse_other_checkpoint(why)
     return why is not None
-
-
-def _log_choice(session: LoadSession, order: "StartOrder", backend: "AOTBackend", start_tie: Optional[str] = None
-                ) -> None:
-    """One log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists."""
-    art, margin = backend.artifact, backend.tie_margin
-    device = order.here.device_type
-    lat = order.latencies(art)
-    shapes = ", ".join("%s %.2f ms" % kv for kv in lat.items())
-    whose = "its build latency" if order.ranking == "build" else "its latency %s" % order.ranking
-    why_first = ("chosen by %s on %s, %s (%s)" % (whose, device, shapes, start_tie or "the lowest sum of those usable "
-                                                                                     "here")
-                 if lat else "no latency measured on %s: chosen by the kinds' order" % device)
-    log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", session.ckpt, art.name, art.variant,
-             why_first, "every answer is the artifact's" if margin is None else
-             "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
-             % (margin, session.config.near_ties),
-             "built" if backend.eager_module is None or backend.eager_module.model is not None else
-             "not built yet (the log says when and why it is)")

@@ -173,6 +173,17 @@ class StartOrder:
             return dict(self.measured_here.get(art.name) or {})
         return dict(art.latency_ms.get(self.here.device_type) or {})
 
+    def chosen_by(self, art: Artifact, arts: List[Artifact]) -> str:
+        """Why `art`, which serves, was the one tried first, in words: the figures it was ranked by and why it came
+        before a faster mix (`why_first`), or the kinds' order where nothing was measured."""
+        device = self.here.device_type
+        lat = self.latencies(art)
+        if not lat:
+            return "no latency measured on %s: chosen by the kinds' order" % device
+        whose = "its build latency" if self.ranking == "build" else "its latency %s" % self.ranking
+        return "chosen by %s on %s, %s (%s)" % (whose, device, ", ".join("%s %.2f ms" % kv for kv in lat.items()),
+                                               self.why_first(art, arts) or "the lowest sum of those usable here")
+
     def why_first(self, art: Artifact, arts: List[Artifact]) -> Optional[str]:
         """Why `art`, which serves, was tried before a faster mix (None: its mix put it first)."""
         if art is self.first and self.plan.why:
