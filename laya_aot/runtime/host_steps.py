@@ -159,21 +159,34 @@ class Decoder:
                 }
         return answers
 
-    def _block(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
-        """Question j's numbers over rows j, j + nq, ... (None: laya's function decodes it)."""
-        if not 1 <= k < MAX_FOLD or k > logits.shape[1] or q.get("t") not in ("choice", "score", "noul"):
-            return None
-        if q["t"] == "noul" and k < 2:
+    def _new_block(self, q: Dict, k: int, width: int) -> Optional[_Block]:
+        """A block for question q of k options (of `width` logit columns): its temperature, option keys and a
+        score's legend, the numbers still to compute (None: a question laya's function decodes)."""
+        if not 1 <= k < MAX_FOLD or k > width or q.get("t") not in ("choice", "score", "noul") \
+                or q["t"] == "noul" and k < 2:
             return None
         order = q.get("option_order")
         if order is not None and len(order) == k and sorted(int(i) for i in order) != list(range(k)):
             return None  # not a permutation: laya's own unpermute_probs decides what that means
-        agent = self.agent
         qt = self.qtypes[q["t"]]
         b = _Block()
         b.k = k
         b.bucket = self.temp_bucket(qt, k)
-        b.t = agent.temperature_by_options.get(b.bucket, agent.temperature[qt])
+        b.t = self.agent.temperature_by_options.get(b.bucket, self.agent.temperature[qt])
+        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
+        if q["t"] == "score":
+            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
+            b.levels = [str(i) for i in range(k)]
+        else:
+            b.legend = b.levels = None
+        return b
+
+    def _block(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
+        """Question j's numbers over rows j, j + nq, ... (None: laya's function decodes it)."""
+        b = self._new_block(q, k, logits.shape[1])
+        if b is None:
+            return None
+        order = q.get("option_order")
         raw = np.ascontiguousarray(logits[j::nq, :k])
         z = raw / b.t                                  # laya: raw_rows[j] / t_scale
         e = np.exp(z - z.max(axis=1, keepdims=True))   # p = np.exp(z - z.max())
@@ -192,12 +205,6 @@ class Decoder:
             log_k = math.log(k)
             b.confidence = [_clamp01(1.0 - (-e_) / log_k) for e_ in ent]
         b.score = _fold(np.arange(k) * p).tolist() if q["t"] == "score" else None
-        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
-        if q["t"] == "score":
-            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
-            b.levels = [str(i) for i in range(k)]
-        else:
-            b.legend = b.levels = None
         b.probs = p.tolist()
         return b
 
@@ -208,20 +215,11 @@ class Decoder:
         array of the same k values as laya's). Only where that is laya's arithmetic: float32 logits, a Python
         number for the temperature (numpy then divides in float32), finite values (Python's max is numpy's
         there); else None (laya's function)."""
-        if not 1 <= k < MAX_FOLD or k > logits.shape[1] or logits.dtype != np.float32 \
-                or q.get("t") not in ("choice", "score", "noul") or q["t"] == "noul" and k < 2:
+        b = self._new_block(q, k, logits.shape[1]) if logits.dtype == np.float32 else None
+        # a numpy scalar temperature is not a weak scalar: laya's arithmetic is then in its dtype
+        if b is None or type(b.t) not in (float, int):
             return None
         order = q.get("option_order")
-        if order is not None and len(order) == k and sorted(int(i) for i in order) != list(range(k)):
-            return None
-        agent = self.agent
-        qt = self.qtypes[q["t"]]
-        b = _Block()
-        b.k = k
-        b.bucket = self.temp_bucket(qt, k)
-        b.t = agent.temperature_by_options.get(b.bucket, agent.temperature[qt])
-        if type(b.t) not in (float, int):  # a numpy scalar is not a weak scalar: laya's arithmetic is its dtype's
-            return None
         raw = logits[j, :k].tolist()
         if not all(math.isfinite(v) for v in raw):
             return None
@@ -258,12 +256,6 @@ class Decoder:
             b.score = [score]
         else:
             b.score = None
-        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
-        if q["t"] == "score":
-            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
-            b.levels = [str(i) for i in range(k)]
-        else:
-            b.legend = b.levels = None
         b.probs = [p]
         return b
 
