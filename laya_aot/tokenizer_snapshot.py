@@ -118,6 +118,9 @@ class SnapshotTokenizer:
         facts = derived.facts
         self._backend = derived.backend
         self._special: Dict[str, Any] = dict(facts["special"])
+        # laya reads some on every call (mask_token, sep_token_id, pad_token_id): instance attributes are found
+        # without the failed lookup that precedes __getattr__ (the same values, read the same way)
+        self.__dict__.update((n, v) for n, v in self._special.items() if not hasattr(type(self), n))
         self._len = int(facts["len"])
         self._cleanup = bool(facts["decode_cleanup"])
         self._names: List[str] = list(facts["model_input_names"])

@@ -34,6 +34,11 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x.to(device)`, without the call where `x` is there already (a 1-row call makes a dozen of them)."""
+    return x if x.device == device else x.to(device)
+
+
 class TokenIdError(LayaAotError, IndexError):
     """A token id past the encoder's embedding rows (a tokenizer grown without resizing the embeddings)."""
 
@@ -54,7 +59,7 @@ class TokenIds:
     def check(self, input_ids: torch.Tensor) -> None:
         if self.rows is None or not input_ids.numel() or input_ids.device.type != "cpu" and not self.on_device:
             return
-        low, top = int(input_ids.min()), int(input_ids.max())
+        low, top = (int(v) for v in torch.aminmax(input_ids))  # one reduction for both
         if top < self.rows and low >= 0:
             return
         bad = top if top >= self.rows else low
@@ -212,7 +217,9 @@ class AOTBackend(Backend):
                     self._counts["artifact_calls"] += 1
                     self._counts["chunks"] += 1
                 out_dev = input_ids.device
-                return (lo[:, :k].to(out_dev), ac.to(out_dev)), True
+                if lo.shape[1] != k:
+                    lo = lo[:, :k]
+                return (_on(lo, out_dev), _on(ac, out_dev)), True
         else:
             for rows in pieces:
                 outs += self._rows(batch, rows, dev)
@@ -229,7 +236,7 @@ class AOTBackend(Backend):
         stepped = for_runner(piece, self.runner, self.ranges, self.pad_id)
         if stepped is not piece:
             self._count(stepped_calls=1, stepped_cells=stepped[0].numel() - n * t)
-        lo, ac = self.runner(*(_aligned(x.to(where)) for x in stepped))
+        lo, ac = self.runner(*[_aligned(_on(x, where)) for x in stepped])
         return (lo[:n], ac[:n]) if lo.shape[0] != n else (lo, ac)
 
     def _rows(self, batch: Tuple[torch.Tensor, ...], rows: slice, dev: torch.device) -> List[Any]:

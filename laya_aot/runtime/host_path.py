@@ -12,7 +12,6 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -23,20 +22,23 @@ log = logging.getLogger(__name__)
 
 HEADS_KEPT = 4096  # question heads remembered per agent (a few hundred bytes each)
 STATES_PREFETCHED = 4096  # at most this many states of one call are tokenised ahead (laya's own window bounds it too)
+_PLAIN = {"add_special_tokens": False}  # the keywords of laya's state tokenisation (`Agent._encode_state`)
 
 _CALL: ContextVar[Optional["_Call"]] = ContextVar("laya_aot_host_call", default=None)
 
 
-@dataclass
 class _Call:
     """One predict_batch call through a host path: its states' token ids, by the exact text laya tokenises; the
     heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
-    the decoder's numbers for the batch being decoded."""
+    the decoder's numbers for the batch being decoded. (A plain class: made on every call.)"""
 
-    path: "HostPath"
-    states: Dict[str, List[int]] = field(default_factory=dict)
-    heads: Dict[tuple, Tuple[Dict, tuple]] = field(default_factory=dict)
-    decoded: Dict[Any, Any] = field(default_factory=dict)
+    __slots__ = ("path", "states", "heads", "decoded")
+
+    def __init__(self, path: "HostPath"):
+        self.path = path
+        self.states: Dict[str, List[int]] = {}
+        self.heads: Dict[tuple, Tuple[Dict, tuple]] = {}
+        self.decoded: Dict[Any, Any] = {}
 
 
 class HostPath:
@@ -52,7 +54,8 @@ class HostPath:
 
     @property
     def stats(self) -> Dict[str, int]:
-        """Heads served from the cache or built by laya, states tokenised ahead, and those laya tokenised alone;
+        """Heads served from the cache or built by laya; states tokenised ahead (batched), by the direct call when
+        laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone);
         questions decoded in blocks (one per batch), and states whose answers laya's own function decoded."""
         with self._lock:
             return dict(self._counts)
@@ -95,14 +98,22 @@ class HostPath:
         return list(ids), list(markers), dict(stats)  # laya's callers get lists of their own, as from laya
 
     def state_ids(self, call: _Call, stock: Callable, tok: Any, text: Any, kwargs: Dict[str, Any]) -> Any:
-        """laya's state tokenisation (`encode_text(tok, text, add_special_tokens=False)`), prepared ahead."""
-        ids = call.states.get(text) if tok is self.tok and kwargs == {"add_special_tokens": False} \
-            and isinstance(text, str) else None
-        if ids is None:
+        """laya's state tokenisation (`encode_text(tok, text, add_special_tokens=False)`): prepared ahead, else
+        the tokenizer's direct call on this one text (laya's call of one text is its batched call of `[text]`,
+        `laya_internals.state_encoder`), else laya's own call."""
+        if tok is not self.tok or kwargs != _PLAIN or not isinstance(text, str):
             self._count(states_alone=1)
             return stock(tok, text, **kwargs)
-        self._count(states_batched=1)
-        return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
+        ids = call.states.get(text)
+        if ids is not None:
+            self._count(states_batched=1)
+            return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
+        encoded = self.encode([text]) if self.encode is not None else None
+        if encoded is None:  # no direct call, or the backend not as laya's call would leave it: laya's call
+            self._count(states_alone=1)
+            return stock(tok, text, **kwargs)
+        self._count(states_direct=1)
+        return {"input_ids": encoded[0]}
 
     def decode(self, stock: Callable, logits: Any, act: Any, items: List[Dict], ids: List[str],
                internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
@@ -116,7 +127,9 @@ class HostPath:
         """The call's states tokenised in one batched tokenizer call, as laya's `_encode_state` would text them.
 
         Only what laya itself holds at once: every state when it packs them all, else its first window of
-        `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error."""
+        `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error.
+        One state is not prepared: `state_ids` tokenises it when laya asks, by the same direct call, without
+        serialising it twice."""
         call = _Call(self)
         if not isinstance(states, (list, tuple)):  # an iterator is laya's to consume; anything else laya refuses
             return call
@@ -124,7 +137,7 @@ class HostPath:
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
-        if n < 1 or (n < 2 and self.encode is None):  # one state gains nothing from laya's batched call
+        if n < 2:  # nothing to batch: one state gains nothing from tokenising it ahead
             return call
         try:
             texts = [laya_api.state_text(self.tok, s) for s in states[:n]]
@@ -157,7 +170,9 @@ class HostPath:
 
     def _count(self, **kw: int) -> None:
         with self._lock:
-            self._counts.update(kw)
+            counts = self._counts
+            for name, n in kw.items():  # (Counter.update's checks cost more than the counting, per call)
+                counts[name] += n
 
 
 def _head(stock: Callable) -> Callable:

@@ -8,17 +8,22 @@ the same element-wise numpy operations, and builds the answer dicts from Python 
 Equal by construction where it can be: element-wise operations (division, exp, log, clip, products) give the
 same bits in any layout; max and argmax do not depend on order; numpy's sum of a contiguous 1-D array of fewer
 than 8 elements adds them one after another from 0.0, which `_fold` does column by column (8 or more options:
-pairwise summation, so such a state goes to laya's own function). Checked, not assumed: before its first use in
-a process, `Decoder` compares its answers with laya's own `_decode_answers` on a fixed set of batches (every
-question type, 1 to 7 options, shuffled option orders, extreme logits), and where they differ in one bit it
+pairwise summation, so such a state goes to laya's own function). A batch of one state (a 1-row call) has
+nothing to share: `Decoder._row` computes its rows in Python floats, each float32 operation done in double and
+rounded to float32 (the correctly rounded float32 result, as numpy's), numpy called only for exp and log.
+Checked, not assumed: before its first use in a process, `Decoder` compares its answers with laya's own
+`_decode_answers` on a fixed set of batches (every question type, 1 to 7 options, shuffled option orders,
+extreme logits; five states and one), and where they differ in one bit it
 hands every call to laya's function (logged). Anything else it does not handle (a `lang`, more options, a
-batch not laid out as `predict_batch` lays it out) is laya's function too.
+batch not laid out as `predict_batch` lays it out; for one state, logits not float32, a temperature that is a
+numpy scalar, a value that is not finite) is laya's function too.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import struct
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
@@ -29,6 +34,8 @@ from .. import laya_internals as laya_api
 log = logging.getLogger(__name__)
 
 MAX_FOLD = 8  # numpy sums a contiguous 1-D array of fewer elements strictly left to right (pairwise beyond)
+_F32 = struct.Struct("f")
+_LOW = _F32.unpack(_F32.pack(1e-12))[0]  # np.clip's lower bound 1e-12 as numpy casts it for a float32 array
 
 _CHECKED: Dict[str, bool] = {}  # "decode": whether this process's numpy gives laya's answers here
 _CHECK_LOCK = threading.Lock()
@@ -39,6 +46,13 @@ def _fold(a: np.ndarray) -> np.ndarray:
     in turn, in the array's dtype. `add.accumulate` adds left to right from the first element; the same partial
     sums as from 0.0, but for the sign of a zero, which the final + 0.0 makes +0.0 as numpy's sum from 0.0 does."""
     return np.add.accumulate(a, axis=1)[:, -1] + 0.0
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to float32 (OverflowError past its range). An operation on two float32 values done in double
+    and rounded so is numpy's float32 operation: double carries more than twice float32's bits, so for +, -, *
+    and / the one rounding to float32 gives the correctly rounded float32 result."""
+    return _F32.unpack(_F32.pack(x))[0]
 
 
 def _clamp01(v: float) -> float:
@@ -64,8 +78,7 @@ class Decoder:
                  internal: Dict[str, Dict], offset: int, lang: Optional[str] = None) -> Dict[str, Any]:
         """The answers of the state whose rows start at `offset`; `cache` is the call's (it keeps the batch's
         blocks while laya decodes that batch's states)."""
-        if lang or len(items) == getattr(logits, "shape", (0,))[0] or not checked(self.agent):
-            # (a batch of one state: nothing to share between states, laya's rows are as quick)
+        if lang or not checked(self.agent):
             if self.count is not None:
                 self.count(states_decoded_by_laya=1)
             return self.stock(logits, act, items, ids, internal, offset, **({"lang": lang} if lang else {}))
@@ -76,11 +89,12 @@ class Decoder:
         """`__call__` without a `lang` and without the check (what the check compares with laya's function)."""
         nq = len(items)
         if nq == 0 or len(ids) != nq or not isinstance(logits, np.ndarray) or logits.ndim != 2 \
-                or not isinstance(act, np.ndarray) or act.ndim != 2 or offset % nq or logits.shape[0] % nq \
-                or logits.shape[0] == nq:  # one state: nothing to share, laya's rows are as quick
+                or not isinstance(act, np.ndarray) or act.ndim != 2 or offset % nq or logits.shape[0] % nq:
             if self.count is not None:
                 self.count(states_decoded_by_laya=1)
             return self.stock(logits, act, items, ids, internal, offset)
+        # one state: nothing to share between states; its rows in Python floats (`_row`), fewer numpy calls
+        numbers = self._row if logits.shape[0] == nq else self._block
         if cache.get("logits") is not logits or cache.get("act") is not act:
             cache.clear()
             cache["logits"], cache["act"] = logits, act  # held: the batch the blocks are of
@@ -92,7 +106,7 @@ class Decoder:
             key = (j, qid)
             block = cache.get(key)
             if block is None and key not in cache:
-                block = cache[key] = self._block(logits, nq, j, q, k)
+                block = cache[key] = numbers(logits, nq, j, q, k)
                 if block is not None and self.count is not None:
                     self.count(questions_decoded_in_blocks=1)
             if block is None or block.k != k:
@@ -145,21 +159,34 @@ class Decoder:
                 }
         return answers
 
-    def _block(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
-        """Question j's numbers over rows j, j + nq, ... (None: laya's function decodes it)."""
-        if not 1 <= k < MAX_FOLD or k > logits.shape[1] or q.get("t") not in ("choice", "score", "noul"):
-            return None
-        if q["t"] == "noul" and k < 2:
+    def _new_block(self, q: Dict, k: int, width: int) -> Optional[_Block]:
+        """A block for question q of k options (of `width` logit columns): its temperature, option keys and a
+        score's legend, the numbers still to compute (None: a question laya's function decodes)."""
+        if not 1 <= k < MAX_FOLD or k > width or q.get("t") not in ("choice", "score", "noul") \
+                or q["t"] == "noul" and k < 2:
             return None
         order = q.get("option_order")
         if order is not None and len(order) == k and sorted(int(i) for i in order) != list(range(k)):
             return None  # not a permutation: laya's own unpermute_probs decides what that means
-        agent = self.agent
         qt = self.qtypes[q["t"]]
         b = _Block()
         b.k = k
         b.bucket = self.temp_bucket(qt, k)
-        b.t = agent.temperature_by_options.get(b.bucket, agent.temperature[qt])
+        b.t = self.agent.temperature_by_options.get(b.bucket, self.agent.temperature[qt])
+        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
+        if q["t"] == "score":
+            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
+            b.levels = [str(i) for i in range(k)]
+        else:
+            b.legend = b.levels = None
+        return b
+
+    def _block(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
+        """Question j's numbers over rows j, j + nq, ... (None: laya's function decodes it)."""
+        b = self._new_block(q, k, logits.shape[1])
+        if b is None:
+            return None
+        order = q.get("option_order")
         raw = np.ascontiguousarray(logits[j::nq, :k])
         z = raw / b.t                                  # laya: raw_rows[j] / t_scale
         e = np.exp(z - z.max(axis=1, keepdims=True))   # p = np.exp(z - z.max())
@@ -178,13 +205,58 @@ class Decoder:
             log_k = math.log(k)
             b.confidence = [_clamp01(1.0 - (-e_) / log_k) for e_ in ent]
         b.score = _fold(np.arange(k) * p).tolist() if q["t"] == "score" else None
-        b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
-        if q["t"] == "score":
-            b.legend = {str(i): self.render(c) for i, c in enumerate(q["crit"])}
-            b.levels = [str(i) for i in range(k)]
-        else:
-            b.legend = b.levels = None
         b.probs = p.tolist()
+        return b
+
+
+    def _row(self, logits: np.ndarray, nq: int, j: int, q: Dict, k: int) -> Optional[_Block]:
+        """`_block` for a batch of one state: row j's numbers in Python floats rounded to float32 as numpy's
+        float32 operations round (`_f32`), numpy called only for exp and log (its own float32 functions, on an
+        array of the same k values as laya's). Only where that is laya's arithmetic: float32 logits, a Python
+        number for the temperature (numpy then divides in float32), finite values (Python's max is numpy's
+        there); else None (laya's function)."""
+        b = self._new_block(q, k, logits.shape[1]) if logits.dtype == np.float32 else None
+        # a numpy scalar temperature is not a weak scalar: laya's arithmetic is then in its dtype
+        if b is None or type(b.t) not in (float, int):
+            return None
+        order = q.get("option_order")
+        raw = logits[j, :k].tolist()
+        if not all(math.isfinite(v) for v in raw):
+            return None
+        try:
+            t = _f32(b.t)                                       # the Python number as numpy casts it (float32)
+            z = [_f32(v / t) for v in raw]                      # z = raw_rows[j] / t_scale
+            m = max(z)
+            e = np.exp(np.array([_f32(v - m) for v in z], dtype=np.float32)).tolist()  # np.exp(z - z.max())
+            total = 0.0
+            for v in e:                                         # p.sum(): left to right from 0.0, in float32
+                total = _f32(total + v)
+            p = [_f32(v / total) for v in e]                    # p /= p.sum()
+        except (OverflowError, ZeroDivisionError):
+            return None
+        if order is not None and len(order) == k:               # unpermute_probs
+            canonical = [0.0] * k
+            for slot, i in enumerate(order):
+                canonical[int(i)] = p[slot]
+            p = canonical
+        pmax = max(p)
+        b.pmax, b.argmax = [pmax], [p.index(pmax)]              # max and the first argmax, as numpy's
+        if k < 2:
+            b.confidence = [1.0]
+        else:                                                   # confidence_from_probs, in float32
+            logs = np.log(np.array([min(max(v, _LOW), 1.0) for v in p], dtype=np.float32)).tolist()
+            ent = 0.0
+            for v, lg in zip(p, logs):
+                ent = _f32(ent + _f32(v * lg))
+            b.confidence = [_clamp01(1.0 - (-ent) / math.log(k))]
+        if q["t"] == "score":                                   # np.arange(k) * p: int64 by float32, in float64
+            score = 0.0
+            for i, v in enumerate(p):
+                score += i * v
+            b.score = [score]
+        else:
+            b.score = None
+        b.probs = [p]
         return b
 
 
@@ -234,10 +306,12 @@ def check_cases(seed: int = 0, states: int = 5):
 def self_check(agent: Any) -> Optional[str]:
     """The first difference between `Decoder` and laya on `check_cases` (None: none): its answers against laya's
     `_decode_answers`, and, since those are rounded to 4 decimals, each block's numbers before rounding against
-    the lines of `_decode_answers` run row by row with laya's own functions."""
+    the lines of `_decode_answers` run row by row with laya's own functions; batches of five states (`_block`)
+    and of one (`_row`, which declines an agent's numpy temperatures: laya's function then decodes)."""
     stock = laya_api.stock_decode(agent)
     dec = Decoder(agent)
-    for logits, act, items, ids, internal in check_cases():
+    for logits, act, items, ids, internal in check_cases() + check_cases(seed=1, states=1):
+        one = logits.shape[0] == len(ids)
         cache: Dict[str, Any] = {}
         for offset in range(0, logits.shape[0], len(ids)):
             with np.errstate(all="ignore"):
@@ -248,6 +322,8 @@ def self_check(agent: Any) -> Optional[str]:
         for j, qid in enumerate(ids):
             block = cache.get((j, qid))
             if block is None:
+                if one:
+                    continue
                 return "question %s was not decoded in a block" % qid
             with np.errstate(all="ignore"):
                 why = _block_differs(block, logits, len(ids), j, internal[qid])

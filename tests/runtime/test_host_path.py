@@ -103,6 +103,55 @@ def test_the_host_path_gives_laya_s_own_batches_and_answers_on_fuzzed_calls(demo
     assert counts["states_batched"] > 0
 
 
+ONE_STATE_QUESTIONS = {
+    "empty_descriptions": {"type": "choice", "instructions": "Which one?", "criteria": {"a": "", "b": None, "c": 0}},
+    "one_option": {"type": "choice", "instructions": "Only this?", "criteria": ["only"]},
+    "special": {"type": "score", "instructions": "[MASK] <mask> \u200b ünï 🙂 \"q\" {json}",
+                "criteria": ["", "[SEP]", {"d": 1}]},
+    "noul": {"type": "noul", "instructions": "Is it urgent?"},
+}
+
+
+def _outcome(agent, states, questions, kwargs):
+    """An agent's answers, or the type and text of laya's error (a question laya refuses is refused alike)."""
+    try:
+        return agent.predict_batch(states, questions, **kwargs)
+    except Exception as e:  # noqa: BLE001 - compared, not handled
+        return "%s: %s" % (type(e).__name__, e)
+
+
+def test_one_state_calls_are_tokenised_when_laya_asks_and_give_laya_s_batches(demo_ckpt):
+    """A call of one state is not prepared ahead: its state is tokenised by the tokenizer's direct call when
+    laya's `_encode_state` asks. Fuzzed one-state calls (every question type, empty and one-option criteria,
+    special characters, empty and long states of every kind, budgets) give laya's own batches and answers."""
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    path = host_path.install(fast)
+    stock_batches, fast_batches = _recording(stock), _recording(fast)
+    mask = stock.tok.mask_token
+    rng = random.Random(5)
+    calls = []
+    for i in range(48):
+        if i % 4 == 0:  # a service asks the same questions again: their heads then come from the cache
+            questions = _questions(rng)
+            for name in rng.sample(sorted(ONE_STATE_QUESTIONS), rng.randint(0, 2)):
+                questions[name] = ONE_STATE_QUESTIONS[name]
+            kwargs = rng.choice([{}, {"batch_size": 1}, {"max_len": 96, "head_max_len": 40}])
+        state = _state(rng, mask) if i % 6 else state_text(np.random.default_rng(i), rng.choice([0, 1, 700]))
+        calls.append(([state], questions, kwargs))
+    # the fast agent's calls first: the two agents share laya's tokenizer, which the stock agent's heads leave
+    # truncating (the direct call then leaves the state to laya's call, as it must)
+    got = [_outcome(fast, *call) for call in calls]
+    assert got == [_outcome(stock, *call) for call in calls]
+    assert len(fast_batches) == len(stock_batches) > 30
+    for got, ref in zip(fast_batches, stock_batches):
+        for k in ref:
+            assert torch.equal(got[k], ref[k]) if torch.is_tensor(ref[k]) else got[k] == ref[k], k
+    counts = path.stats
+    assert counts["states_direct"] > 20 and "states_batched" not in counts
+    # a head built by laya leaves the transformers backend truncating: the next state is laya's own call
+    assert 0 < counts["states_alone"] <= counts["heads_built"]
+
+
 def test_heads_are_keyed_by_everything_build_head_reads(demo_ckpt):
     """Same instruction, other options, labels, order or budget: each a head of its own, as laya builds it."""
     import laya.common

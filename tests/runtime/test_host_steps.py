@@ -125,15 +125,17 @@ def _logits(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
     return x
 
 
-def _batch(agent, rng: random.Random, nrng: np.random.Generator):
+def _batch(agent, rng: random.Random, nrng: np.random.Generator, states: int = 0):
     questions = _questions(rng)
     ids = list(questions)
     internal = {qid: agent._to_internal(questions[qid]) for qid in ids}
     ks = [2 if internal[q]["t"] == "noul" else len(internal[q]["crit"]) for q in ids]
     items = [{"markers": list(range(k)), "qtype": 0} for k in ks]
-    states = rng.choice([1, 2, 3, 8, 33])
+    states = states or rng.choice([1, 2, 3, 8, 33])
     width = max(ks) + rng.randint(0, 2)
     logits = _logits(nrng, states * len(ids), width)
+    if rng.random() < 0.05 and not agent.binning_map:  # (laya's binning raises its own error on a NaN)
+        logits[nrng.integers(0, logits.shape[0]), nrng.integers(0, width)] = rng.choice([np.inf, -np.inf, np.nan])
     act = nrng.random((states * len(ids), 4)).astype(np.float32)
     return logits, act, items, ids, internal, states
 
@@ -164,15 +166,16 @@ def _unrounded():
         del laya.agent.round, host_steps.round
 
 
-def _compare(agent, dec, rounds: int, seed: int) -> int:
-    """Decoded answers against laya's `_decode_answers` on `rounds` fuzzed batches (JSON text equal: every float
-    to its last bit); the number of questions the batched decoder decoded itself."""
+def _compare(agent, dec, rounds: int, seed: int, states: int = 0) -> int:
+    """Decoded answers against laya's `_decode_answers` on `rounds` fuzzed batches (of `states` states, 0: of
+    any number) (JSON text equal: every float to its last bit); the number of questions the decoder decoded
+    itself."""
     stock = laya_api.stock_decode(agent)
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
     own = 0
     for _ in range(rounds):
         _calibrate(agent, rng)
-        logits, act, items, ids, internal, states = _batch(agent, rng, nrng)
+        logits, act, items, ids, internal, states = _batch(agent, rng, nrng, states)
         cache: dict = {}
         for s in range(states):
             offset = s * len(ids)
@@ -190,6 +193,24 @@ def test_the_decoder_gives_laya_s_answers_on_fuzzed_batches(demo_ckpt):
     assert _compare(agent, dec, 300, seed=1) > 300  # as served: rounded; most questions decoded in blocks
     with _unrounded():
         assert _compare(agent, dec, 300, seed=4) > 300  # every number before rounding, bit for bit
+
+
+def test_one_state_batches_are_decoded_in_python_floats_bit_for_bit(demo_ckpt, monkeypatch):
+    """A batch of one state (a 1-row call) is decoded by `Decoder._row`, in Python floats rounded as numpy's
+    float32 operations round: against laya's function on fuzzed one-state batches (every question type, 1 to 12
+    options, shuffled orders, ties, extreme and non-finite logits, temperatures of every form laya holds), every
+    number before rounding. Mutated (the float32 rounding left out) it differs, and the self-check says so."""
+    agent = _agent(demo_ckpt)
+    dec = host_steps.Decoder(agent)
+    assert _compare(agent, dec, 300, seed=5, states=1) > 200  # as served: rounded
+    with _unrounded():
+        assert _compare(agent, dec, 400, seed=6, states=1) > 300  # every number, bit for bit
+    agent.temperature, agent.temperature_by_options, agent.binning_map = [1.0, 1.0, 1.0], {}, None
+    assert host_steps.self_check(agent) is None
+    monkeypatch.setattr(host_steps, "_f32", lambda x: x)  # the arithmetic left in double
+    assert host_steps.self_check(agent) is not None
+    with _unrounded(), pytest.raises(AssertionError):
+        _compare(agent, host_steps.Decoder(agent), 400, seed=6, states=1)
 
 
 @pytest.mark.parametrize("mutated", [

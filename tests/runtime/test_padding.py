@@ -306,3 +306,25 @@ def test_the_export_reaches_the_context_rounded_up_to_the_token_step():
     assert [context_tokens(n) for n in (32, 33, 48, 200, 208, 512, 8190)] == [32, 48, 48, 208, 208, 512, 8192]
     assert all(context_tokens(n) % TOKEN_MULTIPLE == 0 and 0 <= context_tokens(n) - n < TOKEN_MULTIPLE
                for n in range(1, 3000))
+
+
+def test_a_one_row_call_comes_back_at_the_request_s_width_and_ids_are_checked_both_ways():
+    """The one-piece path: outputs at the request's own markers (padded ones dropped, none dropped where there
+    were none), ids checked against the embedding at both ends before the runner sees them."""
+    from laya_aot.runtime.backend import TokenIdError
+
+    for k, width in ((1, 1), (2, 2), (3, 3)):
+        be, runner = _backend()
+        logits, act = be.forward(*_batch(n=1, t=20, k=k))
+        assert logits.shape == (1, width) and act.shape == (1, 3) and (logits == 2).all()
+        assert runner.shapes == [((1, 32), (1, max(2, k)))]
+    be, runner = _backend()
+    be.token_ids.rows = 50
+    for bad in (50, -1):
+        ids = torch.full((1, 20), 7)
+        ids[0, 11] = bad
+        with pytest.raises(TokenIdError, match="token id %d is past" % bad):
+            be.forward(ids, *_batch(n=1, t=20, k=2)[1:])
+    assert runner.shapes == []
+    be.forward(torch.full((1, 20), 49), *_batch(n=1, t=20, k=2)[1:])
+    assert runner.shapes == [((1, 32), (1, 2))]
