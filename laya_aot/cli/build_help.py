@@ -52,7 +52,8 @@ Keys (KEY=VALUE overrides one value):
   export.ship_program     also write the portable torch.export program into the bundle, verified (default false:
                           it holds a copy of every weight and no runtime reads it)
   aoti.cxx                the C++ compiler for AOTInductor (default: the first that links libstdc++ dynamically)
-  aoti.cpu_frozen         also build the CPU package with the weights frozen inside (true/false)
+  aoti.cpu_frozen         also build a CPU package with the weights frozen inside (default false: faster only
+                          on larger models, and the size of the weights)
   stages.aoti, stages.onnx, stages.tilelang, stages.inductor_cache
                           turn an artifact kind off (=false); export and verify always run
   verify.seed             the seed of the verification cases

@@ -4,9 +4,9 @@
 so a bundle for N architectures does not carry N copies of the weights. `constants.json` beside the
 package says where each constant comes from at load time: a tensor of the checkpoint's
 model.safetensors (converted to the dtype it names) or, for the few tensors a checkpoint does not
-hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. On the CPU the build also
-makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for oneDNN;
-that one ships unpacked (`model.so`, see `unpack_library`). Its build settings (`aoti.cxx`, `aoti.cpu_frozen`)
+hold (RoPE frequencies, lifted constants), `extra_constants.safetensors`. With `aoti.cpu_frozen=true` a CPU
+build also makes a package with the weights frozen inside (`aoti-cpu-frozen`), which Inductor pre-packs for
+oneDNN; that one ships unpacked (`model.so`, see `unpack_library`). Its build settings (`aoti.cxx`, `aoti.cpu_frozen`)
 are `aoti_settings.AotiConfig`.
 """
 from __future__ import annotations
@@ -433,7 +433,7 @@ def load_aoti_package(path: Path, device_index: int):
 
 
 def build(ctx: BuildContext, exported: Exported) -> Built:
-    """The package for the target, weights not inside; on the CPU also the frozen package."""
+    """The package for the target, weights not inside; on the CPU with `aoti.cpu_frozen` also the frozen one."""
     if ctx.device == "cuda" and not torch.cuda.is_available():
         raise Skip("target %s needs a %s GPU on the build machine to compile AOTInductor; none is visible "
                    "(run the build on a machine with that GPU)" % (ctx.cfg.target.name, ctx.cfg.target.arch))

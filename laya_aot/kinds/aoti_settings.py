@@ -16,6 +16,7 @@ class AotiConfig:
     libstdc++ dynamically (torch's default first); a statically linked libstdc++ makes packages crash on load."""
 
     cxx: Optional[str] = None
-    # CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN):
-    # faster than eager per call on real model sizes, at the cost of a package the size of the weights
-    cpu_frozen: bool = True
+    # true: CPU targets also get a package with the weights frozen inside (Inductor pre-packs them for oneDNN).
+    # Off by default: slower than `aoti-cpu` at one row on the tiny demo, 0.62-0.92x its time on base-512, and a
+    # package the size of the weights in a bundle that otherwise holds none (benchmarks/results/cpu.md)
+    cpu_frozen: bool = False

@@ -47,7 +47,8 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert m["checkpoint"]["fingerprint"]["files"]["model.safetensors"] == sha256_file(demo_ckpt / "model.safetensors")
     assert m["tolerance"]["fp32"] == 1e-4
     names = {a["name"] for a in m["artifacts"]}
-    assert names == {"aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}   # the portable program: export.ship_program
+    # the frozen package: conftest.demo_bundle turns it on; the portable program: export.ship_program
+    assert names == {"aoti-cpu", "aoti-cpu-frozen", "onnx-fp32"}
     for a in m["artifacts"]:
         assert a["status"] == "verified", a
         assert _hash_problem(demo_bundle, a["name"]) is None
@@ -155,7 +156,7 @@ def test_second_shape_through_checkpoint_path(alt_bundle, alt_ckpt):
     assert m["checkpoint"]["name"] == "alt" and m["checkpoint"]["max_len"] == 384
     assert m["ranges"]["max_tokens"] == 384
     assert {a["kind"] for a in m["artifacts"] if a["status"] == "verified"} == {"aoti", "onnx"}
-    assert [a["name"] for a in m["artifacts"] if a["kind"] == "aoti"] == ["aoti-cpu"]   # conftest.alt_bundle
+    assert [a["name"] for a in m["artifacts"] if a["kind"] == "aoti"] == ["aoti-cpu"]   # no frozen one by default
     for a in m["artifacts"]:
         assert a["verify"]["max_abs_option_prob"] <= 1e-4
 
