@@ -66,6 +66,11 @@ class DemoShape:
     train_tickets: int = 0
 
 
+# ModernBERT-base's dimensions (and -large's below), a context apart in the presets
+_BASE = dict(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+             intermediate_size=1152, vocab_size=50368, local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16")
+_LARGE = dict(_BASE, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624)
+
 PRESETS: Dict[str, DemoShape] = {
     # the default of every command and the tests' fixture: seconds to build on 2 cores; no amp_dtype
     "tiny": DemoShape(),
@@ -78,18 +83,10 @@ PRESETS: Dict[str, DemoShape] = {
                           vocab_size=1536, max_len=384, head_layers=1, n_actions=4, local_attention=32,
                           global_attn_every_n_layers=2, tokenizer_vocab=1000, amp_dtype="fp16"),
     # ModernBERT-base and -large dimensions with amp_dtype bf16, as laya's shipped checkpoints
-    "base-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22,
-                          num_attention_heads=12, intermediate_size=1152, vocab_size=50368, max_len=512,
-                          local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
-    "base-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=768, num_hidden_layers=22,
-                           num_attention_heads=12, intermediate_size=1152, vocab_size=50368, max_len=1024,
-                           local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
-    "large-512": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28,
-                           num_attention_heads=16, intermediate_size=2624, vocab_size=50368, max_len=512,
-                           local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
-    "large-1024": DemoShape(layer_gain=0.25, head_gain=2.0, hidden_size=1024, num_hidden_layers=28,
-                            num_attention_heads=16, intermediate_size=2624, vocab_size=50368, max_len=1024,
-                            local_attention=128, tokenizer_vocab=4000, amp_dtype="bf16"),
+    "base-512": DemoShape(max_len=512, **_BASE),
+    "base-1024": DemoShape(max_len=1024, **_BASE),
+    "large-512": DemoShape(max_len=512, **_LARGE),
+    "large-1024": DemoShape(max_len=1024, **_LARGE),
 }
 
 # the preset of checkpoint=demo (configs/checkpoint/demo.yaml), which `laya-aot demo` builds and loads
