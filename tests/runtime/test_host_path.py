@@ -120,11 +120,13 @@ def _outcome(agent, states, questions, kwargs):
         return "%s: %s" % (type(e).__name__, e)
 
 
-def test_one_state_calls_are_tokenised_when_laya_asks_and_give_laya_s_batches(demo_ckpt):
+@pytest.mark.parametrize("ckpt", ["demo_ckpt", "alt_ckpt"])  # alt: head dim 32, fp16, 4 actions, its own vocab
+def test_one_state_calls_are_tokenised_when_laya_asks_and_give_laya_s_batches(ckpt, request):
     """A call of one state is not prepared ahead: its state is tokenised by the tokenizer's direct call when
     laya's `_encode_state` asks. Fuzzed one-state calls (every question type, empty and one-option criteria,
     special characters, empty and long states of every kind, budgets) give laya's own batches and answers."""
-    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    ckpt = request.getfixturevalue(ckpt)
+    stock, fast = _agent(ckpt), _agent(ckpt)
     path = host_path.install(fast)
     stock_batches, fast_batches = _recording(stock), _recording(fast)
     mask = stock.tok.mask_token

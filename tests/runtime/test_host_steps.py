@@ -195,12 +195,13 @@ def test_the_decoder_gives_laya_s_answers_on_fuzzed_batches(demo_ckpt):
         assert _compare(agent, dec, 300, seed=4) > 300  # every number before rounding, bit for bit
 
 
-def test_one_state_batches_are_decoded_in_python_floats_bit_for_bit(demo_ckpt, monkeypatch):
+@pytest.mark.parametrize("ckpt", ["demo_ckpt", "alt_ckpt"])  # alt: head dim 32, fp16, 4 actions, its own vocab
+def test_one_state_batches_are_decoded_in_python_floats_bit_for_bit(ckpt, request, monkeypatch):
     """A batch of one state (a 1-row call) is decoded by `Decoder._row`, in Python floats rounded as numpy's
     float32 operations round: against laya's function on fuzzed one-state batches (every question type, 1 to 12
     options, shuffled orders, ties, extreme and non-finite logits, temperatures of every form laya holds), every
     number before rounding. Mutated (the float32 rounding left out) it differs, and the self-check says so."""
-    agent = _agent(demo_ckpt)
+    agent = _agent(request.getfixturevalue(ckpt))
     dec = host_steps.Decoder(agent)
     assert _compare(agent, dec, 300, seed=5, states=1) > 200  # as served: rounded
     with _unrounded():
