@@ -24,6 +24,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..manifest import Artifact
+from ..modeling.head import attention_backends
 from .aoti_compiler import _default_cxx, choose_compiler
 from .base import BuildContext, Built, Exported, Incoming, Kind, LoadEnv, Outputs, Runner, Skip
 
@@ -81,6 +82,12 @@ def inductor_config_kept() -> Iterator[None]:
                 setattr(config, key, before[key])
 
 
+def compiler_patch(compiler: Dict[str, Any]) -> Dict[str, Any]:
+    """Inductor's config for compiling with `compiler` (`choose_compiler`'s): its C++ compiler where it is not
+    Inductor's default (a package built by a compiler linking libstdc++ otherwise can end the process at load)."""
+    return {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
+
+
 def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
             cxx: Optional[str] = None, frozen: bool = False, max_autotune: bool = False) -> Dict[str, Any]:
     """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
@@ -105,8 +112,8 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
         configs["max_autotune"] = True
     # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
     # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
-    patch = {} if compiler["cxx"] == _default_cxx() else {"cpp.cxx": (None, compiler["cxx"])}
-    with inductor_config_kept(), torch._inductor.config.patch(patch), torch.no_grad():
+    with inductor_config_kept(), torch._inductor.config.patch(compiler_patch(compiler)), torch.no_grad(), \
+            attention_backends():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / PACKAGE),
                                                  inductor_configs=configs)
     if frozen:

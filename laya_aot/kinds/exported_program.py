@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from ..manifest import Artifact, Needs, Precision
+from ..modeling.head import attention_backends
 from ..modeling.model import ExplicitDtypeModel, gemm_extremes
 from ..modeling.rotary import ROTARY
 from ..numerics import precision
@@ -92,7 +93,7 @@ def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max
                  pad_id: int, device: str = "cpu", example: Optional[Tuple[Optional[int], Optional[int]]] = None
                  ) -> ExportedProgram:
     args = example_inputs(max_tokens, pad_id, device, max_rows, *(example or (None, None)))
-    with torch.no_grad():
+    with torch.no_grad(), attention_backends():
         return torch.export.export(module.to(device), args, strict=False,
                                    dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers))
 

@@ -21,7 +21,8 @@ where they are one tensor), then `scaled_dot_product_attention` with laya's padd
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,22 @@ import torch.nn.functional as F
 from . import gemm
 
 HEADS = ("answer_rows", "full")
+
+
+@contextlib.contextmanager
+def attention_backends() -> Iterator[None]:
+    """The attention kernels an artifact may be exported and compiled to: torch's own but cuDNN's.
+
+    Given a masked 16-bit `scaled_dot_product_attention` on an H100, torch picks cuDNN's kernel, which builds an
+    execution plan on the first call of every new shape: 30-100 ms for each (rows, tokens, markers) a service had
+    not sent before, inside an AOTInductor package of `large-1024` (benchmarks/results/batching.md, "New shapes").
+    Merged calls of mixed lengths keep making new shapes, so a busy service paid that plan on most calls. The
+    memory-efficient kernel takes the same mask with no plan; the choice is made when the program is traced and
+    compiled, so both run inside this."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 def batch_first_ready(attn: torch.nn.Module) -> bool:

@@ -152,3 +152,35 @@ def test_unusual_attention_keeps_the_stock_block():
     assert not head.batch_first_ready(attn)
     assert not head.batch_first_ready(torch.nn.MultiheadAttention(16, 2, batch_first=False).eval())
     assert not head.batch_first_ready(torch.nn.MultiheadAttention(16, 2, batch_first=True, kdim=8, vdim=8).eval())
+
+
+def test_artifacts_are_traced_and_compiled_without_cudnn_attention(monkeypatch, tmp_path):
+    """cuDNN's attention builds a plan at every new shape (tens of ms on an H100): the export and the AOTInductor
+    compile both run where torch may not choose it, and the choice is put back afterwards."""
+    from laya_aot.kinds import aoti, exported_program
+    from laya_aot.modeling.head import attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+    seen = {}
+
+    def export(*args, **kwargs):
+        seen["export"] = torch.backends.cuda.cudnn_sdp_enabled()
+        raise RuntimeError("stop here")
+
+    def compile_and_package(*args, **kwargs):
+        seen["compile"] = torch.backends.cuda.cudnn_sdp_enabled()
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.export, "export", export)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    monkeypatch.setattr(aoti, "constants_spec", lambda ep, keys: {"constants": {}, "extra": {}})
+    with pytest.raises(RuntimeError, match="stop here"):
+        exported_program.export_model(torch.nn.Identity(), 2, 32, 4, 0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        aoti.package(object(), tmp_path, [])  # the program itself is never read
+    assert seen == {"export": False, "compile": False}
