@@ -112,8 +112,8 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
         configs["max_autotune"] = True
     # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
     # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
-    with inductor_config_kept(), torch._inductor.config.patch(compiler_patch(compiler)), torch.no_grad(), \
-            attention_backends():
+    with (inductor_config_kept(), torch._inductor.config.patch(compiler_patch(compiler)), torch.no_grad(),
+          attention_backends()):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / PACKAGE),
                                                  inductor_configs=configs)
     if frozen:
