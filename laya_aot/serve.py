@@ -40,6 +40,7 @@ ENV_STRICT = "LAYA_AOT_STRICT"
 ENV_PINS = "LAYA_AOT_BUNDLE_SHA256S"
 ENV_PIN = "LAYA_AOT_BUNDLE_SHA256"  # laya_aot.load's own pin, read from the environment by every load
 ENV_NEAR_TIES = "LAYA_AOT_NEAR_TIES"
+ENV_ENGINE = "LAYA_AOT_ENGINE"  # runtime/engine.ENV_ENGINE (not imported here: it is read before anything loads)
 _EXAMPLE = """'{"support": "/bundles/support"}'"""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -70,6 +71,9 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_WORKERS         worker processes answering on LAYA_PORT (default 1), each a whole server with its
                            own copy of every resident model on the same device: more requests/s where one
                            process's host work is the limit (docs/batching.md)
+  LAYA_AOT_ENGINE          1 (with LAYA_AOT_WORKERS > 1): one engine process loads the bundled checkpoints on
+                           the device and runs every worker's artifact calls, merged; the workers keep HTTP,
+                           tokenising and decoding, with no weights or device context of their own (default 0)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
@@ -281,6 +285,9 @@ def describe(agent: Any) -> Dict[str, Any]:
     """What serves a loaded agent: its backend, the artifact and variant (None: laya's eager forward) and every
     artifact of the bundle that was not used, with the loader's reason."""
     backend = getattr(agent, "backend_object", None)
+    remote = getattr(backend, "described", None)
+    if remote is not None:  # a worker's agent whose artifact runs in the engine (runtime/engine.py): as it said
+        return dict(remote, backend=getattr(agent, "backend", None), calls=getattr(backend, "stats", {}))
     art = getattr(backend, "artifact", None)
     out: Dict[str, Any] = {"backend": getattr(agent, "backend", None), "artifact": getattr(art, "name", None)}
     if art is not None:
@@ -350,7 +357,7 @@ class BundleLoads:
         spec = self.config.bundles.get(key)
         if spec is None:
             return laya_build()
-        from .runtime.loader import NoArtifactError, load
+        from .runtime.loader import NoArtifactError
 
         kwargs = laya_api.router_agent_kwargs(router, key)
         if spec.sha256:
@@ -360,8 +367,7 @@ class BundleLoads:
             n = self.loads[key]
         t0 = time.perf_counter()
         try:
-            agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict,
-                         near_ties=self.config.near_ties, **kwargs)
+            agent = self._build(key, spec, kwargs)
         except NoArtifactError as e:
             message = _pin_words(spec, str(e))
             if self.started:
@@ -373,7 +379,8 @@ class BundleLoads:
             raise
         took = time.perf_counter() - t0
         info = describe(agent)
-        unexamined = [] if spec.remote or info["artifact"] is None else _unexamined(spec, agent, info)
+        remote = spec.remote or hasattr(agent.backend_object, "described")  # the engine examined the bundle
+        unexamined = [] if remote or info["artifact"] is None else _unexamined(spec, agent, info)
         with self._lock:
             self.unexamined[key] = unexamined
         refused = "; ".join(_pin_words(spec, r) for r in info["refused"] + unexamined)
@@ -387,6 +394,25 @@ class BundleLoads:
             log.warning("%r load #%d in %.2f s: fell back to laya's eager forward; no artifact of "
                         "bundle %s fits: %s", key, n, took, spec.bundle, refused)
         return agent
+
+    def _build(self, key: str, spec: BundleSpec, kwargs: Dict[str, Any]) -> Any:
+        """`laya_aot.load` here, or, in a worker of a server with an engine, a thin agent whose forward runs there
+        (the engine loads the checkpoint as this would; its refusal under strict is this load's)."""
+        from .runtime import engine
+        from .runtime.loader import NoArtifactError, load
+
+        remote = engine.client()
+        if remote is None:
+            return load(str(spec.checkpoint), bundle=spec.bundle, strict=self.config.strict,
+                        near_ties=self.config.near_ties, **kwargs)
+        request = {k: v for k, v in kwargs.items() if k != "bundle_sha256"}
+        try:
+            return engine.remote_agent(remote, key, str(spec.checkpoint), request,
+                                       {k: v for k, v in request.items() if k != "device"})
+        except engine.EngineError as e:
+            if str(e).startswith("NoArtifactError: "):
+                raise NoArtifactError(str(e)[len("NoArtifactError: "):]) from None
+            raise
 
     def report(self, router: Any) -> Dict[str, Any]:
         """`GET /v1/aot`'s answer (less the batcher's entry, which AotRoute adds): every resident checkpoint's
@@ -561,6 +587,27 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
+def _engine_main() -> int:
+    """The engine process of a server with LAYA_AOT_ENGINE=1: loads the bundled checkpoints the workers ask for,
+    with `laya_aot.load` as one process would (the workers' agent settings, this server's bundles, pins, strict
+    and near-ties), and runs their artifact calls on the device."""
+    from .runtime import engine
+    from .runtime.loader import load
+
+    config = config_from_env()
+
+    def load_one(model: str, request: Dict[str, Any]) -> Any:
+        spec = config.bundles[model]
+        pin = {"bundle_sha256": spec.sha256} if spec.sha256 else {}
+        agent = load(str(spec.checkpoint), bundle=spec.bundle, strict=config.strict, near_ties=config.near_ties,
+                     **pin, **request)
+        info = describe(agent)
+        log.info("engine: %r served by %s (artifact %s)", model, info["backend"], info["artifact"])
+        return agent
+
+    return engine.serve_engine(engine.Engine(load_one, describe))
+
+
 def main(argv: List[str], start: float) -> int:
     """`laya-aot serve`: configuration errors are one line and exit 2, never a traceback."""
     if argv and argv[0] in ("-h", "--help"):
@@ -578,10 +625,16 @@ def main(argv: List[str], start: float) -> int:
         return 2
     from .runtime.loader import NoArtifactError
 
+    if os.environ.get("LAYA_AOT_ENGINE_READY_FD"):  # run by the supervisor as the engine (runtime/engine.py)
+        return _engine_main()
     app = None
     try:
         host, port, level = laya_api.serve_settings()
         workers = serve_workers.count_from_env(os.environ, ServeConfigError)  # a worker's own environment says 1
+        engine = _flag(os.environ, ENV_ENGINE)
+        if engine and workers == 1 and serve_workers.this_worker() is None:
+            log.warning("%s=1 is for several workers (%s > 1): one process runs its artifact calls itself",
+                        ENV_ENGINE, serve_workers.ENV_WORKERS)
         if workers > 1:  # the settings' mistakes said once, here, before any worker starts
             config_from_env()
         else:
@@ -596,7 +649,7 @@ def main(argv: List[str], start: float) -> int:
             return 2
         raise
     if app is None:
-        return serve_workers.supervise(workers, host, port)
+        return serve_workers.supervise(workers, host, port, engine=engine)
     worker = serve_workers.this_worker()
     log.info("ready %.1f s after process start, on %s:%d%s", time.perf_counter() - start, host, port,
              " (worker %d of %d)" % (worker[0] + 1, worker[1]) if worker else "")

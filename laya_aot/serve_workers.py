@@ -141,36 +141,79 @@ class _Worker:
         self.go_fd = -1
 
 
-def supervise(count: int, host: str, port: int) -> int:
-    """Start `count` workers, let them serve once all have loaded, and stop them all when told to or when one
-    exits. Returns the exit status: 0 when stopped by a signal, else the first worker's to exit."""
-    with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # the workers' figures (`Board`)
-        return _supervise(count, host, port, directory)
+class _EngineProcess:
+    """The engine (laya_aot/runtime/engine.py): `laya-aot serve` run with the engine's settings, which make it the
+    one process that loads the bundled checkpoints and runs every worker's artifact calls."""
+
+    def __init__(self, directory: str):
+        from .runtime import engine
+
+        ready_r, ready_w = os.pipe()
+        self.env = {engine.ENV_ENGINE_ADDRESS: os.path.join(directory, "engine.sock"),
+                    engine.ENV_ENGINE_KEY: os.urandom(16).hex()}
+        env = dict(os.environ, **self.env, **{engine.ENV_ENGINE_READY_FD: str(ready_w)})
+        env.pop(ENV_WORKERS, None)
+        self.index = "engine"
+        self.proc = subprocess.Popen([sys.executable, "-m", "laya_aot.cli", "serve"], env=env, pass_fds=(ready_w,),
+                                     preexec_fn=_die_with_parent)
+        os.close(ready_w)
+        self.ready_fd = ready_r
+
+    def wait_ready(self, stop: threading.Event) -> int:
+        """0 once the engine listens, its status if it exited first, 0 on a signal."""
+        try:
+            while not stop.is_set():
+                readable, _, _ = select.select([self.ready_fd], [], [], 0.2)
+                if readable:
+                    if os.read(self.ready_fd, 16):
+                        return 0
+                    self.proc.wait()
+                    log.error("laya-aot serve engine exited before it was ready (status %s)", self.proc.returncode)
+                    return max(1, self.proc.returncode)
+            return 0
+        finally:
+            os.close(self.ready_fd)
 
 
-def _supervise(count: int, host: str, port: int, directory: str) -> int:
+def supervise(count: int, host: str, port: int, engine: bool = False) -> int:
+    """Start `count` workers (after the engine, with `engine`), let them serve once all have loaded, and stop them
+    all when told to or when one exits. Returns the exit status: 0 when stopped by a signal, else the first
+    worker's (or the engine's) to exit."""
+    with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # figures (`Board`), the engine's socket
+        return _supervise(count, host, port, directory, engine)
+
+
+def _supervise(count: int, host: str, port: int, directory: str, engine: bool = False) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    workers = [_Worker(i, count, directory) for i in range(count)]
+    helpers: List[Any] = []
     status = 0
+    if engine:
+        helpers.append(_EngineProcess(directory))
+        status = helpers[0].wait_ready(stop)
+        os.environ.update(helpers[0].env)  # the workers' way to it
+    workers = [_Worker(i, count, directory) for i in range(count)] if status == 0 and not stop.is_set() else []
     try:
+        if not workers:
+            return status
         status = _start(workers, stop)
         if status == 0 and not stop.is_set():
             log.info("%d workers serving on %s:%d (%s=%d)", count, host, port, ENV_WORKERS, count)
             while not stop.is_set():
-                gone = [w for w in workers if w.proc.poll() is not None]
+                gone = [w for w in helpers + workers if w.proc.poll() is not None]
                 if gone:
                     status = max(1, gone[0].proc.returncode)  # killed by a signal (negative): 1
-                    log.error("laya-aot serve worker %d exited with status %s; stopping the others",
-                              gone[0].index, gone[0].proc.returncode)
+                    log.error("laya-aot serve %s %s exited with status %s; stopping the others",
+                              "engine" if gone[0] in helpers else "worker", gone[0].index, gone[0].proc.returncode)
                     break
                 stop.wait(0.2)
     finally:
         _stop(workers)
+        _stop(helpers)
         for s, handler in old.items():
             signal.signal(s, handler)
     return status
@@ -204,7 +247,7 @@ def _start(workers: List[_Worker], stop: threading.Event) -> int:
 def _stop(workers: List[_Worker]) -> None:
     """SIGTERM to each live worker (uvicorn's graceful stop), SIGKILL to any still running after STOP_S."""
     for w in workers:
-        if w.go_fd >= 0:
+        if getattr(w, "go_fd", -1) >= 0:
             os.close(w.go_fd)  # a worker still loading reads end of file and exits
             w.go_fd = -1
         if w.proc.poll() is None:
@@ -214,7 +257,7 @@ def _stop(workers: List[_Worker]) -> None:
         try:
             w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("laya-aot serve worker %d did not stop within %.0f s: killed", w.index, STOP_S)
+            log.warning("laya-aot serve worker %s did not stop within %.0f s: killed", w.index, STOP_S)
             w.proc.kill()
             w.proc.wait()
 

@@ -1,0 +1,156 @@
+"""`laya-aot serve` with LAYA_AOT_WORKERS=2 and LAYA_AOT_ENGINE=1 (laya_aot/runtime/engine.py): one engine process
+runs the artifact calls of both workers, merged; the workers answer laya's routes as one process does; a call
+that fails in a merged call fails alone; the engine exiting stops the server. Servers here are real `laya-aot
+serve` processes over the demo bundle, on the CPU."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+import torch
+
+from laya_aot.runtime import engine
+from tests.serve.test_serve import Server, _env
+from tests.serve.test_workers import _alive, _answers, _until
+
+
+def _fake_forward(ids, att, mpos, mmask, qtype):
+    """Outputs that depend on each row's own real tokens and markers only, like the model's."""
+    real = (ids * att).sum(1, keepdim=True).float()
+    logits = torch.where(mmask, mpos.float() * 10 + real, torch.full_like(mpos, -1e4, dtype=torch.float))
+    act = torch.stack([real[:, 0], qtype.float()], 1)
+    return logits, act
+
+
+def _call(rows: int, tokens: int, markers: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 90, (rows, tokens), generator=g)
+    att = torch.ones(rows, tokens, dtype=torch.long)
+    att[:, tokens - 3:] = 0
+    mpos = torch.randint(1, tokens - 3, (rows, markers), generator=g)
+    mmask = torch.ones(rows, markers, dtype=torch.bool)
+    mmask[0, -1] = markers < 3
+    return ids, att, mpos, mmask, torch.randint(0, 3, (rows,), generator=g)
+
+
+def test_a_merged_call_gives_each_call_its_own_rows_and_markers():
+    calls = [_call(2, 16, 4, 0), _call(3, 48, 2, 1), _call(1, 32, 6, 2)]
+    inputs, spans = engine.merge(calls, pad_id=0)
+    assert inputs[0].shape == (6, 48) and inputs[2].shape == (6, 6)
+    parts = engine.split(_fake_forward(*inputs), spans, inputs[2].shape[1])
+    for call, part in zip(calls, parts):
+        alone = _fake_forward(*call)
+        assert [p.shape for p in part] == [a.shape for a in alone]
+        assert all(torch.equal(p, a) for p, a in zip(part, alone))
+
+
+class _Backend:
+    pad_id = 0
+    stats: dict = {}
+
+    def forward(self, ids, att, mpos, mmask, qtype):
+        if int(ids.max()) >= 100:
+            raise IndexError("token id %d is past the embedding rows" % int(ids.max()))
+        return _fake_forward(ids, att, mpos, mmask, qtype)
+
+
+class _Agent:
+    backend_object = _Backend()
+
+
+def test_a_call_that_fails_in_a_merged_call_fails_alone():
+    eng = engine.Engine(lambda key, request: _Agent(), lambda agent: {})
+    eng.describe("demo", {})
+    got: List[Any] = []
+    good, bad = _call(2, 16, 4, 0), _call(1, 16, 4, 1)
+    bad = (bad[0] + 100,) + bad[1:]
+    eng._answer([engine._Call("demo", good, {}, got.append), engine._Call("demo", bad, {}, got.append)])
+    assert got[0][0] == "ok" and all(torch.equal(p, a) for p, a in zip(got[0][1], _fake_forward(*good)))
+    assert got[1][:2] == ("error", "IndexError") and "past the embedding" in got[1][2]
+    assert eng.stats == {"calls": 2, "artifact_calls": 1, "merged_calls": 0}
+
+
+@pytest.fixture(scope="module")
+def servers(demo_ckpt, demo_bundle, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    env = _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_MAX_CONCURRENT="64")
+    started = {"one": Server(tmp, "one", env),
+               "engine": Server(tmp, "engine", dict(env, LAYA_AOT_WORKERS="2", LAYA_AOT_ENGINE="1"))}
+    try:
+        yield {k: s.wait_ready() for k, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def test_workers_over_one_engine_answer_laya_routes_as_one_process(servers):
+    one, two = _answers(servers["one"]), _answers(servers["engine"])
+    assert [a.get("status") for a in one] == [200, 200, 200, 422, 400, 422, 200, 401, "ok"]
+    assert two == one
+    aot = servers["engine"].aot()
+    served = aot["bundles"]["demo"]
+    assert served["backend"].startswith(engine.REMOTE) and served["artifact"] == aot["bundles"]["demo"]["artifact"]
+    assert served["calls"].get("artifact_calls", 0) >= 1  # the engine's own count of its artifact calls
+
+
+def _engine_pid(server: Server) -> int:
+    for child in Path("/proc/%d/task/%d/children" % (server.proc.pid, server.proc.pid)).read_text().split():
+        environ = Path("/proc/%s/environ" % child).read_bytes()
+        if engine.ENV_ENGINE_READY_FD.encode() in environ:
+            return int(child)
+    raise AssertionError("no engine process under the server")
+
+
+def test_the_engine_exiting_stops_the_server(demo_ckpt, demo_bundle, tmp_path):
+    env = _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_AOT_WORKERS="2", LAYA_AOT_ENGINE="1")
+    server = Server(tmp_path, "engine-exits", env).wait_ready()
+    try:
+        workers = [int(p) for p in Path("/proc/%d/task/%d/children" % (server.proc.pid, server.proc.pid))
+                   .read_text().split()]
+        os.kill(_engine_pid(server), signal.SIGKILL)
+        assert server.proc.wait(30) != 0
+        _until(lambda: not any(_alive(p) for p in workers), "a worker outlived its server")
+        assert "engine" in server.log() and "exited" in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_real_merged_call_answers_each_request_as_alone(demo_ckpt, demo_bundle):
+    """Two requests of different lengths and question sets (so different markers) collated by laya, merged into
+    one artifact call of the demo bundle: each one's options and decisions as in its call alone."""
+    import laya_aot
+    from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+    from laya_aot.verification import option_probs
+
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu")
+    backend = agent.backend_object
+    seen: List[Any] = []
+    forward = backend.model.forward
+
+    def record(*args, **kwargs):
+        seen.append(tuple(a.detach().clone() for a in args[:5]))
+        return forward(*args, **kwargs)
+
+    backend.model.forward = record
+    try:
+        agent.system_one(DEMO_STATES[0], DEMO_QUESTIONS)
+        agent.system_one(DEMO_STATES[1] * 3, {k: DEMO_QUESTIONS[k] for k in list(DEMO_QUESTIONS)[:1]})
+    finally:
+        backend.model.forward = forward
+    assert len(seen) == 2 and seen[0][0].shape != seen[1][0].shape
+    eng = engine.Engine(lambda key, request: agent, lambda a: {})
+    eng.describe("demo", {})
+    merged: List[Any] = []
+    eng._answer([engine._Call("demo", c, {}, merged.append) for c in seen])
+    assert eng.stats["merged_calls"] == 1 and [m[0] for m in merged] == ["ok", "ok"]
+    for call, (_, outs) in zip(seen, merged):
+        with torch.no_grad():
+            alone = [o.float() for o in backend.forward(*call)]
+        k = call[2].shape[1]
+        p_alone, p_merged = option_probs(alone[0], k), option_probs(outs[0].float(), k)
+        assert torch.equal(p_alone.argmax(-1), p_merged.argmax(-1))
+        assert float((p_alone - p_merged).abs().max()) < 1e-4
+        assert torch.allclose(alone[1], outs[1].float(), atol=1e-4)
