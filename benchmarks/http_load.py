@@ -24,7 +24,8 @@ Builds a demo checkpoint (--shape) and its bundle (--target) when --checkpoint/-
 with benchmarks/http_bench.py). Writes http_load<tag>.json and .md to --out. `--ray 1,2` also runs the Ray Serve
 deployment (`python -m laya_aot.serve_ray`) with that many replicas (LAYA_THREADS each), the same streams and
 clients: the figure for issue 59's Ray criterion (`--servers ""` leaves the two servers out). A server named
-`laya-aot:N` is `laya-aot serve` with LAYA_AOT_WORKERS=N (N processes on one port); each laya-aot server's own
+`laya-aot:N` is `laya-aot serve` with LAYA_AOT_WORKERS=N (N processes on one port), `laya-aot:Ne` the same over one
+engine process (LAYA_AOT_ENGINE=1: the workers' artifact calls merged in one device process); each laya-aot server's own
 ceiling over a Router that answers at once is measured with as many processes.
 """
 from __future__ import annotations
@@ -60,10 +61,14 @@ SERVER_MODES = {"laya-aot": "bundle", "laya": "eager"}
 
 
 def server_kind(name: str) -> Tuple[str, int]:
-    """("laya-aot" or "laya", worker processes) of a server named "laya-aot", "laya-aot:N" or "laya"."""
-    app, _, n = name.partition(":")
-    if app not in SERVER_MODES or (n and (app != "laya-aot" or not n.isdigit() or int(n) < 1)):
-        raise SystemExit("unknown server %r: use laya-aot, laya-aot:N (N worker processes) or laya" % name)
+    """("laya-aot" or "laya", worker processes) of a server named "laya-aot", "laya-aot:N", "laya-aot:Ne" (N workers
+    over one engine process, LAYA_AOT_ENGINE=1) or "laya"."""
+    app, colon, n = name.partition(":")
+    engine = n.endswith("e")
+    n = n[:-1] if engine else n
+    if app not in SERVER_MODES or (colon and (app != "laya-aot" or not n.isdigit() or int(n) < (2 if engine else 1))):
+        raise SystemExit("unknown server %r: use laya-aot, laya-aot:N (N worker processes), laya-aot:Ne (N workers "
+                         "over one engine, N >= 2) or laya" % name)
     return app, int(n or 1)
 
 
@@ -385,6 +390,8 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
     env.update(dict(kv.split("=", 1) for kv in a.env))
     if workers > 1:
         env["LAYA_AOT_WORKERS"] = str(workers)
+    if name.startswith("laya-aot:") and name.endswith("e"):
+        env["LAYA_AOT_ENGINE"] = "1"
     if name.startswith("ray:"):
         srv = start_ray(a, ckpt, bundle, int(name.split(":")[1]), work, env)
     else:
