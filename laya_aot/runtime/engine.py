@@ -140,9 +140,13 @@ class Engine:
                         and rows + nxt.inputs[0].shape[0] <= MAX_MERGED_ROWS)
                 (batch if fits else later).append(nxt)
                 rows += nxt.inputs[0].shape[0] if fits else 0
-            self._answer(batch)
-            for call in later:
-                self._answer([call])
+            for calls in [batch] + [[c] for c in later]:
+                try:
+                    self._answer(calls)
+                except BaseException as e:  # noqa: BLE001 - the device thread outlives anything; no call waits for ever
+                    log.exception("laya-aot engine: a call failed outside its requests")
+                    for c in calls:
+                        c.reply(("error", type(e).__name__, str(e)))
 
     def _answer(self, batch: List[_Call]) -> None:
         import torch
@@ -218,7 +222,7 @@ class EngineClient:
 
     def __init__(self, address: str, key: bytes):
         self._conn = Client(address, family="AF_UNIX", authkey=key)
-        self._send = threading.Lock()
+        self._lock = threading.Lock()
         self._waiting: Dict[int, "queue.Queue[Tuple[Any, ...]]"] = {}
         self._tag = 0
         self._gone: Optional[str] = None
@@ -229,23 +233,30 @@ class EngineClient:
             try:
                 tag, *answer = _recv(self._conn)
             except (EOFError, OSError) as e:
-                self._gone = "the engine process is gone (%s)" % (type(e).__name__,)
-                for q in list(self._waiting.values()):
+                with self._lock:  # no request registers after this without seeing it
+                    self._gone = "the engine process is gone (%s)" % (type(e).__name__,)
+                    waiting, self._waiting = list(self._waiting.values()), {}
+                for q in waiting:
                     q.put(("error", "EngineError", self._gone))
                 return
-            q = self._waiting.pop(tag, None)
+            with self._lock:
+                q = self._waiting.pop(tag, None)
             if q is not None:
                 q.put(tuple(answer))
 
     def request(self, op: str, key: str, payload: Any) -> Any:
-        if self._gone:
-            raise EngineError(self._gone)
         q: "queue.Queue[Tuple[Any, ...]]" = queue.Queue(1)
-        with self._send:
+        with self._lock:
+            if self._gone:
+                raise EngineError(self._gone)
             self._tag += 1
             tag = self._tag
             self._waiting[tag] = q
-            _send(self._conn, (tag, op, key, payload))
+            try:
+                _send(self._conn, (tag, op, key, payload))
+            except OSError as e:
+                self._waiting.pop(tag, None)
+                raise EngineError("the engine process is gone (%s)" % type(e).__name__) from None
         answer = q.get()
         if answer[0] == "ok":
             return answer[1]

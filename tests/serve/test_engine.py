@@ -154,3 +154,29 @@ def test_a_real_merged_call_answers_each_request_as_alone(demo_ckpt, demo_bundle
         assert torch.equal(p_alone.argmax(-1), p_merged.argmax(-1))
         assert float((p_alone - p_merged).abs().max()) < 1e-4
         assert torch.allclose(alone[1], outs[1].float(), atol=1e-4)
+
+
+def test_a_request_to_an_engine_that_is_gone_fails_at_once(tmp_path):
+    """A worker's calls waiting on an engine that exits, and the calls after, raise EngineError: none waits for ever."""
+    import threading
+    from multiprocessing.connection import Listener
+
+    key = os.urandom(16)
+    listener = Listener(str(tmp_path / "engine.sock"), family="AF_UNIX", authkey=key)
+    got: List[Any] = []
+
+    def engine_that_dies() -> None:
+        conn = listener.accept()
+        got.append(engine._recv(conn))  # the first request arrives, then the engine is gone
+        conn.close()
+
+    t = threading.Thread(target=engine_that_dies)
+    t.start()
+    remote = engine.EngineClient(str(tmp_path / "engine.sock"), key)
+    with pytest.raises(engine.EngineError, match="gone"):
+        remote.request("forward", "demo", ((), {}))
+    with pytest.raises(engine.EngineError, match="gone"):
+        remote.request("forward", "demo", ((), {}))
+    t.join(5)
+    assert got and got[0][1:3] == ("forward", "demo")
+    listener.close()
