@@ -94,6 +94,25 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+def pack(tensors: Sequence[Any]) -> List[Tuple[Any, str]]:
+    """CPU tensors as (numpy array, torch dtype name) for a message: numpy arrays pickle as their bytes (a torch
+    tensor's storage pickles through `torch.save`, about a millisecond each); bf16, which numpy lacks, travels as
+    fp32 (exact) and is made bf16 again by `unpack`."""
+    import torch
+
+    out = []
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        out.append(((t.float() if t.dtype == torch.bfloat16 else t).numpy(), str(t.dtype).replace("torch.", "")))
+    return out
+
+
+def unpack(packed: Sequence[Tuple[Any, str]]) -> Tuple[Any, ...]:
+    import torch
+
+    return tuple(torch.from_numpy(a).to(getattr(torch, dtype)) for a, dtype in packed)
+
+
 # --------------------------------------------------------------------------------------------- the engine
 @dataclass
 class _Call:
@@ -166,16 +185,16 @@ class Engine:
                 self.stats["artifact_calls"] += 1
                 self.stats["merged_calls"] += 1
                 for c, part in zip(batch, split(outs, spans, inputs[2].shape[1])):
-                    c.reply(("ok", part))
+                    c.reply(("ok", pack(part)))
                 return
             except Exception:  # noqa: BLE001 - each call again by itself: one bad call fails alone
                 log.debug("laya-aot engine: a merged call failed; its calls run one by one", exc_info=True)
         for c in batch:
             try:
                 with torch.no_grad():
-                    outs = tuple(o.detach().cpu() for o in backend.forward(*c.inputs, **c.extra))
+                    outs = backend.forward(*c.inputs, **c.extra)
                 self.stats["artifact_calls"] += 1
-                c.reply(("ok", outs))
+                c.reply(("ok", pack(outs)))
             except Exception as e:  # noqa: BLE001 - the worker's request fails with it, nothing else does
                 c.reply(("error", type(e).__name__, str(e)))
 
@@ -208,7 +227,8 @@ class Engine:
                     reply(("error", type(e).__name__, str(e)), tag)
             elif op == "forward":
                 inputs, extra = payload
-                self.calls.put(_Call(key, tuple(inputs), dict(extra), lambda m, t=tag: reply(m, t)))
+                self.calls.put(_Call(key, unpack(inputs), {k: unpack([v])[0] for k, v in extra.items()},
+                                     lambda m, t=tag: reply(m, t)))
             elif op == "stats":
                 agent = self.agents.get(key)
                 reply(("ok", {"engine": dict(self.stats),
@@ -311,10 +331,9 @@ def remote_agent(engine: EngineClient, key: str, checkpoint: str, request: Dict[
 
         def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False,
                     **extra):
-            inputs = tuple(t.detach().cpu() for t in (input_ids, attention_mask, marker_pos, marker_mask, qtype))
-            outs = engine.request("forward", key, (inputs, {k: v.detach().cpu() if hasattr(v, "detach") else v
-                                                            for k, v in extra.items()}))
-            return tuple(o.to(input_ids.device) for o in outs)
+            inputs = pack((input_ids, attention_mask, marker_pos, marker_mask, qtype))
+            outs = engine.request("forward", key, (inputs, {k: pack([v])[0] for k, v in extra.items()}))
+            return tuple(o.to(input_ids.device) for o in unpack(outs))
 
     kwargs = dict(agent_kwargs, device="cpu")
     agent = laya_api.thin_agent(checkpoint, **kwargs)

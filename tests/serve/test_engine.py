@@ -61,6 +61,14 @@ class _Agent:
     backend_object = _Backend()
 
 
+def test_tensors_travel_exactly_in_their_dtypes():
+    ts = [torch.randn(3, 4).to(torch.bfloat16), torch.randn(2, 2).half(), torch.arange(6).reshape(2, 3),
+          torch.tensor([True, False]), torch.randn(5, 3)[:, 1]]
+    back = engine.unpack(engine.pack(ts))
+    assert [b.dtype for b in back] == [t.dtype for t in ts]
+    assert all(torch.equal(b, t) for b, t in zip(back, ts))
+
+
 def test_a_call_that_fails_in_a_merged_call_fails_alone():
     eng = engine.Engine(lambda key, request: _Agent(), lambda agent: {})
     eng.describe("demo", {})
@@ -68,7 +76,7 @@ def test_a_call_that_fails_in_a_merged_call_fails_alone():
     good, bad = _call(2, 16, 4, 0), _call(1, 16, 4, 1)
     bad = (bad[0] + 100,) + bad[1:]
     eng._answer([engine._Call("demo", good, {}, got.append), engine._Call("demo", bad, {}, got.append)])
-    assert got[0][0] == "ok" and all(torch.equal(p, a) for p, a in zip(got[0][1], _fake_forward(*good)))
+    assert got[0][0] == "ok" and all(torch.equal(p, a) for p, a in zip(engine.unpack(got[0][1]), _fake_forward(*good)))
     assert got[1][:2] == ("error", "IndexError") and "past the embedding" in got[1][2]
     assert eng.stats == {"calls": 2, "artifact_calls": 1, "merged_calls": 0}
 
@@ -146,7 +154,8 @@ def test_a_real_merged_call_answers_each_request_as_alone(demo_ckpt, demo_bundle
     merged: List[Any] = []
     eng._answer([engine._Call("demo", c, {}, merged.append) for c in seen])
     assert eng.stats["merged_calls"] == 1 and [m[0] for m in merged] == ["ok", "ok"]
-    for call, (_, outs) in zip(seen, merged):
+    for call, (_, packed) in zip(seen, merged):
+        outs = engine.unpack(packed)
         with torch.no_grad():
             alone = [o.float() for o in backend.forward(*call)]
         k = call[2].shape[1]
