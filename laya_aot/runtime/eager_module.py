@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -145,3 +145,16 @@ class EagerModule:
         log.warning("laya-aot: laya's retry on the CPU after an out-of-memory is over; the artifact serves %s "
                     "again on %s (laya's module kept on the CPU for its next retry)", self.checkpoint, device)
         return True
+
+
+def laya_agent(checkpoint: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any],
+               before_tokenizer: Optional[Callable[[], Any]] = None) -> Tuple[Any, Optional[EagerModule]]:
+    """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
+    if thin:
+        agent = laya_api.thin_agent(str(checkpoint), before_tokenizer=before_tokenizer, device=device, **agent_kwargs)
+        eager = EagerModule(agent, checkpoint)
+        eager.guard_laya_switches()
+        return agent, eager
+    import laya
+
+    return laya.load(str(checkpoint), device=device, **agent_kwargs), None

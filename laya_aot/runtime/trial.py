@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..kinds.usable import Here
     from .eager_module import EagerModule
     from .head_start import HeadStart, Taken
-    from .session import LoadSession
+    from .session import LoadView
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class Trial:
     session (its bundle, config, refusals and stats), the agent's facts here (`usable.Here`: device, machine,
     serving dtype), the weights an artifact is loaded with, what the head start did."""
 
-    def __init__(self, session: "LoadSession", here: "Here", agent: Any, eager: Optional["EagerModule"],
+    def __init__(self, session: "LoadView", here: "Here", agent: Any, eager: Optional["EagerModule"],
                  early: Optional["HeadStart"] = None):
         self.session, self.here, self.agent, self.eager, self.early = session, here, agent, eager, early
         self.bundle = session.bundle.path if session.bundle is not None else Path()
