@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -158,3 +158,18 @@ def laya_agent(checkpoint: Path, device: Optional[str], thin: bool, agent_kwargs
     import laya
 
     return laya.load(str(checkpoint), device=device, **agent_kwargs), None
+
+
+def serve_eager(agent: Any, eager: Optional[EagerModule], rejected: List[Tuple[str, str]], stats: Any) -> None:
+    """laya's eager forward serves `agent` (no artifact does, each of `rejected` says why): a thin agent gets laya's
+    module first, and the fall-back backend carries the load's `stats` (`session.LoadStats`)."""
+    from .backend import EagerFallback
+
+    if eager is not None and laya_api.is_thin(agent):
+        eager.install("no artifact of the bundle serves")
+        stats.extra.update(eager.stats)
+    elif eager is None:  # a whole agent: laya built its module (a bundle refused before laya loaded, `now`, ...)
+        stats.extra.setdefault("eager_module", "built")
+    fallback = EagerFallback(agent, rejected)
+    fallback.stats = stats.as_dict()
+    laya_api.install_backend(agent, fallback)

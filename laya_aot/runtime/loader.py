@@ -15,17 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .. import checkpoint as ckpt_mod
-from ..errors import LayaAotError
 from ..manifest import Bundle, BundleError, is_sha256
 from ..padding import CHUNK_TOKENS
-from .session import DEFAULT_NEAR_TIES, EAGER_MODULE_MODES, LoadConfig, LoadStats, OpenedBundle, _Once, config_of
+from .session import (
+    DEFAULT_NEAR_TIES,
+    EAGER_MODULE_MODES,
+    LoadConfig,
+    LoadStats,
+    NoArtifactError,
+    OpenedBundle,
+    _Once,
+    config_of,
+    no_artifact,
+    reasons_of,
+)
 
 if TYPE_CHECKING:
     from ..kinds.usable import Here
@@ -36,10 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["EAGER_MODULE_MODES", "LoadConfig", "LoadSession", "NoArtifactError", "load"]
 
 log = logging.getLogger(__name__)
-
-
-class NoArtifactError(LayaAotError, RuntimeError):
-    """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
@@ -102,6 +106,7 @@ class LoadSession:
         self.config = config
         self.rejected: List[Tuple[str, str]] = list(rejected or [])
         self.stats = LoadStats()
+        self.served_here: Optional["Here"] = None  # the facts the served artifact was chosen for (`_choose`)
         self._here: _Once[Any] = _Once(self._make_here)
         self._order: _Once[Any] = _Once(lambda: self._make_order(self.here()))
         self._mismatch: _Once[Optional[str]] = _Once(lambda: ckpt_mod.mismatch(self.manifest, self.ckpt))
@@ -214,23 +219,28 @@ class LoadSession:
 
     def reasons(self) -> str:
         """Every reason, one after another (for the warning or the error when nothing serves)."""
-        return "; ".join("%s: %s" % (name, why) for name, why in self.rejected) or "the bundle lists no artifacts"
+        return reasons_of(self.rejected)
 
     def make_agent(self, agent_kwargs: Dict[str, Any], t0: float) -> Any:
         """The agent, with the first artifact of the start order that passes every check, else laya's eager forward
-        (at once, for a bundle refused as a whole): laya's agent with the head start beside it, the choice, then
-        what follows it (`_serve`) or the fall-back."""
+        (at once, for a bundle refused as a whole): laya's agent with the head start beside it, the choice
+        (`_choose`), then what follows it, each step a leaf that takes what it needs (the log line, laya's host path,
+        the start's record, laya's module in the background, the hand-over, the artifacts this torch refuses) or
+        the fall-back (`eager_module.serve_eager`)."""
         from ..probe import end_ahead, start_ahead
 
         cfg, usable = self.config, self.usable
         if not usable:
             end_ahead()  # a probe child started ahead has no artifact of this load to probe
             if cfg.strict:
-                self._refused(stacklevel=3)  # raised here, before torch or laya is imported
+                no_artifact(cfg.strict, self.bundle_name, self.rejected, stacklevel=3)  # before torch or laya
         elif cfg.probe:
             start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
         from .. import laya_internals as laya_api
-        from .eager_module import laya_agent
+        from ..kinds.usable import warn_refused_for_software
+        from . import host_path as host_path_mod
+        from . import start_costs
+        from .eager_module import laya_agent, serve_eager
         from .head_start import HeadStart
 
         # laya's own accelerations replace the forward themselves: those agents are built whole, as is one that no
@@ -251,20 +261,25 @@ class LoadSession:
             end_ahead()  # a probe child started ahead for this load and not taken ends with it
         self.stats.select_s = round(time.perf_counter() - t0 - self.stats.agent_load_s, 3)
         if chosen is None:
-            self._refused(stacklevel=3)  # make_agent, load, the caller
-            self._install_fallback(agent, eager)
-        else:
-            self._serve(agent, chosen)
+            no_artifact(cfg.strict, self.bundle_name, self.rejected, stacklevel=3)  # make_agent, load, the caller
+            serve_eager(agent, eager, self.rejected, self.stats)
+            return agent
+        # what follows the choice: the load's figures, laya's host path, the start's record (for the next start's
+        # ranking), laya's module in the background where asked, the hand-over, the artifacts this torch refuses
+        here = self.served_here
+        chosen.load_stats.update(self.stats.as_dict())
+        if cfg.host_path:
+            chosen.host_path = host_path_mod.install(agent)
+        stats = chosen.load_stats
+        start_costs.record_start(chosen.artifact, here.machine, here.device_type,
+                                 stats["agent_load_s"] + stats["select_s"], stats.get("probe"))
+        if chosen.eager_module is not None and (cfg.eager_module == "background" or cfg.near_ties != "off"):
+            chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (cfg.eager_module, cfg.near_ties))
+        if chosen.handover is not None:
+            chosen.handover.start()
+        warn_refused_for_software(self.manifest.artifacts, here, self.bundle.sha256, self.bundle_name,
+                                  chosen.artifact.name, {name for name, _ in self.rejected}, stacklevel=3)
         return agent
-
-    def _refused(self, stacklevel: int) -> None:
-        """No artifact serves: `strict` raises NoArtifactError, otherwise one warning says laya's eager forward
-        serves."""
-        if self.config.strict:
-            raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s"
-                                  % (self.bundle_name, self.reasons()))
-        warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s"
-                      % (self.bundle_name, self.reasons()), RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _snapshot_unused(self) -> Optional[str]:
         """Why a start that seeds nothing did not take the bundle's tokenizer snapshot (None: nothing to say)."""
@@ -289,7 +304,7 @@ class LoadSession:
     def _choose(self, agent: Any, eager: Optional["EagerModule"],
                 early: Optional["HeadStart"]) -> Optional["AOTBackend"]:
         """The first artifact of the start order (`select.select`) that passes every check, installed into `agent`;
-        None when none does, each with its reason in `rejected`."""
+        None when none does, each with its reason in `rejected`. The order it was taken from is `served_here`'s."""
         from .handover import Handover
         from .trial import Trial
 
@@ -300,6 +315,7 @@ class LoadSession:
             self.refuse_other_checkpoint(why)
             return None
         order = self.order(agent)
+        self.served_here = order.here
         self.rejected.extend(order.skipped)
         self.stats.serving_dtype = order.here.serving
         self.stats.ranking = order.ranking
@@ -310,7 +326,6 @@ class LoadSession:
             backend = trial.run(art)
             if backend is None:
                 continue
-            trial.drop_unused_module(backend)
             # one log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists
             near = ("every answer is the artifact's" if backend.tie_margin is None else
                     "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
@@ -326,58 +341,3 @@ class LoadSession:
             return backend
         return None
 
-    def _install_fallback(self, agent: Any, eager: Optional["EagerModule"]) -> None:
-        """laya's eager forward serves: a thin agent gets laya's module first."""
-        from .. import laya_internals as laya_api
-        from .backend import EagerFallback
-
-        if eager is not None and laya_api.is_thin(agent):
-            eager.install("no artifact of the bundle serves")
-            self.stats.extra.update(eager.stats)
-        elif eager is None:  # a whole agent: laya built its module (a bundle refused before laya loaded, `now`, ...)
-            self.stats.extra.setdefault("eager_module", "built")
-        fallback = EagerFallback(agent, self.rejected)
-        fallback.stats = self.stats.as_dict()
-        laya_api.install_backend(agent, fallback)
-
-    def _serve(self, agent: Any, chosen: "AOTBackend") -> None:
-        """What follows the choice: the load's figures, laya's host path, the start's record, laya's module in the
-        background where asked, the hand-over, and the artifacts this torch refuses named once."""
-        from . import host_path as host_path_mod
-        from . import start_costs
-
-        cfg = self.config
-        here = self.order(agent).here
-        chosen.load_stats.update(self.stats.as_dict())
-        if cfg.host_path:
-            chosen.host_path = host_path_mod.install(agent)
-        stats = chosen.load_stats  # what this start cost, for the next start's ranking
-        start_costs.record_start(chosen.artifact, here.machine, here.device_type,
-                                 stats["agent_load_s"] + stats["select_s"], stats.get("probe"))
-        if chosen.eager_module is not None and (cfg.eager_module == "background" or cfg.near_ties != "off"):
-            chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (cfg.eager_module, cfg.near_ties))
-        if chosen.handover is not None:
-            chosen.handover.start()
-        self._name_refused_for_software(agent, here)
-
-    def _name_refused_for_software(self, agent: Any, here: "Here") -> None:
-        """Artifacts the load never examined (it stops at the first that serves) that would serve here with the
-        build's software (`usable.refused_for_software`: another torch, ...): one warning per process for each, with
-        the fix, as `laya-aot serve` names them in its log and `/v1/aot`."""
-        from ..kinds.usable import refused_for_software
-
-        examined = {agent.backend_object.artifact.name} | {name for name, _ in self.rejected}
-        refused = [(n, why) for n, why in refused_for_software(
-            [a for a in self.manifest.artifacts if a.name not in examined], here)
-            if (self.bundle.sha256, n) not in _named_once]
-        if not refused:
-            return
-        with _named_lock:
-            _named_once.update((self.bundle.sha256, n) for n, _ in refused)
-        warnings.warn("laya-aot: %s serves %s; refused for this process's software, though they could serve here: "
-                      "%s" % (self.bundle_name, agent.backend_object.artifact.name,
-                              "; ".join("%s: %s" % kv for kv in refused)), RuntimeWarning, stacklevel=5)  # caller's
-
-
-_named_once: set = set()
-_named_lock = threading.Lock()

@@ -8,11 +8,13 @@ import dataclasses
 import hashlib
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Generic, List, Optional, Protocol, Tuple, TypeVar
 
 from ..bundle_format import parse, read_pinned
+from ..errors import LayaAotError
 from ..manifest import MANIFEST, Bundle, check_schema, is_sha256, unsafe_relpath
 from ..padding import CHUNK_TOKENS
 
@@ -180,6 +182,25 @@ class LoadStats:
                if f.name != "extra" and getattr(self, f.name) is not None}
         out.update(self.extra)
         return out
+
+
+class NoArtifactError(LayaAotError, RuntimeError):
+    """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
+
+
+def reasons_of(rejected: List[Tuple[str, str]]) -> str:
+    """Every reason of a load, one after another (for the warning or the error when nothing serves)."""
+    return "; ".join("%s: %s" % (name, why) for name, why in rejected) or "the bundle lists no artifacts"
+
+
+def no_artifact(strict: bool, bundle_name: Any, rejected: List[Tuple[str, str]], stacklevel: int) -> None:
+    """No artifact of `bundle_name` serves (each of `rejected` says why): `strict` raises NoArtifactError,
+    otherwise one warning says laya's eager forward serves."""
+    if strict:
+        raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s"
+                              % (bundle_name, reasons_of(rejected)))
+    warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s"
+                  % (bundle_name, reasons_of(rejected)), RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 class LoadView(Protocol):
