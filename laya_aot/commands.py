@@ -449,8 +449,8 @@ def _bench_rounds() -> int:
 def _bench(a: argparse.Namespace) -> int:
     """`laya-aot bench`: the ranking measured here (runtime/bench.py), printed and stored in the cache."""
     from .runtime import bench as bench_mod
+    from .runtime.loader import LoadConfig, LoadSession
     from .runtime.measure import measure
-    from .runtime.session import LoadConfig, LoadSession
 
     ckpt = a.checkpoint
     if ckpt is None:

@@ -7,8 +7,10 @@ alone needs of a machine: `Kind.misfit`), the machine's variant and laya's preci
 """
 from __future__ import annotations
 
+import threading
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Set, Tuple
 
 from .. import kinds
 from ..manifest import Artifact, Bundle
@@ -83,6 +85,26 @@ def refused_for_software(arts: Iterable[Artifact], h: Here) -> List[Tuple[str, s
                                                      h.serving, own_needs=False) is None:
             out.append((art.name, why))
     return out
+
+
+_named_once: set = set()
+_named_lock = threading.Lock()
+
+
+def warn_refused_for_software(arts: Iterable[Artifact], h: Here, bundle_sha256: str, bundle_name: Any, served: str,
+                              examined: Set[str], stacklevel: int) -> None:
+    """A load's artifacts it never examined (it stops at the first that serves: `served`, the others `examined`)
+    that would serve here with the build's software (`refused_for_software`): one warning per process for each
+    (`bundle_sha256`'s), with the fix, as `laya-aot serve` names them in its log and `/v1/aot`."""
+    refused = [(n, why) for n, why in refused_for_software([a for a in arts if a.name not in examined | {served}], h)
+               if (bundle_sha256, n) not in _named_once]
+    if not refused:
+        return
+    with _named_lock:
+        _named_once.update((bundle_sha256, n) for n, _ in refused)
+    warnings.warn("laya-aot: %s serves %s; refused for this process's software, though they could serve here: %s"
+                  % (bundle_name, served, "; ".join("%s: %s" % kv for kv in refused)), RuntimeWarning,
+                  stacklevel=stacklevel + 1)
 
 
 def machine_misfit(art: Artifact, machine: Machine) -> Optional[str]:

@@ -205,7 +205,7 @@ def _install_thin_hooks() -> None:
             except OSError:
                 return tokenizer_original(tok_dir, cfg)
             ready = getattr(_THIN, "before_tokenizer", None)
-            if ready is not None:  # the loader's say on the bundle's snapshot (`runtime/loader._Seed`) comes first
+            if ready is not None:  # the loader's say on the bundle's snapshot (`head_start.TokenizerSeed`) comes first
                 ready()
             snap = tokenizer_snapshot.load(tok_dir, lambda: tokenizer_original(tok_dir, cfg))
             if snap is not None:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -145,3 +145,31 @@ class EagerModule:
         log.warning("laya-aot: laya's retry on the CPU after an out-of-memory is over; the artifact serves %s "
                     "again on %s (laya's module kept on the CPU for its next retry)", self.checkpoint, device)
         return True
+
+
+def laya_agent(checkpoint: Path, device: Optional[str], thin: bool, agent_kwargs: Dict[str, Any],
+               before_tokenizer: Optional[Callable[[], Any]] = None) -> Tuple[Any, Optional[EagerModule]]:
+    """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
+    if thin:
+        agent = laya_api.thin_agent(str(checkpoint), before_tokenizer=before_tokenizer, device=device, **agent_kwargs)
+        eager = EagerModule(agent, checkpoint)
+        eager.guard_laya_switches()
+        return agent, eager
+    import laya
+
+    return laya.load(str(checkpoint), device=device, **agent_kwargs), None
+
+
+def serve_eager(agent: Any, eager: Optional[EagerModule], rejected: List[Tuple[str, str]], stats: Any) -> None:
+    """laya's eager forward serves `agent` (no artifact does, each of `rejected` says why): a thin agent gets laya's
+    module first, and the fall-back backend carries the load's `stats` (`session.LoadStats`)."""
+    from .backend import EagerFallback
+
+    if eager is not None and laya_api.is_thin(agent):
+        eager.install("no artifact of the bundle serves")
+        stats.extra.update(eager.stats)
+    elif eager is None:  # a whole agent: laya built its module (a bundle refused before laya loaded, `now`, ...)
+        stats.extra.setdefault("eager_module", "built")
+    fallback = EagerFallback(agent, rejected)
+    fallback.stats = stats.as_dict()
+    laya_api.install_backend(agent, fallback)

@@ -10,7 +10,8 @@ one thread, as long as it makes only the checks the loader makes first:
 2. the probe child (native kinds), while the weights go to the device (`Kind.prepare`, thin agents; on a GPU
    only their tensors are made here, written once the artifact has them);
 3. the checkpoint's fingerprint (`LoadSession.mismatch`), in a thread of its own (a mismatch kills the child and
-   drops everything);
+   drops everything); for a thin agent, the bundle's tokenizer snapshot seeded into this machine's cache once the
+   bundle is judged (`TokenizerSeed`, which the thin agent waits for before it looks up its tokenizer);
 4. once the probe's verdict is that the artifact loads and runs here (or probing is off), the artifact
    itself: loaded with the prepared weights while the fingerprint is still being computed on a first start
    (nothing serves before the loader's trial has checked it). On a GPU the weights are handed over allocated but not yet
@@ -34,13 +35,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 import torch
 
 from .. import checkpoint as ckpt_mod
-from .. import kinds
+from .. import kinds, tokenizer_snapshot
 from ..bundle_format import artifact_path, check_artifact_hash
-from ..manifest import Artifact
+from ..manifest import Artifact, text_digest
 from ..padding import Batch, batch_of_shape, smallest_batch
 
 if TYPE_CHECKING:
-    from .session import LoadSession
+    from .session import LoadView
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Taken:
 class HeadStart:
     """The first candidate artifact's checks, probe, weights and load, run beside laya's load (module doc)."""
 
-    def __init__(self, session: "LoadSession", thin: bool = False):
+    def __init__(self, session: "LoadView", thin: bool = False):
         self.name: Optional[str] = None      # the artifact worked on
         self.device: Optional[str] = None    # the device it was prepared for
         self.started_after_s: Optional[float] = None  # from load() to the probe child's start
@@ -82,11 +83,12 @@ class HeadStart:
         self._thread = threading.Thread(target=self._run, args=(session, thin), daemon=True,
                                         name="laya-aot-head-start")
         self._thread.start()
+        self.seed = TokenizerSeed(session) if thin else None  # the tokenizer's snapshot, beside laya's imports
 
     def _since(self) -> float:
         return round(time.perf_counter() - self._t0, 3)
 
-    def _run(self, session: "LoadSession", thin: bool) -> None:
+    def _run(self, session: "LoadView", thin: bool) -> None:
         from ..probe import start
 
         try:
@@ -122,7 +124,7 @@ class HeadStart:
         except Exception as e:  # noqa: BLE001 - the loader's trial repeats every check and reports it
             log.debug("head start stopped: %s", e)
 
-    def _fingerprint(self, session: "LoadSession") -> None:
+    def _fingerprint(self, session: "LoadView") -> None:
         try:
             self._mismatch = session.mismatch() is not None
         except Exception as e:  # noqa: BLE001 - the loader checks it again and reports it
@@ -240,6 +242,53 @@ class HeadStart:
             self._pending.cancel()
         self._thread.join()
         self._drop()
+
+
+class TokenizerSeed:
+    """The bundle's tokenizer snapshot into this machine's cache, where the cache lacks one (a first start here:
+    without it the thin agent imports transformers to make one), and only once the bundle is accepted: the pin
+    holds (the manifest is read under it) and it was built from this checkpoint (`LoadSession.mismatch`, which the
+    head start computes meanwhile). A refused bundle seeds nothing. The bundle is judged in a thread beside laya's
+    imports; the thin agent waits for it just before it looks up its tokenizer (`wait`), and the snapshot is then
+    checked against the checkpoint's tokenizer files like any cache entry (`tokenizer_snapshot.seed`). Never
+    raises: the loader's own checks report what is wrong with the bundle."""
+
+    def __init__(self, session: "LoadView"):
+        self.said: Optional[str] = None  # what happened, for load_stats (None: the cache had one)
+        self._tok_dir = str(session.ckpt / ckpt_mod.TOKENIZER_DIR)
+        self._thread: Optional[threading.Thread] = None
+        if not tokenizer_snapshot.cached(self._tok_dir):
+            self._thread = threading.Thread(target=self._run, args=(session,), daemon=True,
+                                            name="laya-aot-tokenizer-seed")
+            self._thread.start()
+
+    def wait(self) -> Optional[str]:
+        """Once the bundle is judged (and its snapshot seeded or not): what happened."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.said
+
+    def _run(self, session: "LoadView") -> None:
+        try:
+            self.said = self._seed(session)
+        except Exception as e:  # noqa: BLE001 - reported by the loader's own checks
+            self.said = "not read from the bundle (%s)" % type(e).__name__
+
+    def _seed(self, session: "LoadView") -> str:
+        snap = session.manifest.tokenizer_snapshot
+        if snap is None:
+            return "none in the bundle"
+        if session.mismatch() is not None:
+            return "the bundle's not used: the bundle was not built from this checkpoint"
+        if snap.sha256 != text_digest(snap.text):
+            log.warning("laya-aot: the tokenizer snapshot in %s does not match its recorded sha256 (damaged or "
+                        "edited); not used: this start loads laya's tokenizer itself", session.bundle_name)
+            return "the bundle's did not match its sha256; not used"
+        why = tokenizer_snapshot.seed(self._tok_dir, snap.key, snap.text)
+        if why is not None:
+            log.info("laya-aot: the bundle's tokenizer snapshot is not used here: %s", why)
+            return "the bundle's not used: %s" % why
+        return "the bundle's, stored in this machine's cache"
 
 
 def warm_batches(art: Artifact, smoke: Any) -> List[Batch]:

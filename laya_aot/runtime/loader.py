@@ -1,29 +1,39 @@
 """`laya_aot.load`: a laya Agent whose forward is the best verified artifact this machine can run.
 
-A load is one `session.LoadSession`: the checks that need no heavy import first (the checkpoint's path, the
-bundle's bytes under its pin, the small files of another checkpoint: `LoadSession.open`), so a wrong path, a missing
-bundle or another checkpoint's bundle answers in well under a second, `strict` included. Then laya's agent and,
-beside it, the head start (runtime/head_start.py: the load's start order, made once by `select.select`, the first
-candidate's probe child, weights and load). Each candidate in that order then goes through its checks, cheapest
-first (runtime/trial.py): manifest verdict for this machine, sha256, probe child (native artifacts, once per
-machine), in-process load, a smoke comparison with the build's fp32 outputs, install. Each rejected artifact gets
-one reason; with none left the agent runs eager with one warning listing them (`strict=True` raises). Importing
-this module imports no torch.
+A load is one `LoadSession`, which owns its steps (`LoadSession.make_agent`) and calls out to leaves that take what they
+need and never call back: the checks that need no heavy import first (the checkpoint's path, the bundle's bytes
+under its pin, the small files of another checkpoint: `LoadSession.open`), so a wrong path, a missing bundle or
+another checkpoint's bundle answers in well under a second, `strict` included. Then laya's agent
+(`eager_module.laya_agent`) and, beside it, the head start (runtime/head_start.py: the load's start order, made once
+by `select.select`, the first candidate's probe child, weights and load, the tokenizer's snapshot). Each candidate
+in that order then goes through its checks, cheapest first (runtime/trial.py): manifest verdict for this machine,
+sha256, probe child (native artifacts, once per machine), in-process load, a smoke comparison with the build's fp32
+outputs, install. Each rejected artifact gets one reason; with none left the agent runs eager with one warning
+listing them (`strict=True` raises). Importing this module imports no torch.
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .. import checkpoint as ckpt_mod
-from ..errors import LayaAotError
-from ..manifest import BundleError
+from ..manifest import Bundle, BundleError, is_sha256
 from ..padding import CHUNK_TOKENS
-from .session import DEFAULT_NEAR_TIES, EAGER_MODULE_MODES, LoadConfig, LoadSession, config_of
+from .session import (
+    DEFAULT_NEAR_TIES,
+    EAGER_MODULE_MODES,
+    LoadConfig,
+    LoadStats,
+    NoArtifactError,
+    OpenedBundle,
+    _Once,
+    config_of,
+    no_artifact,
+    reasons_of,
+)
 
 if TYPE_CHECKING:
     from ..kinds.usable import Here
@@ -31,13 +41,9 @@ if TYPE_CHECKING:
     from .eager_module import EagerModule
     from .head_start import HeadStart
 
-__all__ = ["EAGER_MODULE_MODES", "LoadConfig", "NoArtifactError", "load"]
+__all__ = ["EAGER_MODULE_MODES", "LoadConfig", "LoadSession", "NoArtifactError", "load"]
 
 log = logging.getLogger(__name__)
-
-
-class NoArtifactError(LayaAotError, RuntimeError):
-    """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
 
 def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[str] = None,
@@ -83,248 +89,255 @@ def load(checkpoint: str, bundle: Optional[str | os.PathLike], device: Optional[
 
     settle()  # before torch is imported: CPU threads that do not collapse on a busy machine
     session = LoadSession.open(checkpoint, bundle, cfg)
-    return _load(session, agent_kwargs, t0)
+    return session.make_agent(agent_kwargs, t0)
 
 
-def _refused(session: LoadSession, stacklevel: int) -> None:
-    """No artifact serves: `strict` raises NoArtifactError, otherwise one warning says laya's eager forward serves."""
-    if session.config.strict:
-        raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s"
-                              % (session.bundle_name, session.reasons()))
-    warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s"
-                  % (session.bundle_name, session.reasons()), RuntimeWarning, stacklevel=stacklevel + 1)
+class LoadSession:
+    """One call of `laya_aot.load`: the checkpoint, the bundle (None: none usable), the config, the reasons each
+    artifact (or the whole bundle) was refused, the stats; the manifest, the start order and the fingerprint's
+    verdict each made once for all who take part (the head start's threads, each candidate's checks, a hand-over:
+    `session.LoadView` is what they read), and the load's steps (`make_agent`)."""
 
+    def __init__(self, ckpt: Path, bundle: Optional[OpenedBundle], config: LoadConfig,
+                 rejected: Optional[List[Tuple[str, str]]] = None, bundle_name: Any = None):
+        self.ckpt = ckpt
+        self.bundle = bundle
+        self.bundle_name = bundle_name if bundle_name is not None else (bundle.path if bundle else None)
+        self.config = config
+        self.rejected: List[Tuple[str, str]] = list(rejected or [])
+        self.stats = LoadStats()
+        self.served_here: Optional["Here"] = None  # the facts the served artifact was chosen for (`_choose`)
+        self._here: _Once[Any] = _Once(self._make_here)
+        self._order: _Once[Any] = _Once(lambda: self._make_order(self.here()))
+        self._mismatch: _Once[Optional[str]] = _Once(lambda: ckpt_mod.mismatch(self.manifest, self.ckpt))
 
-def _load(session: LoadSession, agent_kwargs: Dict[str, Any], t0: float):
-    """The agent, with the first artifact of the start order that passes every check, else laya's eager forward
-    (at once, for a bundle refused as a whole)."""
-    from ..probe import end_ahead, start_ahead
+    @classmethod
+    def open(cls, checkpoint: str | os.PathLike, bundle: Any, config: LoadConfig) -> "LoadSession":
+        """The checks that need no heavy import: the checkpoint's path (a CheckpointNotFound), the bundle's address
+        (fetched or unpacked where it is one), its bytes under the pin, their JSON, and the small files of the
+        checkpoint it records (a bundle of another architecture or tokenizer). What is wrong with the bundle is a
+        reason in `rejected` (the caller falls back, or raises with `strict`)."""
+        from ..distribution.fetch import resolve_for_load
 
-    cfg, usable = session.config, session.usable
-    if not usable:
-        end_ahead()  # a probe child started ahead has no artifact of this load to probe
-        if cfg.strict:
-            _refused(session, stacklevel=3)  # raised here, before torch or laya is imported
-    elif cfg.probe:
-        start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
-    from .. import laya_internals as laya_api
-    from .head_start import HeadStart
-
-    # laya's own accelerations replace the forward themselves: those agents are built whole, as is one that no
-    # artifact may serve
-    thin = usable and cfg.eager_module != "now" and not laya_api.accelerated(agent_kwargs)
-    early = HeadStart(session, thin) if usable and (cfg.probe or thin) else None
-    try:
-        seed = _Seed(session) if thin else None
-        agent, eager = _agent(session, thin, agent_kwargs, seed)
-        session.stats.agent_load_s = round(time.perf_counter() - t0, 3)
-        session.stats.thin_agent = thin
-        session.stats.tokenizer_snapshot = seed.wait() if seed is not None else _snapshot_unused(session)
-        chosen = _choose_or_fall_back(session, agent, eager, early) if usable else None
-    finally:
-        if early is not None:
-            early.close()
-        end_ahead()  # a probe child started ahead for this load and not taken ends with it
-    session.stats.select_s = round(time.perf_counter() - t0 - session.stats.agent_load_s, 3)
-    if chosen is None:
-        _refused(session, stacklevel=3)  # _load, load, the caller
-        _install_fallback(agent, eager, session)
-        return agent
-    _serve(session, agent, chosen)
-    return agent
-
-
-def _snapshot_unused(session: LoadSession) -> Optional[str]:
-    """Why a start that seeds nothing did not take the bundle's tokenizer snapshot (None: nothing to say)."""
-    if session.usable or session.bundle is None or session.manifest.tokenizer_snapshot is None:
-        return None
-    return "the bundle's not used: the bundle was refused"
-
-
-def _serve(session: LoadSession, agent: Any, chosen: "AOTBackend") -> None:
-    """What follows the choice: the load's figures, laya's host path, the start's record, laya's module in the
-    background where asked, the hand-over, and the artifacts this torch refuses named once."""
-    from . import host_path as host_path_mod
-    from . import start_costs
-
-    cfg = session.config
-    here = session.order(agent).here
-    chosen.load_stats.update(session.stats.as_dict())
-    if cfg.host_path:
-        chosen.host_path = host_path_mod.install(agent)
-    stats = chosen.load_stats  # what this start cost, for the next start's ranking
-    start_costs.record_start(chosen.artifact, here.machine, here.device_type,
-                             stats["agent_load_s"] + stats["select_s"], stats.get("probe"))
-    if chosen.eager_module is not None and (cfg.eager_module == "background" or cfg.near_ties != "off"):
-        chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (cfg.eager_module, cfg.near_ties))
-    if chosen.handover is not None:
-        chosen.handover.start()
-    _name_refused_for_software(session, agent, here)
-
-
-_named_once: set = set()
-_named_lock = threading.Lock()
-
-
-def _name_refused_for_software(session: LoadSession, agent: Any, here: "Here") -> None:
-    """Artifacts the load never examined (it stops at the first that serves) that would serve here with the build's
-    software (`usable.refused_for_software`: another torch, ...): one warning per process for each, with the fix,
-    as `laya-aot serve` names them in its log and `/v1/aot`."""
-    from ..kinds.usable import refused_for_software
-
-    examined = {agent.backend_object.artifact.name} | {name for name, _ in session.rejected}
-    refused = [(n, why) for n, why in refused_for_software(
-        [a for a in session.manifest.artifacts if a.name not in examined], here)
-        if (session.bundle.sha256, n) not in _named_once]
-    if not refused:
-        return
-    with _named_lock:
-        _named_once.update((session.bundle.sha256, n) for n, _ in refused)
-    warnings.warn("laya-aot: %s serves %s; refused for this process's software, though they could serve here: %s"
-                  % (session.bundle_name, agent.backend_object.artifact.name,
-                     "; ".join("%s: %s" % kv for kv in refused)), RuntimeWarning, stacklevel=5)  # the caller's line
-
-
-class _Seed:
-    """The bundle's tokenizer snapshot into this machine's cache, where the cache lacks one (a first start here:
-    without it the thin agent imports transformers to make one), and only once the bundle is accepted: the pin
-    holds (the manifest is read under it) and it was built from this checkpoint (`LoadSession.mismatch`, which the
-    head start computes meanwhile). A refused bundle seeds nothing. The bundle is judged in a thread beside laya's
-    imports; the thin agent waits for it just before it looks up its tokenizer (`wait`), and the snapshot is then
-    checked against the checkpoint's tokenizer files like any cache entry (`tokenizer_snapshot.seed`). Never
-    raises: the loader's own checks report what is wrong with the bundle."""
-
-    def __init__(self, session: LoadSession):
-        from .. import tokenizer_snapshot
-
-        self.said: Optional[str] = None  # what happened, for load_stats (None: the cache had one)
-        self._tok_dir = str(session.ckpt / ckpt_mod.TOKENIZER_DIR)
-        self._thread: Optional[threading.Thread] = None
-        if not tokenizer_snapshot.cached(self._tok_dir):
-            self._thread = threading.Thread(target=self._run, args=(session,), daemon=True,
-                                            name="laya-aot-tokenizer-seed")
-            self._thread.start()
-
-    def wait(self) -> Optional[str]:
-        """Once the bundle is judged (and its snapshot seeded or not): what happened."""
-        if self._thread is not None:
-            self._thread.join()
-        return self.said
-
-    def _run(self, session: LoadSession) -> None:
+        if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
+            raise TypeError("bundle=%s is not a path (its type is %s); pass bundle= a bundle directory (written by "
+                            "`laya-aot build`), a pack, a directory of packs or an hf:// address, as a str or "
+                            "os.PathLike" % (repr(bundle)[:60], type(bundle).__name__))
+        ckpt = ckpt_mod.locate(str(checkpoint))
+        pin = config.pin
+        if bundle is None or not str(bundle):
+            return cls(ckpt, None, config, [("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a "
+                                                      "directory written by `laya-aot build`" % (bundle,))], bundle)
+        if pin is not None and not is_sha256(str(pin).strip().lower()):
+            return cls(ckpt, None, config, [("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is "
+                                                       "not a sha256 (64 hex digits); `laya-aot inspect BUNDLE` "
+                                                       "prints the bundle's" % str(pin)[:80])], bundle)
+        local, not_fetched = resolve_for_load(bundle, config.device, ckpt)
+        if not_fetched:
+            return cls(ckpt, None, config, [("bundle", not_fetched)], bundle)
         try:
-            self.said = self._seed(session)
-        except Exception as e:  # noqa: BLE001 - reported by the loader's own checks
-            self.said = "not read from the bundle (%s)" % type(e).__name__
+            opened = OpenedBundle(Path(local), pin)
+        except BundleError as e:
+            return cls(ckpt, None, config, [("bundle", str(e))], local)
+        session = cls(ckpt, opened, config)
+        eager_only = ckpt_mod.eager_only(ckpt)
+        if eager_only:  # before the files' comparison: no rebuild can serve this checkpoint, its fix would mislead
+            session.refuse(eager_only)
+            return session
+        recorded = opened.recorded_files()
+        differ = ckpt_mod.differing_small_files(ckpt, recorded) if recorded else []
+        if differ:
+            session.refuse_other_checkpoint("it was built from another checkpoint than %s (differing: %s)"
+                                            % (ckpt, ", ".join(differ[:5])))
+        return session
 
-    def _seed(self, session: LoadSession) -> str:
-        from .. import tokenizer_snapshot
-        from ..manifest import text_digest
+    def refuse(self, why: str) -> None:
+        """No artifact of the bundle may serve this agent: `why` is the bundle's reason."""
+        self.rejected.append(("bundle", why))
 
-        snap = session.manifest.tokenizer_snapshot
-        if snap is None:
-            return "none in the bundle"
-        if session.mismatch() is not None:
-            return "the bundle's not used: the bundle was not built from this checkpoint"
-        if snap.sha256 != text_digest(snap.text):
-            log.warning("laya-aot: the tokenizer snapshot in %s does not match its recorded sha256 (damaged or "
-                        "edited); not used: this start loads laya's tokenizer itself", session.bundle_name)
-            return "the bundle's did not match its sha256; not used"
-        why = tokenizer_snapshot.seed(self._tok_dir, snap.key, snap.text)
-        if why is not None:
-            log.info("laya-aot: the bundle's tokenizer snapshot is not used here: %s", why)
-            return "the bundle's not used: %s" % why
-        return "the bundle's, stored in this machine's cache"
+    def refuse_other_checkpoint(self, why: str) -> None:
+        """The bundle was not built from this checkpoint (`why`, in `checkpoint.mismatch`'s words): refused, with the
+        fix."""
+        self.refuse("%s; its artifacts would give wrong answers: rebuild it with `laya-aot build checkpoint.path=%s`"
+                    % (why, self.ckpt))
 
+    @property
+    def usable(self) -> bool:
+        """Whether the bundle may still serve (nothing refused it as a whole)."""
+        return self.bundle is not None and not any(name == "bundle" for name, _ in self.rejected)
 
-def _agent(session: LoadSession, thin: bool, agent_kwargs: Dict[str, Any], seed: Optional[_Seed] = None
-           ) -> Tuple[Any, Optional["EagerModule"]]:
-    """laya's agent: thin (laya's module built on need, by the EagerModule returned with it) or whole."""
-    ckpt, device = session.ckpt, session.config.device
-    if thin:
+    @property
+    def pinned(self) -> bool:
+        """The pin held on the bytes the manifest was read from: a shipped probe verdict may serve."""
+        return self.bundle is not None and self.bundle.pinned
+
+    @property
+    def manifest(self) -> Bundle:
+        assert self.bundle is not None, "no bundle: nothing to read"
+        return self.bundle.manifest
+
+    def mismatch(self) -> Optional[str]:
+        """`checkpoint.mismatch` of the manifest and the checkpoint, computed once (seconds for large weights never
+        hashed here: the head start's thread asks first, beside laya's load)."""
+        return self._mismatch.get()
+
+    def _make_here(self) -> Any:
+        from ..kinds.usable import here
+
+        return here(ckpt_mod.read_config(self.ckpt), self.config.device)
+
+    def here(self) -> Any:
+        """`usable.Here` for this load (device, machine, serving dtype), from the checkpoint's config: what laya
+        will serve in once the agent exists."""
+        return self._here.get()
+
+    def _make_order(self, here: Any) -> Any:
+        from .select import select
+
+        return select(self.manifest.artifacts, here, self.config.prefer, self.config.handover,
+                      bundle_sha256=self.bundle.sha256 if self.bundle else None)
+
+    def order(self, agent: Any = None) -> Any:
+        """The start order (`select.select`), made once. Given the agent, its device and serving dtype must be those
+        it was made for; should laya have chosen others, the order is made again for the agent's."""
+        order = self._order.get()
+        if agent is None:
+            return order
         from .. import laya_internals as laya_api
-        from .eager_module import EagerModule
 
-        agent = laya_api.thin_agent(str(ckpt), before_tokenizer=seed.wait if seed is not None else None,
-                                    device=device, **agent_kwargs)
-        eager = EagerModule(agent, ckpt)
-        eager.guard_laya_switches()
-        return agent, eager
-    import laya
+        here = order.here
+        serving = laya_api.serving_dtype(agent)
+        if agent.device.type == here.device_type and serving == here.serving:
+            return order
+        from ..kinds.usable import Here
+        from ..variant import current_machine
 
-    return laya.load(str(ckpt), device=device, **agent_kwargs), None
+        log.info("laya-aot: laya serves %s in %s on %s, not %s on %s as its config said: the start order is made "
+                 "for the agent", self.ckpt, serving, agent.device, here.serving, here.device)
+        return self._make_order(Here(str(agent.device), agent.device.type, current_machine(str(agent.device)),
+                                     serving))
 
+    def reasons(self) -> str:
+        """Every reason, one after another (for the warning or the error when nothing serves)."""
+        return reasons_of(self.rejected)
 
-def _install_fallback(agent, eager: Optional["EagerModule"], session: LoadSession) -> None:
-    """laya's eager forward serves: a thin agent gets laya's module first."""
-    from .. import laya_internals as laya_api
-    from .backend import EagerFallback
+    def make_agent(self, agent_kwargs: Dict[str, Any], t0: float) -> Any:
+        """The agent, with the first artifact of the start order that passes every check, else laya's eager forward
+        (at once, for a bundle refused as a whole): laya's agent with the head start beside it, the choice
+        (`_choose`), then what follows it, each step a leaf that takes what it needs (the log line, laya's host path,
+        the start's record, laya's module in the background, the hand-over, the artifacts this torch refuses) or
+        the fall-back (`eager_module.serve_eager`)."""
+        from ..probe import end_ahead, start_ahead
 
-    if eager is not None and laya_api.is_thin(agent):
-        eager.install("no artifact of the bundle serves")
-        session.stats.extra.update(eager.stats)
-    elif eager is None:  # a whole agent: laya built its module (a bundle refused before laya loaded, `now`, ...)
-        session.stats.extra.setdefault("eager_module", "built")
-    fallback = EagerFallback(agent, session.rejected)
-    fallback.stats = session.stats.as_dict()
-    laya_api.install_backend(agent, fallback)
+        cfg, usable = self.config, self.usable
+        if not usable:
+            end_ahead()  # a probe child started ahead has no artifact of this load to probe
+            if cfg.strict:
+                no_artifact(cfg.strict, self.bundle_name, self.rejected, stacklevel=3)  # before torch or laya
+        elif cfg.probe:
+            start_ahead()  # a first start's probe child imports torch beside this process (probe.py says when)
+        from .. import laya_internals as laya_api
+        from ..kinds.usable import warn_refused_for_software
+        from . import host_path as host_path_mod
+        from . import start_costs
+        from .eager_module import laya_agent, serve_eager
+        from .head_start import HeadStart
 
+        # laya's own accelerations replace the forward themselves: those agents are built whole, as is one that no
+        # artifact may serve
+        thin = usable and cfg.eager_module != "now" and not laya_api.accelerated(agent_kwargs)
+        early = HeadStart(self, thin) if usable and (cfg.probe or thin) else None
+        seed = early.seed if early is not None else None
+        try:
+            agent, eager = laya_agent(self.ckpt, cfg.device, thin, agent_kwargs,
+                                      before_tokenizer=seed.wait if seed is not None else None)
+            self.stats.agent_load_s = round(time.perf_counter() - t0, 3)
+            self.stats.thin_agent = thin
+            self.stats.tokenizer_snapshot = seed.wait() if seed is not None else self._snapshot_unused()
+            chosen = self._choose_or_fall_back(agent, eager, early) if usable else None
+        finally:
+            if early is not None:
+                early.close()
+            end_ahead()  # a probe child started ahead for this load and not taken ends with it
+        self.stats.select_s = round(time.perf_counter() - t0 - self.stats.agent_load_s, 3)
+        if chosen is None:
+            no_artifact(cfg.strict, self.bundle_name, self.rejected, stacklevel=3)  # make_agent, load, the caller
+            serve_eager(agent, eager, self.rejected, self.stats)
+            return agent
+        # what follows the choice: the load's figures, laya's host path, the start's record (for the next start's
+        # ranking), laya's module in the background where asked, the hand-over, the artifacts this torch refuses
+        here = self.served_here
+        chosen.load_stats.update(self.stats.as_dict())
+        if cfg.host_path:
+            chosen.host_path = host_path_mod.install(agent)
+        stats = chosen.load_stats
+        start_costs.record_start(chosen.artifact, here.machine, here.device_type,
+                                 stats["agent_load_s"] + stats["select_s"], stats.get("probe"))
+        if chosen.eager_module is not None and (cfg.eager_module == "background" or cfg.near_ties != "off"):
+            chosen.eager_module.start_background("eager_module=%r, near_ties=%r" % (cfg.eager_module, cfg.near_ties))
+        if chosen.handover is not None:
+            chosen.handover.start()
+        warn_refused_for_software(self.manifest.artifacts, here, self.bundle.sha256, self.bundle_name,
+                                  chosen.artifact.name, {name for name, _ in self.rejected}, stacklevel=3)
+        return agent
 
-def _choose_or_fall_back(session: LoadSession, agent: Any, eager: Optional["EagerModule"],
-                         early: Optional["HeadStart"]) -> Optional["AOTBackend"]:
-    """`_choose`, where any failure is one more reason in `rejected` (None): nothing a bundle holds may take
-    the service down."""
-    try:
-        return _choose(session, agent, eager, early)
-    except BundleError as e:
-        session.refuse(str(e))
-    except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
-        log.warning("laya-aot: internal error while choosing an artifact of %s", session.bundle_name, exc_info=True)
-        session.refuse("internal error in laya-aot (%s: %s); the bundle is not used, please report this"
-                       % (type(e).__name__, str(e)[:300]))
-    return None
+    def _snapshot_unused(self) -> Optional[str]:
+        """Why a start that seeds nothing did not take the bundle's tokenizer snapshot (None: nothing to say)."""
+        if self.usable or self.bundle is None or self.manifest.tokenizer_snapshot is None:
+            return None
+        return "the bundle's not used: the bundle was refused"
 
-
-def _choose(session: LoadSession, agent: Any, eager: Optional["EagerModule"],
-            early: Optional["HeadStart"]) -> Optional["AOTBackend"]:
-    """The first artifact of the start order (`select.select`) that passes every check, installed into `agent`;
-    None when none does, each with its reason in `session.rejected`."""
-    from .handover import Handover
-    from .trial import Trial
-
-    if _bundle_refused(session, agent):
+    def _choose_or_fall_back(self, agent: Any, eager: Optional["EagerModule"],
+                             early: Optional["HeadStart"]) -> Optional["AOTBackend"]:
+        """`_choose`, where any failure is one more reason in `rejected` (None): nothing a bundle holds may take
+        the service down."""
+        try:
+            return self._choose(agent, eager, early)
+        except BundleError as e:
+            self.refuse(str(e))
+        except Exception as e:  # noqa: BLE001 - nothing a bundle holds may take the service down: fall back
+            log.warning("laya-aot: internal error while choosing an artifact of %s", self.bundle_name, exc_info=True)
+            self.refuse("internal error in laya-aot (%s: %s); the bundle is not used, please report this"
+                        % (type(e).__name__, str(e)[:300]))
         return None
-    order = session.order(agent)
-    session.rejected.extend(order.skipped)
-    session.stats.serving_dtype = order.here.serving
-    session.stats.ranking = order.ranking
-    session.stats.start_costs_here_s = order.starts
-    trial = Trial(session, order.here, agent, eager, early)
-    for art in order.tries():
-        backend = trial.run(art)
-        if backend is not None:
-            trial.drop_unused_module(backend)
+
+    def _choose(self, agent: Any, eager: Optional["EagerModule"],
+                early: Optional["HeadStart"]) -> Optional["AOTBackend"]:
+        """The first artifact of the start order (`select.select`) that passes every check, installed into `agent`;
+        None when none does, each with its reason in `rejected`. The order it was taken from is `served_here`'s."""
+        from .handover import Handover
+        from .trial import Trial
+
+        t_fp = time.perf_counter()
+        why = self.mismatch()
+        self.stats.fingerprint_s = round(time.perf_counter() - t_fp, 3)
+        if why is not None:  # no artifact of the bundle may serve this agent at all: the reason is the bundle's
+            self.refuse_other_checkpoint(why)
+            return None
+        order = self.order(agent)
+        self.served_here = order.here
+        self.rejected.extend(order.skipped)
+        self.stats.serving_dtype = order.here.serving
+        self.stats.ranking = order.ranking
+        self.stats.start_costs_here_s = order.starts
+        tries = order.tries()
+        trial = Trial(self, order.here, agent, eager, early)
+        for art in tries:
+            backend = trial.run(art)
+            if backend is None:
+                continue
             # one log line: what serves, why it was tried first, who answers near-ties, whether laya's module exists
             near = ("every answer is the artifact's" if backend.tie_margin is None else
                     "rows whose top two options are within %.3g go to laya's eager forward (near_ties=%r)"
-                    % (backend.tie_margin, session.config.near_ties))
+                    % (backend.tie_margin, self.config.near_ties))
             module = backend.eager_module
-            log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", session.ckpt, art.name,
-                     art.variant, order.chosen_by(art, session.manifest.artifacts), near,
+            log.info("laya-aot: %s runs %s (%s; %s); %s; laya's eager module %s", self.ckpt, art.name,
+                     art.variant, order.chosen_by(art, self.manifest.artifacts), near,
                      "built" if module is None or module.model is not None else
                      "not built yet (the log says when and why it is)")
             target = order.plan.handover_to
-            if target is not None and art is not target and all(name != target.name for name, _ in session.rejected):
+            if target is not None and art is not target and all(name != target.name for name, _ in self.rejected):
                 backend.handover = Handover(trial, target, backend, order.plan.why)
             return backend
-    return None
+        return None
 
-
-def _bundle_refused(session: LoadSession, agent: Any) -> bool:
-    """Whether no artifact of the bundle may serve this agent at all (the reason is then the bundle's)."""
-    t_fp = time.perf_counter()
-    why = session.mismatch()
-    session.stats.fingerprint_s = round(time.perf_counter() - t_fp, 3)
-    if why is not None:
-        session.refuse_other_checkpoint(why)
-    return why is not None

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..manifest import Artifact
 from .bench import ROUNDS, WARMUP, Measured, threads, timed
-from .session import LoadSession
+from .loader import LoadSession
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +21,10 @@ def measure(session: "LoadSession", rounds: int = ROUNDS, warmup: int = WARMUP) 
     import datetime
 
     from .. import laya_internals as laya_api
-    from .loader import _agent
+    from .eager_module import laya_agent
     from .trial import Trial
 
-    agent, _ = _agent(session, thin=False, agent_kwargs={})
+    agent, _ = laya_agent(session.ckpt, session.config.device, thin=False, agent_kwargs={})
     why = session.mismatch()
     if why is not None:
         session.refuse_other_checkpoint(why)

@@ -1,31 +1,22 @@
-"""One load's typed state: what the caller asked (`LoadConfig`), the bundle read once (`OpenedBundle`), the start
-order made once (`select.select`), the checkpoint's fit judged once, every refusal with its reason, and what the
-load cost (`LoadStats`).
-
-`loader.load` makes one `LoadSession` and hands it to all that takes part in a start: the head start
-(runtime/head_start.py), the tokenizer's seeding (`loader._Seed`), each candidate's checks (runtime/trial.py) and a
-hand-over. Whichever of their threads asks first for the manifest, the start order or the fingerprint's verdict
-computes it; the others wait for that one value. This module imports no torch: what needs only paths and bytes
-(`LoadSession.open`: the checkpoint's path, the bundle's bytes, the pin, the small files of another checkpoint)
-answers before any heavy import.
+"""One load's typed values: what the caller asked (`LoadConfig`), the bundle read once (`OpenedBundle`), what the
+load cost (`LoadStats`), a value made once for every thread that asks (`_Once`), and what the load's leaves read of
+it (`LoadView`, which `loader.LoadSession` is). This module imports no torch.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Protocol, Tuple, TypeVar
 
-from .. import checkpoint as ckpt_mod
 from ..bundle_format import parse, read_pinned
-from ..manifest import MANIFEST, Bundle, BundleError, check_schema, is_sha256, unsafe_relpath
+from ..errors import LayaAotError
+from ..manifest import MANIFEST, Bundle, check_schema, is_sha256, unsafe_relpath
 from ..padding import CHUNK_TOKENS
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -180,7 +171,7 @@ class LoadStats:
     select_s: Optional[float] = None          # from the agent to an artifact serving (or none)
     fingerprint_s: Optional[float] = None     # waiting for the checkpoint's fingerprint after laya's load
     serving_dtype: Optional[str] = None       # what laya serves the checkpoint in here
-    tokenizer_snapshot: Optional[str] = None  # where a first start's tokenizer snapshot came from (`loader._Seed`)
+    tokenizer_snapshot: Optional[str] = None  # where a first start's tokenizer snapshot came from (`TokenizerSeed`)
     ranking: Optional[str] = None             # whose latencies ranked the artifacts (`select.StartOrder.ranking`)
     start_costs_here_s: Optional[Dict[str, float]] = None  # the starts recorded here (`start_costs.known`)
     extra: Dict[str, Any] = field(default_factory=dict)    # a fall-back's eager module figures
@@ -193,129 +184,42 @@ class LoadStats:
         return out
 
 
-class LoadSession:
-    """One call of `laya_aot.load`: the checkpoint, the bundle (None: none usable), the config, the reasons each
-    artifact (or the whole bundle) was refused, the stats; the manifest, the start order and the fingerprint's
-    verdict each made once for all who take part (module docstring)."""
+class NoArtifactError(LayaAotError, RuntimeError):
+    """strict=True and no artifact of the bundle can serve this agent; the message lists every reason."""
 
-    def __init__(self, ckpt: Path, bundle: Optional[OpenedBundle], config: LoadConfig,
-                 rejected: Optional[List[Tuple[str, str]]] = None, bundle_name: Any = None):
-        self.ckpt = ckpt
-        self.bundle = bundle
-        self.bundle_name = bundle_name if bundle_name is not None else (bundle.path if bundle else None)
-        self.config = config
-        self.rejected: List[Tuple[str, str]] = list(rejected or [])
-        self.stats = LoadStats()
-        self._here: _Once[Any] = _Once(self._make_here)
-        self._order: _Once[Any] = _Once(lambda: self._make_order(self.here()))
-        self._mismatch: _Once[Optional[str]] = _Once(lambda: ckpt_mod.mismatch(self.manifest, self.ckpt))
 
-    @classmethod
-    def open(cls, checkpoint: str | os.PathLike, bundle: Any, config: LoadConfig) -> "LoadSession":
-        """The checks that need no heavy import: the checkpoint's path (a CheckpointNotFound), the bundle's address
-        (fetched or unpacked where it is one), its bytes under the pin, their JSON, and the small files of the
-        checkpoint it records (a bundle of another architecture or tokenizer). What is wrong with the bundle is a
-        reason in `rejected` (the caller falls back, or raises with `strict`)."""
-        from ..distribution.fetch import resolve_for_load
+def reasons_of(rejected: List[Tuple[str, str]]) -> str:
+    """Every reason of a load, one after another (for the warning or the error when nothing serves)."""
+    return "; ".join("%s: %s" % (name, why) for name, why in rejected) or "the bundle lists no artifacts"
 
-        if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
-            raise TypeError("bundle=%s is not a path (its type is %s); pass bundle= a bundle directory (written by "
-                            "`laya-aot build`), a pack, a directory of packs or an hf:// address, as a str or "
-                            "os.PathLike" % (repr(bundle)[:60], type(bundle).__name__))
-        ckpt = ckpt_mod.locate(str(checkpoint))
-        pin = config.pin
-        if bundle is None or not str(bundle):
-            return cls(ckpt, None, config, [("bundle", "no bundle was given (bundle=%r); pass bundle=DIR, a "
-                                                      "directory written by `laya-aot build`" % (bundle,))], bundle)
-        if pin is not None and not is_sha256(str(pin).strip().lower()):
-            return cls(ckpt, None, config, [("bundle", "the pin %r (bundle_sha256 or LAYA_AOT_BUNDLE_SHA256) is "
-                                                       "not a sha256 (64 hex digits); `laya-aot inspect BUNDLE` "
-                                                       "prints the bundle's" % str(pin)[:80])], bundle)
-        local, not_fetched = resolve_for_load(bundle, config.device, ckpt)
-        if not_fetched:
-            return cls(ckpt, None, config, [("bundle", not_fetched)], bundle)
-        try:
-            opened = OpenedBundle(Path(local), pin)
-        except BundleError as e:
-            return cls(ckpt, None, config, [("bundle", str(e))], local)
-        session = cls(ckpt, opened, config)
-        eager_only = ckpt_mod.eager_only(ckpt)
-        if eager_only:  # before the files' comparison: no rebuild can serve this checkpoint, its fix would mislead
-            session.refuse(eager_only)
-            return session
-        recorded = opened.recorded_files()
-        differ = ckpt_mod.differing_small_files(ckpt, recorded) if recorded else []
-        if differ:
-            session.refuse_other_checkpoint("it was built from another checkpoint than %s (differing: %s)"
-                                            % (ckpt, ", ".join(differ[:5])))
-        return session
 
-    def refuse(self, why: str) -> None:
-        """No artifact of the bundle may serve this agent: `why` is the bundle's reason."""
-        self.rejected.append(("bundle", why))
+def no_artifact(strict: bool, bundle_name: Any, rejected: List[Tuple[str, str]], stacklevel: int) -> None:
+    """No artifact of `bundle_name` serves (each of `rejected` says why): `strict` raises NoArtifactError,
+    otherwise one warning says laya's eager forward serves."""
+    if strict:
+        raise NoArtifactError("laya-aot: no artifact of %s can serve this agent: %s"
+                              % (bundle_name, reasons_of(rejected)))
+    warnings.warn("laya-aot: using laya's eager forward; no artifact of %s fits: %s"
+                  % (bundle_name, reasons_of(rejected)), RuntimeWarning, stacklevel=stacklevel + 1)
 
-    def refuse_other_checkpoint(self, why: str) -> None:
-        """The bundle was not built from this checkpoint (`why`, in `checkpoint.mismatch`'s words): refused, with the
-        fix."""
-        self.refuse("%s; its artifacts would give wrong answers: rebuild it with `laya-aot build checkpoint.path=%s`"
-                    % (why, self.ckpt))
+
+class LoadView(Protocol):
+    """What the load's leaves read of it (`loader.LoadSession`): the head start and each candidate's checks take
+    the load's facts, its values made once and its record of refusals from here, never the loader's steps."""
+
+    ckpt: Path
+    bundle: Optional[OpenedBundle]
+    bundle_name: Any
+    config: LoadConfig
+    rejected: List[Tuple[str, str]]
+    stats: LoadStats
 
     @property
-    def usable(self) -> bool:
-        """Whether the bundle may still serve (nothing refused it as a whole)."""
-        return self.bundle is not None and not any(name == "bundle" for name, _ in self.rejected)
+    def pinned(self) -> bool: ...
 
     @property
-    def pinned(self) -> bool:
-        """The pin held on the bytes the manifest was read from: a shipped probe verdict may serve."""
-        return self.bundle is not None and self.bundle.pinned
+    def manifest(self) -> Bundle: ...
 
-    @property
-    def manifest(self) -> Bundle:
-        assert self.bundle is not None, "no bundle: nothing to read"
-        return self.bundle.manifest
+    def order(self, agent: Any = None) -> Any: ...
 
-    def mismatch(self) -> Optional[str]:
-        """`checkpoint.mismatch` of the manifest and the checkpoint, computed once (seconds for large weights never
-        hashed here: the head start's thread asks first, beside laya's load)."""
-        return self._mismatch.get()
-
-    def _make_here(self) -> Any:
-        from ..kinds.usable import here
-
-        return here(ckpt_mod.read_config(self.ckpt), self.config.device)
-
-    def here(self) -> Any:
-        """`usable.Here` for this load (device, machine, serving dtype), from the checkpoint's config: what laya
-        will serve in once the agent exists."""
-        return self._here.get()
-
-    def _make_order(self, here: Any) -> Any:
-        from .select import select
-
-        return select(self.manifest.artifacts, here, self.config.prefer, self.config.handover,
-                      bundle_sha256=self.bundle.sha256 if self.bundle else None)
-
-    def order(self, agent: Any = None) -> Any:
-        """The start order (`select.select`), made once. Given the agent, its device and serving dtype must be those
-        it was made for; should laya have chosen others, the order is made again for the agent's."""
-        order = self._order.get()
-        if agent is None:
-            return order
-        from .. import laya_internals as laya_api
-
-        here = order.here
-        serving = laya_api.serving_dtype(agent)
-        if agent.device.type == here.device_type and serving == here.serving:
-            return order
-        from ..kinds.usable import Here
-        from ..variant import current_machine
-
-        log.info("laya-aot: laya serves %s in %s on %s, not %s on %s as its config said: the start order is made "
-                 "for the agent", self.ckpt, serving, agent.device, here.serving, here.device)
-        return self._make_order(Here(str(agent.device), agent.device.type, current_machine(str(agent.device)),
-                                     serving))
-
-    def reasons(self) -> str:
-        """Every reason, one after another (for the warning or the error when nothing serves)."""
-        return "; ".join("%s: %s" % (name, why) for name, why in self.rejected) or "the bundle lists no artifacts"
+    def mismatch(self) -> Optional[str]: ...

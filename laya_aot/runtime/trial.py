@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..kinds.usable import Here
     from .eager_module import EagerModule
     from .head_start import HeadStart, Taken
-    from .session import LoadSession
+    from .session import LoadView
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class Trial:
     session (its bundle, config, refusals and stats), the agent's facts here (`usable.Here`: device, machine,
     serving dtype), the weights an artifact is loaded with, what the head start did."""
 
-    def __init__(self, session: "LoadSession", here: "Here", agent: Any, eager: Optional["EagerModule"],
+    def __init__(self, session: "LoadView", here: "Here", agent: Any, eager: Optional["EagerModule"],
                  early: Optional["HeadStart"] = None):
         self.session, self.here, self.agent, self.eager, self.early = session, here, agent, eager, early
         self.bundle = session.bundle.path if session.bundle is not None else Path()
@@ -267,11 +267,20 @@ class Trial:
             stats.update(self.eager.stats)
         backend.load_stats.update(stats)
         laya_api.install_backend(self.agent, backend)
+        if not handover and self.module_for is not None and self.eager is not None and laya_api.is_thin(self.agent):
+            # a module built beside the probe of an artifact that was then rejected, where one that does not run it
+            # serves (the agent still thin): discarded, as it would hold the weights again in fp32; built again on
+            # need (kept where the served artifact runs it: the agent then has it)
+            self.eager.discard("artifact %s, which it was built for, was rejected; %s serves without it"
+                               % (self.module_for, art.name))
+            backend.load_stats.update(self.eager.stats)
         return backend
 
     def _before_load(self, art: Artifact, stats: Dict[str, Any]) -> Tuple[Optional[str], Optional["Taken"]]:
         """The manifest's verdict for this machine, the files' hash, then the probe child (native kinds); and what
         the head start did for the artifact, taken once those cheap checks passed."""
+        from ..probe import cached_verdict
+
         why = self.here.reject_reason(art)
         if why is None:
             t_hash = time.perf_counter()
@@ -280,33 +289,16 @@ class Trial:
         if why is not None:
             return why, None
         probed = self.session.config.probe and kinds.get(art.kind).native
-        if probed:
-            self._module_beside_probe(art)
+        if (probed and self.eager is not None and laya_api.is_thin(self.agent) and _runs_module(art)
+                and cached_verdict(art, self.here.machine, str(self.agent.device), self.session.pinned) is None):
+            # laya's module, which this artifact runs, takes seconds to build for a large checkpoint; its probe
+            # child (seconds, a first start: no verdict cached here) runs in another process meanwhile: the module
+            # is built in a thread from here, `_load` takes it once both are done, `run` discards it if another
+            # artifact serves
+            self.module_for = art.name
+            self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
         taken = self.early.take(art.name, str(self.agent.device)) if self.early is not None else None
         return (self._probe(art, stats, taken) if probed else None), taken
-
-    def _module_beside_probe(self, art: Artifact) -> None:
-        """An artifact that runs laya's own module (`_runs_module`) waits for it to be built, seconds for a large
-        checkpoint; its probe child, seconds on a first start, runs in another process meanwhile. So where a child
-        will run (no verdict cached here), the module is built in a thread from here, and `_load` takes it once
-        both are done; `drop_unused_module` discards it if another artifact serves."""
-        from ..probe import cached_verdict
-
-        if self.eager is None or not laya_api.is_thin(self.agent) or not _runs_module(art) \
-                or cached_verdict(art, self.here.machine, str(self.agent.device), self.session.pinned) is not None:
-            return
-        self.module_for = art.name
-        self.eager.start_background("artifact %s runs laya's own module; built while its probe runs" % art.name)
-
-    def drop_unused_module(self, served: AOTBackend) -> None:
-        """A module built beside the probe of an artifact that was then rejected, where an artifact that does not
-        run it serves (the agent still thin): discarded, as it would hold the weights again in fp32; built again
-        on need. Kept where nothing serves (laya's eager forward takes it) or the served artifact runs it."""
-        if self.module_for is None or self.eager is None or not laya_api.is_thin(self.agent):
-            return
-        self.eager.discard("artifact %s, which it was built for, was rejected; %s serves without it"
-                           % (self.module_for, served.artifact.name))
-        served.load_stats.update(self.eager.stats)
 
     def _probe(self, art: Artifact, stats: Dict[str, Any], taken: Optional["Taken"]) -> Optional[str]:
         """The probe child's verdict: the one started while laya loaded, when it was this artifact's."""

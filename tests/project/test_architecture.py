@@ -111,7 +111,7 @@ def test_layers_below_the_halves_never_reach_up(layer):
         bad = sorted(x for x in reachable(m) if x.startswith(BELOW_THE_HALVES[layer]))
         assert not bad, "%s reaches %s" % (m, bad)
     # the loader turns hf:// and packs into a directory through the distribution layer
-    assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.session"]
+    assert "laya_aot.distribution.fetch" in GRAPH["laya_aot.runtime.loader"]
 
 
 # the shared layer (docs/architecture.md's table): what both halves need, reaching no layer above it; of the kinds

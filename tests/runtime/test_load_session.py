@@ -1,4 +1,4 @@
-"""One load is one `LoadSession` (runtime/session.py): bundle.json read and parsed once, the start order made once
+"""One load is one `LoadSession` (runtime/loader.py): bundle.json read and parsed once, the start order made once
 (`select.select`) for the loader, its head start and `laya-aot inspect`, and what is wrong with the paths or the
 bundle answered before torch or laya is imported."""
 from __future__ import annotations

@@ -243,7 +243,7 @@ def test_a_head_start_closed_while_its_probe_runs_kills_it_and_caches_nothing(de
     import time
 
     from laya_aot.runtime.head_start import HeadStart
-    from laya_aot.runtime.session import LoadConfig, LoadSession
+    from laya_aot.runtime.loader import LoadConfig, LoadSession
 
     demo_bundle = other_facts_bundle  # a machine unlike the build's: its first start runs a child
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
