@@ -36,13 +36,14 @@ COMPONENTS = ("prepare", "encode_state", "build_head", "collate", "infer", "back
 class Clock:
     """Exclusive wall time per named component: a stack of open components, each charged its own time."""
 
-    def __init__(self):
+    def __init__(self, timer=time.perf_counter):
+        self.timer = timer  # wall time; time.thread_time: the calling thread's CPU time
         self.spent: dict = {}
         self.stack: list = []
 
     def wrap(self, name, fn):
         def timed(*a, **k):
-            now = time.perf_counter()
+            now = self.timer()
             if self.stack:
                 top, since = self.stack[-1]
                 self.spent[top] = self.spent.get(top, 0.0) + now - since
@@ -50,7 +51,7 @@ class Clock:
             try:
                 return fn(*a, **k)
             finally:
-                end = time.perf_counter()
+                end = self.timer()
                 _, since = self.stack.pop()
                 self.spent[name] = self.spent.get(name, 0.0) + end - since
                 if self.stack:
