@@ -9,22 +9,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 _HOST_ROUTED = threading.Lock()
 
 
-def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable]) -> None:
-    """Send laya's `build_head` and `Agent._encode_state`'s tokenizer call through `head(stock)` and `state(stock)`
-    (runtime/host_path.py), once per process. Both return laya's stock function's result outside a host path's
-    call, so other agents in the process run exactly as before."""
+def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable],
+                    collate: Callable[[Callable], Callable]) -> None:
+    """Send laya's `build_head`, `Agent._encode_state`'s tokenizer call and `predict_batch`'s `collate_items` through
+    `head(stock)`, `state(stock)` and `collate(stock)` (runtime/host_path.py), once per process. Each returns laya's
+    stock function's result outside a host path's call, so other agents in the process run exactly as before."""
     import laya.agent
     import laya.common
 
     with _HOST_ROUTED:
-        if getattr(laya.common.build_head, "laya_aot_stock", None) is None:
-            wrapped = head(laya.common.build_head)
-            wrapped.laya_aot_stock = laya.common.build_head  # type: ignore[attr-defined]
-            laya.common.build_head = wrapped
-        if getattr(laya.agent.encode_text, "laya_aot_stock", None) is None:
-            wrapped = state(laya.agent.encode_text)
-            wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
-            laya.agent.encode_text = wrapped
+        for module, name, make in ((laya.common, "build_head", head), (laya.agent, "encode_text", state),
+                                   (laya.agent, "collate_items", collate)):
+            stock = getattr(module, name)
+            if getattr(stock, "laya_aot_stock", None) is None:
+                wrapped = make(stock)
+                wrapped.laya_aot_stock = stock  # type: ignore[attr-defined]
+                setattr(module, name, wrapped)
 
 
 def stock_decode(agent: Any) -> Callable:

@@ -197,6 +197,16 @@ def _state(stock: Callable) -> Callable:
     return encode_text
 
 
+def _collate(stock: Callable) -> Callable:
+    @wraps(stock)
+    def collate_items(batch, pad_id):
+        if _CALL.get() is None:
+            return stock(batch, pad_id)
+        return host_steps.collate(stock, batch, pad_id)
+
+    return collate_items
+
+
 def install(agent: Any) -> Optional[HostPath]:
     """Give `agent` a host path (None, logged, where this laya lacks what it relies on)."""
     current = getattr(agent.predict_batch, "host_path", None)
@@ -206,7 +216,7 @@ def install(agent: Any) -> Optional[HostPath]:
     if missing:
         log.info("laya-aot: laya's stock host path (this laya lacks %s)", ", ".join(missing))
         return None
-    laya_api.route_host_path(_head, _state)
+    laya_api.route_host_path(_head, _state, _collate)
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
     laya_api.route_decode(agent, path.decode)

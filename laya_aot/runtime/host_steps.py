@@ -25,9 +25,11 @@ import logging
 import math
 import struct
 import threading
+from itertools import chain
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
+import torch
 
 from .. import laya_internals as laya_api
 
@@ -57,6 +59,48 @@ def _f32(x: float) -> float:
 
 def _clamp01(v: float) -> float:
     return 0.0 if v < 0.0 else (1.0 if v > 1.0 else v)
+
+
+_ITEM_KEYS = frozenset(("ids", "markers", "qtype", "options", "state_stats"))  # what Agent._encode_state's items hold
+_NOT_META = ("ids", "markers", "target", "layout")  # the keys collate_items leaves out of an item's meta
+
+
+def collate(stock: Callable, batch: Any, pad_id: Any) -> Any:
+    """laya's `collate_items(batch, pad_id)` for the items `Agent._encode_state` makes (no training target, label
+    or parallel layout: anything else is laya's function): the same arrays, filled by one masked assignment each
+    instead of a row at a time. A row's values land where laya puts them: row-major order, so the row's first
+    len(ids) places, and the rest is laya's padding (pad_id, 0, False)."""
+    try:
+        items = [it for group in batch for it in group]
+    except TypeError:
+        return stock(batch, pad_id)
+    for it in items:
+        if type(it) is not dict or not it.keys() <= _ITEM_KEYS or type(it.get("ids")) is not list \
+                or type(it.get("markers")) is not list or "qtype" not in it:
+            return stock(batch, pad_id)
+    if not items:
+        return stock(batch, pad_id)
+    n = len(items)
+    rows = [it["ids"] for it in items]
+    marks = [it["markers"] for it in items]
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+    klens = np.fromiter(map(len, marks), dtype=np.int64, count=n)
+    width, kmax = int(lens.max()), int(klens.max())
+    valid = np.arange(width) < lens[:, None]
+    ids = np.full((n, width), pad_id, dtype=np.int64)
+    ids[valid] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
+    mmask = np.arange(kmax) < klens[:, None]
+    mpos = np.zeros((n, kmax), dtype=np.int64)
+    mpos[mmask] = np.fromiter(chain.from_iterable(marks), dtype=np.int64, count=int(klens.sum()))
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(valid.astype(np.int64)),
+        "marker_pos": torch.from_numpy(mpos),
+        "marker_mask": torch.from_numpy(mmask),
+        "qtype": torch.from_numpy(np.array([it["qtype"] for it in items], dtype=np.int64)),
+        "label": torch.from_numpy(np.full(n, -1, dtype=np.int64)),
+        "meta": [{k: v for k, v in it.items() if k not in _NOT_META} for it in items],
+    }
 
 
 class _Block:
