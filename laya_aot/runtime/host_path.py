@@ -32,12 +32,13 @@ class _Call:
     heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
     the decoder's numbers for the batch being decoded. (A plain class: made on every call.)"""
 
-    __slots__ = ("path", "states", "heads", "decoded")
+    __slots__ = ("path", "states", "heads", "plans", "decoded")
 
     def __init__(self, path: "HostPath"):
         self.path = path
         self.states: Dict[str, List[int]] = {}
         self.heads: Dict[tuple, Tuple[Dict, tuple]] = {}
+        self.plans: Dict[tuple, Optional[tuple]] = {}
         self.decoded: Dict[Any, Any] = {}
 
 
@@ -45,7 +46,9 @@ class HostPath:
     """An agent's cache of question heads and its batched state tokenisation (see the module docstring)."""
 
     def __init__(self, agent: Any):
+        self.agent = agent
         self.tok = agent.tok
+        self._stock_encode: Callable = laya_api.stock_encode_text()
         self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
         self.decoder = host_steps.Decoder(agent, self._count)
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
@@ -55,8 +58,9 @@ class HostPath:
     @property
     def stats(self) -> Dict[str, int]:
         """Heads served from the cache or built by laya; states tokenised ahead (batched), by the direct call when
-        laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone);
-        questions decoded in blocks (one per batch), and states whose answers laya's own function decoded."""
+        laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone); states
+        whose items were assembled from the call's heads (encoded); questions decoded in blocks (one per batch),
+        and states whose answers laya's own function decoded."""
         with self._lock:
             return dict(self._counts)
 
@@ -114,6 +118,61 @@ class HostPath:
             return stock(tok, text, **kwargs)
         self._count(states_direct=1)
         return {"input_ids": encoded[0]}
+
+    def encode_state(self, stock: Callable, state: Any, ids: List[str], internal: Dict[str, Dict],
+                     max_len: Optional[int] = None, head_max_len: Optional[int] = None) -> List[Dict]:
+        """laya's `Agent._encode_state`: each question's item assembled as `build_sequence` assembles it, from the
+        question's head fetched once per call (`_plan`) rather than once per state and question. Anything else
+        (outside a call, a state laya cannot serialise, a question whose options do not fit: laya raises its
+        own error) is laya's method."""
+        call = _CALL.get()
+        if call is None or call.path is not self:
+            return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+        cfg_len, cfg_head, sep, qtypes = laya_api.sequence_parts(self.agent)
+        max_len = cfg_len if max_len is None else max_len
+        head_max_len = cfg_head if head_max_len is None else head_max_len
+        plans = []
+        for qid in ids:
+            q = internal[qid]
+            plan = call.plans.get((id(q), max_len, head_max_len))
+            if plan is None or plan[0] is not q:
+                plan = self._plan(call, q, max_len, head_max_len, qtypes)
+                if plan is None:
+                    return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+            plans.append(plan)
+        try:
+            text = laya_api.state_text(self.tok, state)
+        except Exception:  # noqa: BLE001 - laya raises its own error for this state
+            return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+        state_ids = self.state_ids(call, self._stock_encode, self.tok, text, _PLAIN)["input_ids"]
+        n = len(state_ids)
+        left = isinstance(state, list)  # a conversation keeps its newest turns (laya's truncate_left)
+        items = []
+        for _, head, kept, stats, room, qtype in plans:
+            # build_sequence: ids + st + [sep], cut to max_len (st never longer than room), markers below max_len
+            st = state_ids[max(0, n - room):] if left else state_ids[:room]
+            seq = [*head, *st, sep]
+            if len(seq) > max_len:
+                seq = seq[:max_len]
+            used = len(st)
+            items.append({"ids": seq, "markers": list(kept), "qtype": qtype, "options": dict(stats),
+                          "state_stats": {"state_tokens": n, "state_tokens_used": used,
+                                          "state_tokens_dropped": n - used, "truncated": used < n}})
+        self._count(states_encoded=1)
+        return items
+
+    def _plan(self, call: _Call, q: Dict, max_len: int, head_max_len: int, qtypes: Dict[str, int]
+              ) -> Optional[tuple]:
+        """A question's part of every item of the call: (q, head ids, the markers below max_len, the head's
+        stats, the room left for the state, its qtype); None where laya raises (its options do not fit)."""
+        head, markers, stats = laya_api.build_head(self.tok, q, head_max_len)
+        kept = tuple(m for m in markers if m < max_len)
+        if len(kept) != stats["options"]:
+            call.plans[(id(q), max_len, head_max_len)] = None
+            return None
+        plan = (q, tuple(head), kept, stats, max(0, max_len - len(head) - 1), qtypes[q["t"]])
+        call.plans[(id(q), max_len, head_max_len)] = plan
+        return plan
 
     def decode(self, stock: Callable, logits: Any, act: Any, items: List[Dict], ids: List[str],
                internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
@@ -220,6 +279,7 @@ def install(agent: Any) -> Optional[HostPath]:
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
     laya_api.route_decode(agent, path.decode)
+    laya_api.route_encode_state(agent, path.encode_state)
     return path
 
 
