@@ -2,19 +2,24 @@
 CPU microseconds per request at 1 / 8 / 32 concurrent callers, and where a request's host time goes at 32.
 
     python benchmarks/batcher_host.py --checkpoint CKPT --bundle BUNDLE [--callers 1,8,32] [--seconds 5]
+    # on a GPU, the bundle's own artifact (its call's host side and the wait for the device included):
+    python benchmarks/batcher_host.py --checkpoint CKPT --bundle BUNDLE --device cuda --artifact --out $OUT
 
 Loads the bundle as `laya_aot.load` does and replaces the artifact by a stand-in of the right output shapes
 (slices of fixed seeded logits and action outputs, copied: a few microseconds), so that only the host work is
 timed: the batcher's queueing and futures, laya's tokenising and collation, padding, the backend's host side,
 decoding and splitting the answers back. Callers send short single requests in a closed loop (the demo's three
-states and three questions: http_load's `short` stream), each waiting for its answer.
+states and three questions: http_load's `short` stream), each waiting for its answer; through two targets
+(--targets): the agent itself (`Batcher(agent)`, the Python API) and a laya Router holding it (what `laya-aot
+serve` batches: laya's routing and grouping per request besides).
 
 Per level: requests/s; wall microseconds per request (1e6 / requests/s: the ceiling the host puts on one
 process); CPU microseconds per request, of the whole process and of the batcher's worker thread alone (from
 /proc's per-thread counters, so a machine shared with other work moves them less than the wall figures);
-requests per merged call. At the last level, the worker's CPU time by step (thread CPU clocks around each step,
-exclusive of the steps inside it) and, with --profile, the worker's top functions under cProfile (a separate
-run: the profiler slows what it measures). Writes batcher_host<tag>.json and .md to --out.
+requests per merged call. At the last level, the worker's time by step, of its CPU (thread clocks) and of the
+wall, each exclusive of the steps inside it, and, with --profile, the worker's top functions under cProfile (a
+separate run: the profiler slows what it measures). --rounds repeats the levels interleaved (targets and caller
+counts in turn) and reports the median. Writes batcher_host<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from host_breakdown import Clock, instrument
 sys.path.insert(0, str(harness.ROOT))
 
 # the worker's steps (host_breakdown's components of a predict_batch call, and the batcher's own)
-STEPS = ("take", "settle", "predict_batch", "prepare", "encode_state", "build_head", "collate", "infer", "backend",
-         "artifact", "decode")
+STEPS = ("take", "settle", "router", "predict_batch", "prepare", "encode_state", "build_head", "collate", "infer",
+         "backend", "artifact", "decode")
 
 
 def stub_runner(backend: Any, seed: int = 0) -> Callable[..., Any]:
@@ -73,7 +78,13 @@ def level(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float
     worker = batcher._thread.native_id
     calls0 = dict(batcher.stats.snapshot()["calls"])
     cpu0, w0 = time.process_time(), thread_cpu_ns(worker)
-    lv = _callers(lambda r: batcher.submit(r["state"], r["questions"]).result(), reqs, callers, seconds)
+    routed = getattr(batcher.target, "router", None) is not None  # the router is asked for the model by name
+
+    def ask(r: Dict[str, Any]) -> Any:
+        return batcher.submit(r["state"], r["questions"], **({"model": r["model"]} if routed else {})).result()
+
+    ask(reqs[0])  # an error here is the run's, said at once (the loop below only counts errors)
+    lv = _callers(ask, reqs, callers, seconds)
     cpu, wcpu = time.process_time() - cpu0, (thread_cpu_ns(worker) - w0) / 1e9
     calls = batcher.stats.snapshot()["calls"]
     n = max(1, lv["ok"])
@@ -84,24 +95,44 @@ def level(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float
                 requests_per_call=round(n / max(1, made), 2))
 
 
-def steps(batcher: Any, agent: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float) -> Dict[str, Any]:
-    """The worker's CPU time per request by step at `callers` callers (thread CPU clocks; exclusive)."""
-    clock = Clock(timer=time.thread_time)
-    instrument(agent, clock, stub=False)  # the stand-in is installed already: timed as the artifact
-    batcher._take = clock.wrap("take", batcher._take)
-    batcher._settle = clock.wrap("settle", batcher._settle)
-    target = batcher.target
-    target.agent.predict_batch = clock.wrap("predict_batch", target.agent.predict_batch)
+def steps(batcher: Any, clocks: Dict[str, Clock], reqs: List[Dict[str, Any]], callers: int, seconds: float,
+          ) -> Dict[str, Any]:
+    """The worker's time per request by step at `callers` callers, of its CPU (thread clocks) and of the wall
+    (exclusive of the steps inside each; the wall includes waiting for the device and for the GIL)."""
+    for clock in clocks.values():
+        clock.spent.clear()
     worker = batcher._thread.native_id
     w0 = thread_cpu_ns(worker)
     lv = level(batcher, reqs, callers, seconds)
     total = (thread_cpu_ns(worker) - w0) / 1e3
     n = max(1, lv["ok"])
-    out = {s: round(clock.spent.get(s, 0.0) * 1e6 / n, 1) for s in STEPS}
-    out["worker_rest"] = round(total / n - sum(out.values()), 1)  # the worker loop, futures, stats, the Work
-    out["worker_total"] = round(total / n, 1)
-    out["callers"] = round(lv["cpu_us_per_request"] - total / n, 1)  # submit, Work, Future.result, the loop
-    return {"level": lv, "us_per_request": out}
+    out: Dict[str, Any] = {"level": lv}
+    for name, clock in clocks.items():
+        row = {s: round(clock.spent.get(s, 0.0) * 1e6 / n, 1) for s in STEPS}
+        if name == "cpu":
+            row["worker_rest"] = round(total / n - sum(row.values()), 1)  # the loop, futures, stats
+            row["worker_total"] = round(total / n, 1)
+            row["not_worker"] = round(lv["cpu_us_per_request"] - total / n, 1)  # callers, tokenizer threads
+        out[name] = row
+    return out
+
+
+def instrument_all(agent: Any, batchers: List[Any]) -> Dict[str, Clock]:
+    """Clocks of the worker's CPU time and of the wall around each step (host_breakdown's components, the
+    router's own work and the batcher's), one wrapper of each around every step."""
+    clocks = {"wall": Clock(), "cpu": Clock(timer=time.thread_time)}
+    for clock in clocks.values():
+        instrument(agent, clock, stub=False)  # a stand-in, when there is one, is installed already
+        for batcher in batchers:
+            batcher._take = clock.wrap("take", batcher._take)
+            batcher._settle = clock.wrap("settle", batcher._settle)
+        agent.predict_batch = clock.wrap("predict_batch", agent.predict_batch)
+        for batcher in batchers:
+            router = getattr(batcher.target, "router", None)
+            if router is not None:
+                router.predict_batch = clock.wrap("router", router.predict_batch)
+                router.predict = clock.wrap("router", router.predict)
+    return clocks
 
 
 def profile(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float, top: int) -> str:
@@ -119,6 +150,11 @@ def main() -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--checkpoint", required=True, help="a Laya checkpoint dir")
     ap.add_argument("--bundle", required=True, help="a bundle built from --checkpoint")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--artifact", action="store_true",
+                    help="the bundle's own artifact (on a GPU: the call's host side and the wait included)")
+    ap.add_argument("--targets", default="agent,router",
+                    help="agent: Batcher(laya_aot.load(...)); router: Batcher over a laya Router holding it")
     ap.add_argument("--callers", default="1,8,32")
     ap.add_argument("--seconds", type=float, default=5.0, help="per level")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of load before the levels")
@@ -126,31 +162,53 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also the worker's top N functions")
     a = ap.parse_args()
     from http_load import short_requests
+    from laya.router import Router
 
     import laya_aot
     from laya_aot.runtime.batcher import Batcher
 
     environment = harness.environment()
-    agent = laya_aot.load(a.checkpoint, bundle=a.bundle, device="cpu")
+    agent = laya_aot.load(a.checkpoint, bundle=a.bundle, device=a.device)
     backend = agent.backend_object
-    backend.runner = stub_runner(backend)
+    if not a.artifact:
+        backend.runner = stub_runner(backend)
     reqs = short_requests()
     callers = [int(x) for x in a.callers.split(",")]
+    top = max(callers)
     result: Dict[str, Any] = {"environment": environment, "checkpoint": a.checkpoint, "backend": agent.backend,
-                              "seconds": a.seconds, "threads": os.environ.get("LAYA_THREADS")}
-    with Batcher(agent) as batcher:
-        level(batcher, reqs, max(callers), a.warmup)
-        runs: Dict[int, List[Dict[str, Any]]] = {c: [] for c in callers}
+                              "artifact": "the bundle's" if a.artifact else "stand-in", "seconds": a.seconds,
+                              "threads": os.environ.get("LAYA_THREADS"), "targets": {}}
+    batchers = {}
+    for name in a.targets.split(","):
+        if name == "router":
+            router = Router(device=a.device)
+            router.attach("bench", agent)
+            batchers[name] = Batcher(router, name="laya-aot-batcher-router")
+        elif name == "agent":
+            batchers[name] = Batcher(agent)
+        else:
+            raise SystemExit("unknown target %r: agent or router" % name)
+    try:
+        runs: Dict[str, Dict[int, List[Dict[str, Any]]]] = {t: {c: [] for c in callers} for t in batchers}
+        for batcher in batchers.values():
+            level(batcher, reqs, top, a.warmup)
         for _ in range(a.rounds):
             for c in callers:
-                runs[c].append(level(batcher, reqs, c, a.seconds))
-        result["levels"] = [median_level(runs[c]) for c in callers]
-        result["steps"] = steps(batcher, agent, reqs, max(callers), a.seconds)
+                for t, batcher in batchers.items():
+                    runs[t][c].append(level(batcher, reqs, c, a.seconds))
+        clocks = instrument_all(agent, list(batchers.values()))
+        for t, batcher in batchers.items():
+            result["targets"][t] = {"levels": [median_level(runs[t][c]) for c in callers],
+                                    "steps": steps(batcher, clocks, reqs, top, a.seconds)}
         if a.profile:
-            result["profile"] = profile(batcher, reqs, max(callers), a.seconds, a.profile)
+            first = next(iter(batchers))
+            result["targets"][first]["profile"] = profile(batchers[first], reqs, top, a.seconds, a.profile)
+    finally:
+        for batcher in batchers.values():
+            batcher.close()
     result["host_path"] = agent.backend_object.stats.get("host_path")
     harness.write(a.out, "batcher_host" + a.tag, result, markdown(result),
-                  title="The Python batcher's host work per request (artifact stubbed)")
+                  title="The Python batcher's host work per request")
     return 0
 
 
@@ -161,19 +219,24 @@ def median_level(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def markdown(r: Dict[str, Any]) -> str:
-    lines = ["| callers | requests/s | wall us per request | CPU us per request | worker CPU us per request | "
-             "requests per call | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|"]
-    for lv in r["levels"]:
-        lines.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
-            lv["callers"], lv["rps"], lv["wall_us_per_request"], lv["cpu_us_per_request"],
-            lv["worker_cpu_us_per_request"], lv["requests_per_call"], lv["p50_ms"], lv["p99_ms"]))
-    st = r["steps"]
-    lines += ["", "The worker's CPU time by step, us per request at %d callers (%s requests/s under the clocks):"
-              % (st["level"]["callers"], st["level"]["rps"]), "",
-              "| step | us per request |", "|---|---|"]
-    lines += ["| %s | %s |" % kv for kv in st["us_per_request"].items()]
-    if r.get("profile"):
-        lines += ["", "```", r["profile"].rstrip(), "```"]
+    lines = ["Artifact: %s. Short single requests (the demo's states and three questions), closed loop."
+             % r["artifact"], ""]
+    for t, res in r["targets"].items():
+        lines += ["Target: %s" % t, "",
+                  "| callers | requests/s | wall us per request | CPU us per request | worker CPU us per request | "
+                  "requests per call | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|"]
+        for lv in res["levels"]:
+            lines.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
+                lv["callers"], lv["rps"], lv["wall_us_per_request"], lv["cpu_us_per_request"],
+                lv["worker_cpu_us_per_request"], lv["requests_per_call"], lv["p50_ms"], lv["p99_ms"]))
+        st = res["steps"]
+        lines += ["", "The worker's time by step, us per request at %d callers (%s requests/s under the clocks; "
+                  "exclusive of the steps inside):" % (st["level"]["callers"], st["level"]["rps"]), "",
+                  "| step | CPU | wall |", "|---|---|---|"]
+        lines += ["| %s | %s | %s |" % (k, v, st["wall"].get(k, "")) for k, v in st["cpu"].items()]
+        if res.get("profile"):
+            lines += ["", "```", res["profile"].rstrip(), "```"]
+        lines.append("")
     return "\n".join(lines)
 
 
