@@ -106,7 +106,8 @@ def collate(stock: Callable, batch: Any, pad_id: Any) -> Any:
 class _Block:
     """One question's numbers for every state of a batch: row s is state s's row of that question."""
 
-    __slots__ = ("k", "t", "probs", "pmax", "argmax", "confidence", "score", "bucket", "keys", "legend", "levels")
+    __slots__ = ("k", "t", "qt", "probs", "pmax", "argmax", "confidence", "score", "bucket", "keys", "legend",
+                 "levels", "shown")
 
 
 class Decoder:
@@ -142,7 +143,7 @@ class Decoder:
         if cache.get("logits") is not logits or cache.get("act") is not act:
             cache.clear()
             cache["logits"], cache["act"] = logits, act  # held: the batch the blocks are of
-            cache["act0"] = act[:, 0].tolist()          # float(act[r, 0]), every row
+            cache["act0"] = [round(v, 4) for v in act[:, 0].tolist()]  # round(float(act[r, 0]), 4), every row
         blocks = []
         for j, qid in enumerate(ids):
             q = internal[qid]
@@ -163,45 +164,61 @@ class Decoder:
         act0 = cache["act0"]
         answers: Dict[str, Any] = {}
         for j, (qid, block) in enumerate(zip(ids, blocks)):
-            q = internal[qid]
-            ans_raw = 1.0 if block.k < 1 else _clamp01(block.pmax[s])
-            if binning_map:
-                ans_conf = round(self.binning(ans_raw, block.bucket, binning_map), 4)
-            else:
-                ans_conf = round(ans_raw, 4)
-            ext = {"act_probability": round(act0[offset + j], 4)}
-            p = block.probs[s]
-            t = q["t"]
+            shown = block.shown
+            if shown is None or shown[0] is not binning_map:
+                shown = self._show(block, binning_map)
+            _, ans, conf, main, probs = shown
+            ext = {"act_probability": act0[offset + j]}
+            t = block.qt
             if t == "choice":
-                keys = block.keys
                 answers[qid] = {
                     "type": "choice",
-                    "choice": keys[block.argmax[s]],
-                    "probabilities": {kk: round(v, 4) for kk, v in zip(keys, p)},
-                    "confidence": round(block.confidence[s], 4),
-                    "answer_confidence": ans_conf,
+                    "choice": main[s],
+                    "probabilities": dict(zip(block.keys, probs[s])),  # the keys of a dict: unique
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
             elif t == "score":
                 answers[qid] = {
                     "type": "score",
-                    "score": round(block.score[s], 4),
+                    "score": main[s],
                     "legend": dict(block.legend),
-                    "probabilities": {lv: round(v, 4) for lv, v in zip(block.levels, p)},
-                    "confidence": round(block.confidence[s], 4),
-                    "answer_confidence": ans_conf,
+                    "probabilities": dict(zip(block.levels, probs[s])),  # "0", "1", ...: unique
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
             else:
-                p1 = p[1]
                 answers[qid] = {
                     "type": "noul",
-                    "noul": round(p1, 4),
-                    "confidence": round(max(p1, 1.0 - p1), 4),
-                    "answer_confidence": ans_conf,
+                    "noul": main[s],
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
         return answers
+
+    def _show(self, b: _Block, binning_map: Any) -> tuple:
+        """What the answers show of a block, for every state of the batch at once: (binning_map, answer
+        confidences, confidences, the choice, score or noul value, rounded probabilities), each as laya's
+        `_decode_answers` computes it for a row (the same rounding of the same numbers, in list comprehensions
+        instead of per state)."""
+        raw = [1.0] * len(b.pmax) if b.k < 1 else [_clamp01(v) for v in b.pmax]
+        if binning_map:
+            ans = [round(self.binning(v, b.bucket, binning_map), 4) for v in raw]
+        else:
+            ans = [round(v, 4) for v in raw]
+        if b.qt == "noul":
+            main = [round(p[1], 4) for p in b.probs]
+            conf = [round(max(p[1], 1.0 - p[1]), 4) for p in b.probs]
+            probs = None
+        else:
+            conf = [round(c, 4) for c in b.confidence]
+            main = [b.keys[a] for a in b.argmax] if b.qt == "choice" else [round(v, 4) for v in b.score]
+            probs = [[round(v, 4) for v in p] for p in b.probs]
+        b.shown = (binning_map, ans, conf, main, probs)
+        return b.shown
 
     def _new_block(self, q: Dict, k: int, width: int) -> Optional[_Block]:
         """A block for question q of k options (of `width` logit columns): its temperature, option keys and a
@@ -215,6 +232,8 @@ class Decoder:
         qt = self.qtypes[q["t"]]
         b = _Block()
         b.k = k
+        b.qt = q["t"]
+        b.shown = None
         b.bucket = self.temp_bucket(qt, k)
         b.t = self.agent.temperature_by_options.get(b.bucket, self.agent.temperature[qt])
         b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None
