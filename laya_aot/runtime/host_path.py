@@ -32,10 +32,11 @@ class _Call:
     heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
     the decoder's numbers for the batch being decoded. (A plain class: made on every call.)"""
 
-    __slots__ = ("path", "states", "heads", "plans", "decoded")
+    __slots__ = ("path", "states", "heads", "plans", "decoded", "counts")
 
     def __init__(self, path: "HostPath"):
         self.path = path
+        self.counts: Counter = Counter()  # what the call did, added to the path's stats once, at its end
         self.states: Dict[str, List[int]] = {}
         self.heads: Dict[tuple, Tuple[Dict, tuple]] = {}
         self.plans: Dict[tuple, Optional[tuple]] = {}
@@ -105,18 +106,19 @@ class HostPath:
         """laya's state tokenisation (`encode_text(tok, text, add_special_tokens=False)`): prepared ahead, else
         the tokenizer's direct call on this one text (laya's call of one text is its batched call of `[text]`,
         `laya_internals.state_encoder`), else laya's own call."""
+        counts = call.counts
         if tok is not self.tok or kwargs != _PLAIN or not isinstance(text, str):
-            self._count(states_alone=1)
+            counts["states_alone"] += 1
             return stock(tok, text, **kwargs)
         ids = call.states.get(text)
         if ids is not None:
-            self._count(states_batched=1)
+            counts["states_batched"] += 1
             return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
         encoded = self.encode([text]) if self.encode is not None else None
         if encoded is None:  # no direct call, or the backend not as laya's call would leave it: laya's call
-            self._count(states_alone=1)
+            counts["states_alone"] += 1
             return stock(tok, text, **kwargs)
-        self._count(states_direct=1)
+        counts["states_direct"] += 1
         return {"input_ids": encoded[0]}
 
     def encode_state(self, stock: Callable, state: Any, ids: List[str], internal: Dict[str, Dict],
@@ -132,6 +134,7 @@ class HostPath:
         max_len = cfg_len if max_len is None else max_len
         head_max_len = cfg_head if head_max_len is None else head_max_len
         plans = []
+        reused = 0
         for qid in ids:
             q = internal[qid]
             plan = call.plans.get((id(q), max_len, head_max_len))
@@ -139,6 +142,8 @@ class HostPath:
                 plan = self._plan(call, q, max_len, head_max_len, qtypes)
                 if plan is None:
                     return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+            else:
+                reused += 1
             plans.append(plan)
         try:
             text = laya_api.state_text(self.tok, state)
@@ -158,7 +163,9 @@ class HostPath:
             items.append({"ids": seq, "markers": list(kept), "qtype": qtype, "options": dict(stats),
                           "state_stats": {"state_tokens": n, "state_tokens_used": used,
                                           "state_tokens_dropped": n - used, "truncated": used < n}})
-        self._count(states_encoded=1)
+        counts = call.counts
+        counts["states_encoded"] += 1
+        counts["heads_cached"] += reused  # heads laya's build_sequence would have asked for again
         return items
 
     def _plan(self, call: _Call, q: Dict, max_len: int, head_max_len: int, qtypes: Dict[str, int]
@@ -218,11 +225,14 @@ class HostPath:
         def predict_batch_prepared(states, questions, batch_size=None, *args, **kwargs):
             if _CALL.get() is not None:  # a nested call (predict_long -> predict_batch) is prepared already
                 return predict_batch(states, questions, batch_size, *args, **kwargs)
-            token = _CALL.set(self.prepare(states, batch_size))
+            call = self.prepare(states, batch_size)
+            token = _CALL.set(call)
             try:
                 return predict_batch(states, questions, batch_size, *args, **kwargs)
             finally:
                 _CALL.reset(token)
+                if call.counts:
+                    self._count(**call.counts)
 
         predict_batch_prepared.host_path = self  # type: ignore[attr-defined]
         return predict_batch_prepared
