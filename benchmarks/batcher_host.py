@@ -28,6 +28,7 @@ import io
 import os
 import pstats
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List
 
@@ -71,12 +72,26 @@ def thread_cpu_ns(native_id: int) -> int:
         return int(f.read().split()[0])
 
 
+def tasks_cpu_ns() -> Dict[int, int]:
+    """Every thread of this process and its CPU time so far (ns)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = thread_cpu_ns(int(tid))
+        except (OSError, ValueError):  # ended meanwhile
+            pass
+    return out
+
+
 def level(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float) -> Dict[str, Any]:
-    """One closed-loop level (http_load's in-process callers), with the CPU it took."""
+    """One closed-loop level (http_load's in-process callers), with the CPU it took: of the process, of the
+    batcher's worker, of the threads that outlive the level besides it and this one (native pools: the
+    tokenizer's, torch's) and of the rest (the callers' threads, started and ended with the level)."""
     from http_load import _callers
 
     worker = batcher._thread.native_id
     calls0 = dict(batcher.stats.snapshot()["calls"])
+    before = tasks_cpu_ns()
     cpu0, w0 = time.process_time(), thread_cpu_ns(worker)
     routed = getattr(batcher.target, "router", None) is not None  # the router is asked for the model by name
 
@@ -86,12 +101,16 @@ def level(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: float
     ask(reqs[0])  # an error here is the run's, said at once (the loop below only counts errors)
     lv = _callers(ask, reqs, callers, seconds)
     cpu, wcpu = time.process_time() - cpu0, (thread_cpu_ns(worker) - w0) / 1e9
+    after = tasks_cpu_ns()
+    pools = sum(after[t] - before[t] for t in before.keys() & after.keys()
+                if t not in (worker, threading.get_native_id())) / 1e9
     calls = batcher.stats.snapshot()["calls"]
     n = max(1, lv["ok"])
     made = sum(calls[k] - calls0.get(k, 0) for k in ("merged", "alone"))
     lv.pop("answers")
     return dict(lv, wall_us_per_request=round(1e6 / max(lv["rps"], 1e-9), 1),
                 cpu_us_per_request=round(cpu * 1e6 / n, 1), worker_cpu_us_per_request=round(wcpu * 1e6 / n, 1),
+                pools_cpu_us_per_request=round(pools * 1e6 / n, 1),
                 requests_per_call=round(n / max(1, made), 2))
 
 
@@ -155,18 +174,23 @@ def main() -> int:
                     help="the bundle's own artifact (on a GPU: the call's host side and the wait included)")
     ap.add_argument("--targets", default="agent,router",
                     help="agent: Batcher(laya_aot.load(...)); router: Batcher over a laya Router holding it")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's intra-op threads (1: the host's small torch ops never wait at a parallel region's "
+                         "barrier for a core that other work holds; what the artifact takes is set by the bundle)")
     ap.add_argument("--callers", default="1,8,32")
     ap.add_argument("--seconds", type=float, default=5.0, help="per level")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of load before the levels")
     ap.add_argument("--rounds", type=int, default=1, help="levels repeated, interleaved (the median is reported)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also the worker's top N functions")
     a = ap.parse_args()
+    import torch
     from http_load import short_requests
     from laya.router import Router
 
     import laya_aot
     from laya_aot.runtime.batcher import Batcher
 
+    torch.set_num_threads(a.threads)
     environment = harness.environment()
     agent = laya_aot.load(a.checkpoint, bundle=a.bundle, device=a.device)
     backend = agent.backend_object
@@ -177,7 +201,7 @@ def main() -> int:
     top = max(callers)
     result: Dict[str, Any] = {"environment": environment, "checkpoint": a.checkpoint, "backend": agent.backend,
                               "artifact": "the bundle's" if a.artifact else "stand-in", "seconds": a.seconds,
-                              "threads": os.environ.get("LAYA_THREADS"), "targets": {}}
+                              "torch_threads": a.threads, "targets": {}}
     batchers = {}
     for name in a.targets.split(","):
         if name == "router":
@@ -219,16 +243,17 @@ def median_level(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def markdown(r: Dict[str, Any]) -> str:
-    lines = ["Artifact: %s. Short single requests (the demo's states and three questions), closed loop."
-             % r["artifact"], ""]
+    lines = ["Artifact: %s; torch threads %s. Short single requests (the demo's states and three questions), "
+             "closed loop." % (r["artifact"], r["torch_threads"]), ""]
     for t, res in r["targets"].items():
         lines += ["Target: %s" % t, "",
-                  "| callers | requests/s | wall us per request | CPU us per request | worker CPU us per request | "
-                  "requests per call | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|"]
+                  "| callers | requests/s | wall us per request | CPU us per request | of which the worker | "
+                  "native pools | requests per call | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
         for lv in res["levels"]:
-            lines.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
+            lines.append("| %d | %s | %s | %s | %s | %s | %s | %s | %s |" % (
                 lv["callers"], lv["rps"], lv["wall_us_per_request"], lv["cpu_us_per_request"],
-                lv["worker_cpu_us_per_request"], lv["requests_per_call"], lv["p50_ms"], lv["p99_ms"]))
+                lv["worker_cpu_us_per_request"], lv["pools_cpu_us_per_request"], lv["requests_per_call"],
+                lv["p50_ms"], lv["p99_ms"]))
         st = res["steps"]
         lines += ["", "The worker's time by step, us per request at %d callers (%s requests/s under the clocks; "
                   "exclusive of the steps inside):" % (st["level"]["callers"], st["level"]["rps"]), "",
