@@ -4,7 +4,10 @@ laya tokenises each state alone, and each question's head (instruction and optio
 service asks the same questions on every call. With a bundle installed, `HostPath` keeps laya's own
 `build_head` results across calls, keyed by everything `build_head` reads, and tokenises a call's states in
 one batched call of the fast tokenizer (parallel in its Rust core) before laya's loop asks for them one at a
-time. Each result is laya's code on laya's inputs; anything not prepared here is laya's stock path.
+time. Within a call it fetches each question's head once and assembles every state's items from it as laya's
+`build_sequence` does (`encode_state`), and collates the batch with a few numpy operations (`host_steps.collate`).
+Each result is laya's code on laya's inputs, or equal to it (the tests compare batches and answers); anything not
+prepared here is laya's stock path.
 """
 from __future__ import annotations
 

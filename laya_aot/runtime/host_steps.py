@@ -1,4 +1,5 @@
-"""laya's answer decoding with the numbers of a whole batch computed at once: the same answers, bit for bit.
+"""laya's answer decoding with the numbers of a whole batch computed at once: the same answers, bit for bit; and
+laya's collation of a batch in a few numpy operations (`collate`: the same arrays).
 
 `Agent._decode_answers` turns one state's logit rows into answers, one row at a time: a dozen numpy calls on
 arrays of two to seven floats per row, and per state the same per-question work (temperature lookup, option
