@@ -66,33 +66,35 @@ _ITEM_KEYS = frozenset(("ids", "markers", "qtype", "options", "state_stats"))  #
 _NOT_META = ("ids", "markers", "target", "layout")  # the keys collate_items leaves out of an item's meta
 
 
+COLLATE_ROWS = 16  # fewer rows: laya's row-by-row loop costs less than the masked assignments' fixed numpy calls
+
+
 def collate(stock: Callable, batch: Any, pad_id: Any) -> Any:
     """laya's `collate_items(batch, pad_id)` for the items `Agent._encode_state` makes (no training target, label
-    or parallel layout: anything else is laya's function): the same arrays, filled by one masked assignment each
-    instead of a row at a time. A row's values land where laya puts them: row-major order, so the row's first
-    len(ids) places, and the rest is laya's padding (pad_id, 0, False)."""
-    try:
-        items = [it for group in batch for it in group]
-    except TypeError:
+    or parallel layout, and at least COLLATE_ROWS rows: anything else is laya's function): the same arrays, filled
+    by one masked assignment each instead of a row at a time. A row's values land where laya puts them: row-major
+    order, so the row's first len(ids) places, and the rest is laya's padding (pad_id, 0, False)."""
+    if type(batch) is not list or not all(type(group) is list for group in batch):  # nothing consumed here
+        return stock(batch, pad_id)
+    items = [it for group in batch for it in group]
+    n = len(items)
+    if n < COLLATE_ROWS:
         return stock(batch, pad_id)
     for it in items:
         if type(it) is not dict or not it.keys() <= _ITEM_KEYS or type(it.get("ids")) is not list \
                 or type(it.get("markers")) is not list or "qtype" not in it:
             return stock(batch, pad_id)
-    if not items:
-        return stock(batch, pad_id)
-    n = len(items)
     rows = [it["ids"] for it in items]
     marks = [it["markers"] for it in items]
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-    klens = np.fromiter(map(len, marks), dtype=np.int64, count=n)
-    width, kmax = int(lens.max()), int(klens.max())
+    row_lens, mark_lens = list(map(len, rows)), list(map(len, marks))
+    lens, klens = np.array(row_lens, dtype=np.int64), np.array(mark_lens, dtype=np.int64)
+    width, kmax = max(row_lens), max(mark_lens)
     valid = np.arange(width) < lens[:, None]
     ids = np.full((n, width), pad_id, dtype=np.int64)
-    ids[valid] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
+    ids[valid] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=sum(row_lens))
     mmask = np.arange(kmax) < klens[:, None]
     mpos = np.zeros((n, kmax), dtype=np.int64)
-    mpos[mmask] = np.fromiter(chain.from_iterable(marks), dtype=np.int64, count=int(klens.sum()))
+    mpos[mmask] = np.fromiter(chain.from_iterable(marks), dtype=np.int64, count=sum(mark_lens))
     return {
         "input_ids": torch.from_numpy(ids),
         "attention_mask": torch.from_numpy(valid.astype(np.int64)),
