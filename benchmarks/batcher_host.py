@@ -43,18 +43,19 @@ STEPS = ("take", "settle", "router", "predict_batch", "prepare", "encode_state",
 
 
 def stub_runner(backend: Any, seed: int = 0) -> Callable[..., Any]:
-    """A stand-in for the backend's artifact: the real outputs' dtypes and widths (from one real call), each call's
-    rows sliced from fixed seeded values and copied, as an artifact returns new tensors."""
+    """A stand-in for the backend's artifact: the real outputs' device, dtypes and widths (from one real call), each
+    call's rows sliced from fixed seeded values and copied, as an artifact returns new tensors."""
     import torch
 
     runner = backend.runner
+    dev = torch.device(getattr(runner, "device", "cpu"))
     probe = [torch.zeros((1, 16), dtype=torch.long), torch.ones((1, 16), dtype=torch.long),
              torch.tensor([[1, 2, 3, 4]]), torch.ones((1, 4), dtype=torch.bool), torch.zeros((1,), dtype=torch.long)]
-    lo, ac = runner(*probe)
+    lo, ac = runner(*[x.to(dev) for x in probe])
     g = torch.Generator().manual_seed(seed)
     rows, width = 4096, 64
-    logits = (torch.randn((rows, width), generator=g) * 3).to(lo.dtype)
-    acts = torch.randn((rows, ac.shape[1]), generator=g).to(ac.dtype)
+    logits = (torch.randn((rows, width), generator=g) * 3).to(device=lo.device, dtype=lo.dtype)
+    acts = torch.randn((rows, ac.shape[1]), generator=g).to(device=ac.device, dtype=ac.dtype)
 
     def stub(ids: Any, att: Any, mpos: Any, mmask: Any, qtype: Any) -> Any:
         n, k = mpos.shape
