@@ -19,11 +19,14 @@ process); CPU microseconds per request, of the whole process and of the batcher'
 requests per merged call. At the last level, the worker's time by step, of its CPU (thread clocks) and of the
 wall, each exclusive of the steps inside it, and, with --profile, the worker's top functions under cProfile (a
 separate run: the profiler slows what it measures). --rounds repeats the levels interleaved (targets and caller
-counts in turn) and reports the median. Writes batcher_host<tag>.json and .md to --out.
+counts in turn) and reports the median. --isolated N: each target's call for 1 and for 16 requests made alone in
+one thread N times, its CPU us per request (least and median): the worker's host work without the threads, the
+figure a busy shared machine moves least. Writes batcher_host<tag>.json and .md to --out.
 """
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -166,6 +169,34 @@ def profile(batcher: Any, reqs: List[Dict[str, Any]], callers: int, seconds: flo
     return "requests: %d\n%s" % (lv["ok"], text.getvalue())
 
 
+def isolated(batchers: Dict[str, Any], reqs: List[Dict[str, Any]], sizes: List[int], repeats: int
+             ) -> Dict[str, Any]:
+    """The merged call alone, in this thread: each target's call for `size` requests of the short stream (what its
+    batcher's worker runs for a call of that many), `repeats` times; the thread's CPU us per request, the least
+    (the run least disturbed by other work on the machine) and the median."""
+    from laya_aot.runtime.batcher import Work
+
+    out: Dict[str, Any] = {}
+    for t, batcher in batchers.items():
+        target = batcher.target
+        routed = getattr(target, "router", None) is not None
+        for size in sizes:
+            works: List[Work] = [target.work(r["state"], r["questions"], {"model": r["model"]} if routed else {})
+                                 for r in (reqs * (size // len(reqs) + 1))[:size]]
+            call = (lambda w=works: [x.alone() for x in w]) if size == 1 else functools.partial(target.run, works)
+            for _ in range(3):
+                call()
+            times = []
+            for _ in range(repeats):
+                t0 = time.thread_time()
+                call()
+                times.append((time.thread_time() - t0) * 1e6 / size)
+            times.sort()
+            out.setdefault(t, {})[size] = {"min_us_per_request": round(times[0], 1),
+                                           "median_us_per_request": round(times[len(times) // 2], 1)}
+    return out
+
+
 def main() -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--checkpoint", required=True, help="a Laya checkpoint dir")
@@ -183,6 +214,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of load before the levels")
     ap.add_argument("--rounds", type=int, default=1, help="levels repeated, interleaved (the median is reported)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also the worker's top N functions")
+    ap.add_argument("--isolated", type=int, default=200, metavar="N",
+                    help="also each target's call for 1 and 16 requests alone, N times (0: not)")
     a = ap.parse_args()
     import torch
     from http_load import short_requests
@@ -221,6 +254,8 @@ def main() -> int:
             for c in callers:
                 for t, batcher in batchers.items():
                     runs[t][c].append(level(batcher, reqs, c, a.seconds))
+        if a.isolated:
+            result["isolated"] = isolated(batchers, reqs, [1, 16], a.isolated)
         clocks = instrument_all(agent, list(batchers.values()))
         for t, batcher in batchers.items():
             result["targets"][t] = {"levels": [median_level(runs[t][c]) for c in callers],
@@ -263,6 +298,13 @@ def markdown(r: Dict[str, Any]) -> str:
         if res.get("profile"):
             lines += ["", "```", res["profile"].rstrip(), "```"]
         lines.append("")
+    if r.get("isolated"):
+        lines += ["A target's call alone (one request: laya's own call for it; 16: the merged call), this thread's CPU "
+                  "us per request, least / median:", "", "| target | 1 request | 16 requests |", "|---|---|---|"]
+        for t, sizes in r["isolated"].items():
+            lines.append("| %s | %s |" % (t, " | ".join("%s / %s" % (v["min_us_per_request"],
+                                                                   v["median_us_per_request"])
+                                                       for v in sizes.values())))
     return "\n".join(lines)
 
 
