@@ -35,10 +35,11 @@ class _Call:
     heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
     the decoder's numbers for the batch being decoded. (A plain class: made on every call.)"""
 
-    __slots__ = ("path", "states", "heads", "plans", "decoded", "counts")
+    __slots__ = ("path", "many", "states", "heads", "plans", "decoded", "counts")
 
-    def __init__(self, path: "HostPath"):
+    def __init__(self, path: "HostPath", many: bool = True):
         self.path = path
+        self.many = many  # more than one state: items assembled from the call's heads (encode_state)
         self.counts: Counter = Counter()  # what the call did, added to the path's stats once, at its end
         self.states: Dict[str, List[int]] = {}
         self.heads: Dict[tuple, Tuple[Dict, tuple]] = {}
@@ -131,7 +132,7 @@ class HostPath:
         (outside a call, a state laya cannot serialise, a question whose options do not fit: laya raises its
         own error) is laya's method."""
         call = _CALL.get()
-        if call is None or call.path is not self:
+        if call is None or call.path is not self or not call.many:  # one state: each head is asked for once anyway
             return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
         cfg_len, cfg_head, sep, qtypes = laya_api.sequence_parts(self.agent)
         max_len = cfg_len if max_len is None else max_len
@@ -199,10 +200,10 @@ class HostPath:
         `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error.
         One state is not prepared: `state_ids` tokenises it when laya asks, by the same direct call, without
         serialising it twice."""
-        call = _Call(self)
         if not isinstance(states, (list, tuple)):  # an iterator is laya's to consume; anything else laya refuses
-            return call
+            return _Call(self)
         n = len(states)
+        call = _Call(self, many=n > 1)
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
