@@ -26,7 +26,7 @@ import logging
 import math
 import struct
 import threading
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -62,6 +62,7 @@ def _clamp01(v: float) -> float:
     return 0.0 if v < 0.0 else (1.0 if v > 1.0 else v)
 
 
+_FOURS = repeat(4)  # round's second argument, for map(round, values, _FOURS)
 _ITEM_KEYS = frozenset(("ids", "markers", "qtype", "options", "state_stats"))  # what Agent._encode_state's items hold
 _NOT_META = ("ids", "markers", "target", "layout")  # the keys collate_items leaves out of an item's meta
 
@@ -205,21 +206,22 @@ class Decoder:
     def _show(self, b: _Block, binning_map: Any) -> tuple:
         """What the answers show of a block, for every state of the batch at once: (binning_map, answer
         confidences, confidences, the choice, score or noul value, rounded probabilities), each as laya's
-        `_decode_answers` computes it for a row (the same rounding of the same numbers, in list comprehensions
-        instead of per state)."""
-        raw = [1.0] * len(b.pmax) if b.k < 1 else [_clamp01(v) for v in b.pmax]
+        `_decode_answers` computes it for a row (the same rounding of the same numbers, a pass over the batch's
+        values instead of a state at a time)."""
+        raw = [1.0] * len(b.pmax) if b.k < 1 else list(map(_clamp01, b.pmax))
         if binning_map:
             ans = [round(self.binning(v, b.bucket, binning_map), 4) for v in raw]
         else:
-            ans = [round(v, 4) for v in raw]
+            ans = list(map(round, raw, _FOURS))  # round(v, 4) each, without a Python frame per value
         if b.qt == "noul":
-            main = [round(p[1], 4) for p in b.probs]
-            conf = [round(max(p[1], 1.0 - p[1]), 4) for p in b.probs]
+            p1 = [p[1] for p in b.probs]
+            main = list(map(round, p1, _FOURS))
+            conf = [round(max(v, 1.0 - v), 4) for v in p1]
             probs = None
         else:
-            conf = [round(c, 4) for c in b.confidence]
-            main = [b.keys[a] for a in b.argmax] if b.qt == "choice" else [round(v, 4) for v in b.score]
-            probs = [[round(v, 4) for v in p] for p in b.probs]
+            conf = list(map(round, b.confidence, _FOURS))
+            main = list(map(b.keys.__getitem__, b.argmax)) if b.qt == "choice" else list(map(round, b.score, _FOURS))
+            probs = [list(map(round, p, _FOURS)) for p in b.probs]
         b.shown = (binning_map, ans, conf, main, probs)
         return b.shown
 
