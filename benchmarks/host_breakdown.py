@@ -25,6 +25,7 @@ Writes host_breakdown<tag>.json and .md to --out.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import harness
@@ -34,27 +35,37 @@ COMPONENTS = ("prepare", "encode_state", "build_head", "collate", "infer", "back
 
 
 class Clock:
-    """Exclusive wall time per named component: a stack of open components, each charged its own time."""
+    """Exclusive wall time per named component: a stack of open components per thread, each charged its own
+    time (one thread's open components never charge another's)."""
 
-    def __init__(self):
+    def __init__(self, timer=time.perf_counter):
+        self.timer = timer  # wall time; time.thread_time: the calling thread's CPU time
         self.spent: dict = {}
-        self.stack: list = []
+        self.local = threading.local()
+
+    @property
+    def stack(self) -> list:
+        stack = getattr(self.local, "stack", None)
+        if stack is None:
+            stack = self.local.stack = []
+        return stack
 
     def wrap(self, name, fn):
         def timed(*a, **k):
-            now = time.perf_counter()
-            if self.stack:
-                top, since = self.stack[-1]
+            stack = self.stack
+            now = self.timer()
+            if stack:
+                top, since = stack[-1]
                 self.spent[top] = self.spent.get(top, 0.0) + now - since
-            self.stack.append((name, now))
+            stack.append((name, now))
             try:
                 return fn(*a, **k)
             finally:
-                end = time.perf_counter()
-                _, since = self.stack.pop()
+                end = self.timer()
+                _, since = stack.pop()
                 self.spent[name] = self.spent.get(name, 0.0) + end - since
-                if self.stack:
-                    self.stack[-1] = (self.stack[-1][0], end)
+                if stack:
+                    stack[-1] = (stack[-1][0], end)
 
         timed.__wrapped__ = fn
         for attr in ("host_path", "device", "graphs", "stats"):

@@ -33,15 +33,19 @@ from .core import (  # noqa: F401
     vocab,
 )
 from .host_path import (  # noqa: F401
+    build_head,
     decode_helpers,
     decode_numbers,
     encode_texts,
     render_options,
     route_decode,
+    route_encode_state,
     route_host_path,
+    sequence_parts,
     state_encoder,
     state_text,
     stock_decode,
+    stock_encode_text,
 )
 from .routes import (  # noqa: F401
     AGENT_NAMES,
@@ -80,10 +84,10 @@ __all__ = ["AGENT_NAMES", "APP_CELLS", "AgentWithModel", "Backend", "BackendUnav
            "HOST_PATH_NAMES", "LayaIncompatible", "MODULE_NAMES", "OPTIONAL_NAMES", "OVERLOAD_DETAIL",
            "OVERLOAD_HEADERS", "OVERLOAD_STATUS", "PACKAGES", "ROUTER_NAMES", "ROUTES", "RouteUnavailable",
            "SERVE_NAMES", "TILELANG_NAMES", "accelerated", "aot_router_class", "app_cells", "bucket_rows",
-           "bucket_tokens", "build_eager_module", "build_router", "check", "context_len", "decode_helpers",
-           "decode_numbers", "eager_agent", "embedding_rows", "embedding_rows_short", "encode_texts",
-           "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin", "missing_packages",
-           "overloaded_error", "pad_batch", "pad_id", "predict_call", "render_options", "require",
-           "resident_agent", "route_decode", "route_host_path", "router_agent_kwargs", "serve_settings",
-           "serving_dtype", "serving_paused", "set_model", "state_encoder", "state_text", "stock_decode",
-           "thin_agent", "vocab", "with_router"]
+           "bucket_tokens", "build_eager_module", "build_head", "build_router", "check", "context_len",
+           "decode_helpers", "decode_numbers", "eager_agent", "embedding_rows", "embedding_rows_short",
+           "encode_texts", "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin",
+           "missing_packages", "overloaded_error", "pad_batch", "pad_id", "predict_call", "render_options", "require",
+           "resident_agent", "route_decode", "route_encode_state", "route_host_path", "router_agent_kwargs",
+           "sequence_parts", "serve_settings", "serving_dtype", "serving_paused", "set_model", "state_encoder",
+           "state_text", "stock_decode", "stock_encode_text", "thin_agent", "vocab", "with_router"]

@@ -9,22 +9,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 _HOST_ROUTED = threading.Lock()
 
 
-def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable]) -> None:
-    """Send laya's `build_head` and `Agent._encode_state`'s tokenizer call through `head(stock)` and `state(stock)`
-    (runtime/host_path.py), once per process. Both return laya's stock function's result outside a host path's
-    call, so other agents in the process run exactly as before."""
+def route_host_path(head: Callable[[Callable], Callable], state: Callable[[Callable], Callable],
+                    collate: Callable[[Callable], Callable]) -> None:
+    """Send laya's `build_head`, `Agent._encode_state`'s tokenizer call and `predict_batch`'s `collate_items` through
+    `head(stock)`, `state(stock)` and `collate(stock)` (runtime/host_path.py), once per process. Each returns laya's
+    stock function's result outside a host path's call, so other agents in the process run exactly as before."""
     import laya.agent
     import laya.common
 
     with _HOST_ROUTED:
-        if getattr(laya.common.build_head, "laya_aot_stock", None) is None:
-            wrapped = head(laya.common.build_head)
-            wrapped.laya_aot_stock = laya.common.build_head  # type: ignore[attr-defined]
-            laya.common.build_head = wrapped
-        if getattr(laya.agent.encode_text, "laya_aot_stock", None) is None:
-            wrapped = state(laya.agent.encode_text)
-            wrapped.laya_aot_stock = laya.agent.encode_text  # type: ignore[attr-defined]
-            laya.agent.encode_text = wrapped
+        for module, name, make in ((laya.common, "build_head", head), (laya.agent, "encode_text", state),
+                                   (laya.agent, "collate_items", collate)):
+            stock = getattr(module, name)
+            if getattr(stock, "laya_aot_stock", None) is None:
+                wrapped = make(stock)
+                wrapped.laya_aot_stock = stock  # type: ignore[attr-defined]
+                setattr(module, name, wrapped)
 
 
 def stock_decode(agent: Any) -> Callable:
@@ -34,11 +34,50 @@ def stock_decode(agent: Any) -> Callable:
     return laya.agent.Agent._decode_answers.__get__(agent)
 
 
+def _route(agent: Any, name: str, fn: Callable[..., Any]) -> None:
+    stock = getattr(agent, name)
+    setattr(agent, name, functools.wraps(stock)(functools.partial(fn, stock)))
+
+
 def route_decode(agent: Any, decode: Callable[..., Any]) -> None:
     """Make this agent's answer decoding (laya's `Agent._decode_answers`) `decode(stock, *args, **kwargs)`, `stock`
     being the function the agent held."""
-    stock = agent._decode_answers
-    agent._decode_answers = functools.wraps(stock)(functools.partial(decode, stock))
+    _route(agent, "_decode_answers", decode)
+
+
+def route_encode_state(agent: Any, encode: Callable[..., Any]) -> bool:
+    """Make this agent's state encoding (laya's `Agent._encode_state`) `encode(stock, *args, **kwargs)`; False (not
+    routed) where the agent's class has a method of its own, or the checkpoint uses the parallel option layout
+    (whose items carry what only laya's method builds)."""
+    import laya.agent
+
+    if type(agent)._encode_state is not laya.agent.Agent._encode_state or getattr(agent, "parallel_options", True):
+        return False
+    _route(agent, "_encode_state", encode)
+    return True
+
+
+def stock_encode_text() -> Callable[..., Any]:
+    """laya's own `encode_text` as `Agent._encode_state` calls it (before `route_host_path` wrapped it)."""
+    import laya.agent
+
+    return getattr(laya.agent.encode_text, "laya_aot_stock", laya.agent.encode_text)
+
+
+def sequence_parts(agent: Any) -> Tuple[int, int, int, Dict[str, int]]:
+    """(max_len, head_max_len, the [SEP] id, QTYPES): what `Agent._encode_state` and `build_sequence` read besides
+    the question heads (the agent's token budgets as `_encode_state` defaults them)."""
+    import laya.agent
+
+    cfg = agent.cfg
+    return cfg.get("max_len", 512), cfg.get("head_max_len", 192), agent.tok.sep_token_id, laya.agent.QTYPES
+
+
+def build_head(tok: Any, q: Dict[str, Any], head_max_len: int) -> Tuple[List[int], List[int], Dict[str, Any]]:
+    """`build_head` as `build_sequence` calls it for `Agent._encode_state` (the routed one, when routed)."""
+    import laya.common
+
+    return laya.common.build_head(tok, q, head_max_len, option_order=q.get("option_order"))
 
 
 def decode_helpers() -> Tuple[Callable, Callable, Dict[str, int], Callable]:

@@ -51,7 +51,10 @@ HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's
     ("laya.common", "serialize_state"),  # a state's text, as Agent._encode_state makes it
     ("laya.common", "encode_text"),      # laya's tokenizer call under its lock
     ("laya.agent", "encode_text"),       # wrapped: Agent._encode_state's state tokenisation
+    ("laya.agent", "collate_items"),     # wrapped: predict_batch's collation, its arrays filled at once
     ("laya.common", "_TOKENIZE_LOCK"),   # held by the direct tokenizer call (state_encoder), as laya holds it
+    ("laya.agent", "Agent._encode_state"),  # a host-path agent's: its items from the call's question heads
+    ("laya.common", "build_sequence"),   # ... assembled as build_sequence assembles them (the test compares)
     ("laya.agent", "Agent._decode_answers"),  # a host-path agent's: runtime/host_steps.Decoder, equal answers
     ("laya.agent", "apply_binning_map"),  # ... which calls laya's binning, bucket and legend functions as it does
     ("laya.agent", "temp_bucket"),

@@ -132,15 +132,22 @@ class Stats:
             self.batch_requests.observe(requests)
             self.batch_rows.observe(rows)
 
-    def waited(self, ms: float) -> None:
+    def waited(self, *ms: float) -> None:
         with self._lock:
-            self.queue_wait_ms.observe(ms)
+            for v in ms:
+                self.queue_wait_ms.observe(v)
 
     def answered(self, model: str, ok: bool, ms: float) -> None:
+        self.answered_many([(model, ok, ms)])
+
+    def answered_many(self, answers: Sequence[Tuple[str, bool, float]]) -> None:
+        """Each (model, ok, ms) counted under one hold of the lock (a merged call's requests)."""
         with self._lock:
-            key = (model, "ok" if ok else "error")
-            self.requests[key] = self.requests.get(key, 0) + 1
-            self.latency_ms.observe(ms)
+            requests, latency = self.requests, self.latency_ms
+            for model, ok, ms in answers:
+                key = (model, "ok" if ok else "error")
+                requests[key] = requests.get(key, 0) + 1
+                latency.observe(ms)
 
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:
@@ -235,10 +242,13 @@ def estimate_tokens(state: Any, questions: Mapping[str, Any], max_len: Optional[
     return max(1, len(questions)) * row
 
 
+_KEY_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps' encoder, made once
+
+
 def questions_key(questions: Any) -> Optional[str]:
     """A key equal for equal question sets, order included as laya's grouping keys them (None: not JSON)."""
     try:
-        return json.dumps(questions, separators=(",", ":"), ensure_ascii=False)
+        return _KEY_JSON.encode(questions)
     except (TypeError, ValueError):
         return None
 
@@ -257,6 +267,7 @@ class AgentTarget:
     `agent.predict_batch`, a request alone answered by `agent.system_one`, as laya answers it."""
 
     MERGED = ("lang", "max_len", "head_max_len", "min_confidence")  # what predict_batch takes for every state
+    _MERGED = frozenset(MERGED)
 
     def __init__(self, agent: Any):
         self.agent = agent
@@ -266,9 +277,9 @@ class AgentTarget:
             return self.agent.system_one(state, questions, **controls)
 
         key: Optional[Hashable] = None
-        if isinstance(questions, dict) and state is not None and set(controls) <= set(self.MERGED):
+        if isinstance(questions, dict) and state is not None and controls.keys() <= self._MERGED:
             qkey = questions_key(questions)
-            parts = tuple((k, _hashable(controls[k])) for k in sorted(controls))
+            parts = tuple((k, _hashable(controls[k])) for k in sorted(controls)) if controls else ()
             if qkey is not None and all(v is not None for _, v in parts):
                 key = (qkey, parts)
         rows = len(questions) if isinstance(questions, dict) else 1
@@ -526,8 +537,7 @@ class Batcher:
             self.stats.count("calls", "jobs")
             self._settle(live[0], live[0].job)
             return
-        for entry in live:
-            self.stats.waited((now - entry.submitted) * 1000.0)
+        self.stats.waited(*[(now - entry.submitted) * 1000.0 for entry in live])
         self._answer(live)
 
     def _answer(self, entries: List[_Entry]) -> None:
@@ -549,8 +559,11 @@ class Batcher:
             self._answer(entries[:mid])
             self._answer(entries[mid:])
             return
+        now = time.perf_counter()
+        self.stats.answered_many([(e.work.model, True, (now - e.submitted) * 1000.0)  # type: ignore[union-attr]
+                                  for e in entries])
         for entry, result in zip(entries, results):
-            self._done(entry, result=result)
+            entry.future.set_result(result)
 
     def _settle(self, entry: _Entry, call: Callable[[], Any]) -> None:
         try:

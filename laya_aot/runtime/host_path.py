@@ -4,7 +4,10 @@ laya tokenises each state alone, and each question's head (instruction and optio
 service asks the same questions on every call. With a bundle installed, `HostPath` keeps laya's own
 `build_head` results across calls, keyed by everything `build_head` reads, and tokenises a call's states in
 one batched call of the fast tokenizer (parallel in its Rust core) before laya's loop asks for them one at a
-time. Each result is laya's code on laya's inputs; anything not prepared here is laya's stock path.
+time. Within a call it fetches each question's head once and assembles every state's items from it as laya's
+`build_sequence` does (`encode_state`), and collates the batch with a few numpy operations (`host_steps.collate`).
+Each result is laya's code on laya's inputs, or equal to it (the tests compare batches and answers); anything not
+prepared here is laya's stock path.
 """
 from __future__ import annotations
 
@@ -32,12 +35,15 @@ class _Call:
     heads it was handed, by the question object laya passed (`internal[qid]`, one per question for the call);
     the decoder's numbers for the batch being decoded. (A plain class: made on every call.)"""
 
-    __slots__ = ("path", "states", "heads", "decoded")
+    __slots__ = ("path", "many", "states", "heads", "plans", "decoded", "counts")
 
-    def __init__(self, path: "HostPath"):
+    def __init__(self, path: "HostPath", many: bool = True):
         self.path = path
+        self.many = many  # more than one state: items assembled from the call's heads (encode_state)
+        self.counts: Counter = Counter()  # what the call did, added to the path's stats once, at its end
         self.states: Dict[str, List[int]] = {}
         self.heads: Dict[tuple, Tuple[Dict, tuple]] = {}
+        self.plans: Dict[tuple, Optional[tuple]] = {}
         self.decoded: Dict[Any, Any] = {}
 
 
@@ -45,7 +51,9 @@ class HostPath:
     """An agent's cache of question heads and its batched state tokenisation (see the module docstring)."""
 
     def __init__(self, agent: Any):
+        self.agent = agent
         self.tok = agent.tok
+        self._stock_encode: Callable = laya_api.stock_encode_text()
         self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
         self.decoder = host_steps.Decoder(agent, self._count)
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
@@ -55,8 +63,9 @@ class HostPath:
     @property
     def stats(self) -> Dict[str, int]:
         """Heads served from the cache or built by laya; states tokenised ahead (batched), by the direct call when
-        laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone);
-        questions decoded in blocks (one per batch), and states whose answers laya's own function decoded."""
+        laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone); states
+        whose items were assembled from the call's heads (encoded); questions decoded in blocks (one per batch),
+        and states whose answers laya's own function decoded."""
         with self._lock:
             return dict(self._counts)
 
@@ -101,19 +110,80 @@ class HostPath:
         """laya's state tokenisation (`encode_text(tok, text, add_special_tokens=False)`): prepared ahead, else
         the tokenizer's direct call on this one text (laya's call of one text is its batched call of `[text]`,
         `laya_internals.state_encoder`), else laya's own call."""
+        counts = call.counts
         if tok is not self.tok or kwargs != _PLAIN or not isinstance(text, str):
-            self._count(states_alone=1)
+            counts["states_alone"] += 1
             return stock(tok, text, **kwargs)
         ids = call.states.get(text)
         if ids is not None:
-            self._count(states_batched=1)
+            counts["states_batched"] += 1
             return {"input_ids": list(ids)}  # a list of its own: a state repeated in the call is asked for again
         encoded = self.encode([text]) if self.encode is not None else None
         if encoded is None:  # no direct call, or the backend not as laya's call would leave it: laya's call
-            self._count(states_alone=1)
+            counts["states_alone"] += 1
             return stock(tok, text, **kwargs)
-        self._count(states_direct=1)
+        counts["states_direct"] += 1
         return {"input_ids": encoded[0]}
+
+    def encode_state(self, stock: Callable, state: Any, ids: List[str], internal: Dict[str, Dict],
+                     max_len: Optional[int] = None, head_max_len: Optional[int] = None) -> List[Dict]:
+        """laya's `Agent._encode_state`: each question's item assembled as `build_sequence` assembles it, from the
+        question's head fetched once per call (`_plan`) rather than once per state and question. Anything else
+        (outside a call, a state laya cannot serialise, a question whose options do not fit: laya raises its
+        own error) is laya's method."""
+        call = _CALL.get()
+        if call is None or call.path is not self or not call.many:  # one state: each head is asked for once anyway
+            return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+        cfg_len, cfg_head, sep, qtypes = laya_api.sequence_parts(self.agent)
+        max_len = cfg_len if max_len is None else max_len
+        head_max_len = cfg_head if head_max_len is None else head_max_len
+        plans = []
+        reused = 0
+        for qid in ids:
+            q = internal[qid]
+            plan = call.plans.get((id(q), max_len, head_max_len))
+            if plan is None or plan[0] is not q:
+                plan = self._plan(call, q, max_len, head_max_len, qtypes)
+                if plan is None:
+                    return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+            else:
+                reused += 1
+            plans.append(plan)
+        try:
+            text = laya_api.state_text(self.tok, state)
+        except Exception:  # noqa: BLE001 - laya raises its own error for this state
+            return stock(state, ids, internal, max_len=max_len, head_max_len=head_max_len)
+        state_ids = self.state_ids(call, self._stock_encode, self.tok, text, _PLAIN)["input_ids"]
+        n = len(state_ids)
+        left = isinstance(state, list)  # a conversation keeps its newest turns (laya's truncate_left)
+        items = []
+        for _, head, kept, stats, room, qtype in plans:
+            # build_sequence: ids + st + [sep], cut to max_len (st never longer than room), markers below max_len
+            st = state_ids[max(0, n - room):] if left else state_ids[:room]
+            seq = [*head, *st, sep]
+            if len(seq) > max_len:
+                seq = seq[:max_len]
+            used = len(st)
+            items.append({"ids": seq, "markers": list(kept), "qtype": qtype, "options": dict(stats),
+                          "state_stats": {"state_tokens": n, "state_tokens_used": used,
+                                          "state_tokens_dropped": n - used, "truncated": used < n}})
+        counts = call.counts
+        counts["states_encoded"] += 1
+        counts["heads_cached"] += reused  # heads laya's build_sequence would have asked for again
+        return items
+
+    def _plan(self, call: _Call, q: Dict, max_len: int, head_max_len: int, qtypes: Dict[str, int]
+              ) -> Optional[tuple]:
+        """A question's part of every item of the call: (q, head ids, the markers below max_len, the head's
+        stats, the room left for the state, its qtype); None where laya raises (its options do not fit)."""
+        head, markers, stats = laya_api.build_head(self.tok, q, head_max_len)
+        kept = tuple(m for m in markers if m < max_len)
+        if len(kept) != stats["options"]:
+            call.plans[(id(q), max_len, head_max_len)] = None
+            return None
+        plan = (q, tuple(head), kept, stats, max(0, max_len - len(head) - 1), qtypes[q["t"]])
+        call.plans[(id(q), max_len, head_max_len)] = plan
+        return plan
 
     def decode(self, stock: Callable, logits: Any, act: Any, items: List[Dict], ids: List[str],
                internal: Dict[str, Dict], offset: int, **kwargs: Any) -> Dict[str, Any]:
@@ -130,10 +200,10 @@ class HostPath:
         `batch_size * 8` states. A state laya cannot serialise is left to laya, which raises its own error.
         One state is not prepared: `state_ids` tokenises it when laya asks, by the same direct call, without
         serialising it twice."""
-        call = _Call(self)
         if not isinstance(states, (list, tuple)):  # an iterator is laya's to consume; anything else laya refuses
-            return call
+            return _Call(self)
         n = len(states)
+        call = _Call(self, many=n > 1)
         if batch_size and 0 < batch_size < n:
             n = batch_size * 8
         n = min(n, STATES_PREFETCHED)
@@ -159,11 +229,14 @@ class HostPath:
         def predict_batch_prepared(states, questions, batch_size=None, *args, **kwargs):
             if _CALL.get() is not None:  # a nested call (predict_long -> predict_batch) is prepared already
                 return predict_batch(states, questions, batch_size, *args, **kwargs)
-            token = _CALL.set(self.prepare(states, batch_size))
+            call = self.prepare(states, batch_size)
+            token = _CALL.set(call)
             try:
                 return predict_batch(states, questions, batch_size, *args, **kwargs)
             finally:
                 _CALL.reset(token)
+                if call.counts:
+                    self._count(**call.counts)
 
         predict_batch_prepared.host_path = self  # type: ignore[attr-defined]
         return predict_batch_prepared
@@ -197,6 +270,16 @@ def _state(stock: Callable) -> Callable:
     return encode_text
 
 
+def _collate(stock: Callable) -> Callable:
+    @wraps(stock)
+    def collate_items(batch, pad_id):
+        if _CALL.get() is None:
+            return stock(batch, pad_id)
+        return host_steps.collate(stock, batch, pad_id)
+
+    return collate_items
+
+
 def install(agent: Any) -> Optional[HostPath]:
     """Give `agent` a host path (None, logged, where this laya lacks what it relies on)."""
     current = getattr(agent.predict_batch, "host_path", None)
@@ -206,10 +289,11 @@ def install(agent: Any) -> Optional[HostPath]:
     if missing:
         log.info("laya-aot: laya's stock host path (this laya lacks %s)", ", ".join(missing))
         return None
-    laya_api.route_host_path(_head, _state)
+    laya_api.route_host_path(_head, _state, _collate)
     path = HostPath(agent)
     agent.predict_batch = path.wrap(agent.predict_batch)
     laya_api.route_decode(agent, path.decode)
+    laya_api.route_encode_state(agent, path.encode_state)
     return path
 
 

@@ -1,4 +1,5 @@
-"""laya's answer decoding with the numbers of a whole batch computed at once: the same answers, bit for bit.
+"""laya's answer decoding with the numbers of a whole batch computed at once: the same answers, bit for bit; and
+laya's collation of a batch in a few numpy operations (`collate`: the same arrays).
 
 `Agent._decode_answers` turns one state's logit rows into answers, one row at a time: a dozen numpy calls on
 arrays of two to seven floats per row, and per state the same per-question work (temperature lookup, option
@@ -25,9 +26,11 @@ import logging
 import math
 import struct
 import threading
+from itertools import chain, repeat
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
+import torch
 
 from .. import laya_internals as laya_api
 
@@ -59,10 +62,56 @@ def _clamp01(v: float) -> float:
     return 0.0 if v < 0.0 else (1.0 if v > 1.0 else v)
 
 
+_FOURS = repeat(4)  # round's second argument, for map(round, values, _FOURS)
+_ITEM_KEYS = frozenset(("ids", "markers", "qtype", "options", "state_stats"))  # what Agent._encode_state's items hold
+_NOT_META = ("ids", "markers", "target", "layout")  # the keys collate_items leaves out of an item's meta
+
+
+COLLATE_ROWS = 16  # fewer rows: laya's row-by-row loop costs less than the masked assignments' fixed numpy calls
+
+
+def collate(stock: Callable, batch: Any, pad_id: Any) -> Any:
+    """laya's `collate_items(batch, pad_id)` for the items `Agent._encode_state` makes (no training target, label
+    or parallel layout, and at least COLLATE_ROWS rows: anything else is laya's function): the same arrays, filled
+    by one masked assignment each instead of a row at a time. A row's values land where laya puts them: row-major
+    order, so the row's first len(ids) places, and the rest is laya's padding (pad_id, 0, False)."""
+    if type(batch) is not list or not all(type(group) is list for group in batch):  # nothing consumed here
+        return stock(batch, pad_id)
+    items = [it for group in batch for it in group]
+    n = len(items)
+    if n < COLLATE_ROWS:
+        return stock(batch, pad_id)
+    for it in items:
+        if type(it) is not dict or not it.keys() <= _ITEM_KEYS or type(it.get("ids")) is not list \
+                or type(it.get("markers")) is not list or "qtype" not in it:
+            return stock(batch, pad_id)
+    rows = [it["ids"] for it in items]
+    marks = [it["markers"] for it in items]
+    row_lens, mark_lens = list(map(len, rows)), list(map(len, marks))
+    lens, klens = np.array(row_lens, dtype=np.int64), np.array(mark_lens, dtype=np.int64)
+    width, kmax = max(row_lens), max(mark_lens)
+    valid = np.arange(width) < lens[:, None]
+    ids = np.full((n, width), pad_id, dtype=np.int64)
+    ids[valid] = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=sum(row_lens))
+    mmask = np.arange(kmax) < klens[:, None]
+    mpos = np.zeros((n, kmax), dtype=np.int64)
+    mpos[mmask] = np.fromiter(chain.from_iterable(marks), dtype=np.int64, count=sum(mark_lens))
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(valid.astype(np.int64)),
+        "marker_pos": torch.from_numpy(mpos),
+        "marker_mask": torch.from_numpy(mmask),
+        "qtype": torch.from_numpy(np.array([it["qtype"] for it in items], dtype=np.int64)),
+        "label": torch.from_numpy(np.full(n, -1, dtype=np.int64)),
+        "meta": [{k: v for k, v in it.items() if k not in _NOT_META} for it in items],
+    }
+
+
 class _Block:
     """One question's numbers for every state of a batch: row s is state s's row of that question."""
 
-    __slots__ = ("k", "t", "probs", "pmax", "argmax", "confidence", "score", "bucket", "keys", "legend", "levels")
+    __slots__ = ("k", "t", "qt", "probs", "pmax", "argmax", "confidence", "score", "bucket", "keys", "legend",
+                 "levels", "shown")
 
 
 class Decoder:
@@ -98,7 +147,7 @@ class Decoder:
         if cache.get("logits") is not logits or cache.get("act") is not act:
             cache.clear()
             cache["logits"], cache["act"] = logits, act  # held: the batch the blocks are of
-            cache["act0"] = act[:, 0].tolist()          # float(act[r, 0]), every row
+            cache["act0"] = [round(v, 4) for v in act[:, 0].tolist()]  # round(float(act[r, 0]), 4), every row
         blocks = []
         for j, qid in enumerate(ids):
             q = internal[qid]
@@ -119,45 +168,62 @@ class Decoder:
         act0 = cache["act0"]
         answers: Dict[str, Any] = {}
         for j, (qid, block) in enumerate(zip(ids, blocks)):
-            q = internal[qid]
-            ans_raw = 1.0 if block.k < 1 else _clamp01(block.pmax[s])
-            if binning_map:
-                ans_conf = round(self.binning(ans_raw, block.bucket, binning_map), 4)
-            else:
-                ans_conf = round(ans_raw, 4)
-            ext = {"act_probability": round(act0[offset + j], 4)}
-            p = block.probs[s]
-            t = q["t"]
+            shown = block.shown
+            if shown is None or shown[0] is not binning_map:
+                shown = self._show(block, binning_map)
+            _, ans, conf, main, probs = shown
+            ext = {"act_probability": act0[offset + j]}
+            t = block.qt
             if t == "choice":
-                keys = block.keys
                 answers[qid] = {
                     "type": "choice",
-                    "choice": keys[block.argmax[s]],
-                    "probabilities": {kk: round(v, 4) for kk, v in zip(keys, p)},
-                    "confidence": round(block.confidence[s], 4),
-                    "answer_confidence": ans_conf,
+                    "choice": main[s],
+                    "probabilities": dict(zip(block.keys, probs[s])),  # the keys of a dict: unique
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
             elif t == "score":
                 answers[qid] = {
                     "type": "score",
-                    "score": round(block.score[s], 4),
+                    "score": main[s],
                     "legend": dict(block.legend),
-                    "probabilities": {lv: round(v, 4) for lv, v in zip(block.levels, p)},
-                    "confidence": round(block.confidence[s], 4),
-                    "answer_confidence": ans_conf,
+                    "probabilities": dict(zip(block.levels, probs[s])),  # "0", "1", ...: unique
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
             else:
-                p1 = p[1]
                 answers[qid] = {
                     "type": "noul",
-                    "noul": round(p1, 4),
-                    "confidence": round(max(p1, 1.0 - p1), 4),
-                    "answer_confidence": ans_conf,
+                    "noul": main[s],
+                    "confidence": conf[s],
+                    "answer_confidence": ans[s],
                     "action": ext,
                 }
         return answers
+
+    def _show(self, b: _Block, binning_map: Any) -> tuple:
+        """What the answers show of a block, for every state of the batch at once: (binning_map, answer
+        confidences, confidences, the choice, score or noul value, rounded probabilities), each as laya's
+        `_decode_answers` computes it for a row (the same rounding of the same numbers, a pass over the batch's
+        values instead of a state at a time)."""
+        raw = [1.0] * len(b.pmax) if b.k < 1 else list(map(_clamp01, b.pmax))
+        if binning_map:
+            ans = [round(self.binning(v, b.bucket, binning_map), 4) for v in raw]
+        else:
+            ans = list(map(round, raw, _FOURS))  # round(v, 4) each, without a Python frame per value
+        if b.qt == "noul":
+            p1 = [p[1] for p in b.probs]
+            main = list(map(round, p1, _FOURS))
+            conf = [round(max(v, 1.0 - v), 4) for v in p1]
+            probs = None
+        else:
+            conf = list(map(round, b.confidence, _FOURS))
+            main = list(map(b.keys.__getitem__, b.argmax)) if b.qt == "choice" else list(map(round, b.score, _FOURS))
+            probs = [list(map(round, p, _FOURS)) for p in b.probs]
+        b.shown = (binning_map, ans, conf, main, probs)
+        return b.shown
 
     def _new_block(self, q: Dict, k: int, width: int) -> Optional[_Block]:
         """A block for question q of k options (of `width` logit columns): its temperature, option keys and a
@@ -171,6 +237,8 @@ class Decoder:
         qt = self.qtypes[q["t"]]
         b = _Block()
         b.k = k
+        b.qt = q["t"]
+        b.shown = None
         b.bucket = self.temp_bucket(qt, k)
         b.t = self.agent.temperature_by_options.get(b.bucket, self.agent.temperature[qt])
         b.keys = list(q["crit"].keys()) if q["t"] == "choice" else None

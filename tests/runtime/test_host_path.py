@@ -100,7 +100,7 @@ def test_the_host_path_gives_laya_s_own_batches_and_answers_on_fuzzed_calls(demo
             assert torch.equal(got[k], ref[k]) if torch.is_tensor(ref[k]) else got[k] == ref[k], k
     counts = path.stats
     assert counts["heads_cached"] > counts["heads_built"] > 0
-    assert counts["states_batched"] > 0
+    assert counts["states_batched"] > 0 and counts["states_encoded"] > 0
 
 
 ONE_STATE_QUESTIONS = {
@@ -235,3 +235,19 @@ def test_within_a_call_a_question_s_head_is_found_by_the_object_laya_hands(demo_
     finally:
         host_path._CALL.reset(token)
     assert path.stats == {"heads_built": 2, "heads_cached": 3}
+
+
+def test_a_question_whose_options_do_not_fit_raises_laya_s_own_error(demo_ckpt):
+    """The items are assembled from the call's heads (`HostPath.encode_state`); where laya's `_encode_state` refuses
+    a question (its option markers past max_len) the host path raises the same error, and a list state keeps its
+    newest tokens as laya's does."""
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    host_path.install(fast)
+    many = {"q": {"type": "choice", "instructions": "Which one?",
+                  "criteria": {"opt%d" % i: "description " * 20 for i in range(9)}}}
+    states = ["one", "two " * 50]
+    want, got = (_outcome(a, states, many, {"max_len": 60, "head_max_len": 192}) for a in (stock, fast))
+    assert isinstance(want, str) and want.startswith("ValueError") and got == want
+    turns = [[{"role": "user", "content": "word " * 400}, {"role": "agent", "content": "newest " * 30}]] * 2
+    noul = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
+    assert fast.predict_batch(turns, noul, max_len=64) == stock.predict_batch(turns, noul, max_len=64)

@@ -278,3 +278,43 @@ def test_predict_batch_through_the_host_path_gives_laya_s_unrounded_numbers(demo
                 assert json.dumps(fast.predict_batch(states, questions, **kwargs)) == json.dumps(want)
     counts = path.stats
     assert counts["states_batched"] > 0 and counts["questions_decoded_in_blocks"] > 20
+
+
+# ------------------------------------------------------------------------------------------------ collation
+def _items(rng: random.Random) -> list:
+    """Agent._encode_state-shaped items: ragged ids and markers (none at all included), a question's stats."""
+    def item() -> dict:
+        k = rng.choice([0, 1, 2, 5, 7])
+        return {"ids": [rng.randrange(0, 50000) for _ in range(rng.choice([1, 2, 9, 64, 300]))],
+                "markers": sorted(rng.sample(range(1, 400), k)), "qtype": rng.randrange(3),
+                "options": {"options": k, "options_distinct": k, "tokens_per_option": None},
+                "state_stats": {"state_tokens": 3, "state_tokens_used": 3, "state_tokens_dropped": 0,
+                                "truncated": False}}
+    return [[item() for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 9))]
+
+
+def test_the_collation_gives_laya_s_arrays_on_fuzzed_items(monkeypatch):
+    import laya.common
+    import torch
+
+    monkeypatch.setattr(host_steps, "COLLATE_ROWS", 1)  # every batch through the masked assignments
+    stock = laya.common.collate_items
+    rng = random.Random(5)
+    for _ in range(300):
+        batch, pad = _items(rng), rng.choice([0, 1, 3, 50280])
+        got, want = host_steps.collate(stock, batch, pad), stock(batch, pad)
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert (torch.equal(got[k], v) and got[k].dtype == v.dtype and got[k].stride() == v.stride()
+                    if torch.is_tensor(v) else got[k] == v), k
+    # what only laya's function handles goes there: a training target, a label, a parallel layout
+    for extra in ({"target": [1.0]}, {"label": 2}, {"layout": {"position_ids": [0], "option_ids": [0]}}):
+        batch = [[dict(_items(rng)[0][0], **extra)]]
+        calls = []
+
+        def spy(b, p, calls=calls):
+            calls.append(1)
+            return stock(b, p)
+
+        host_steps.collate(spy, batch, 0)
+        assert calls, extra
