@@ -8,16 +8,13 @@ unusable or when no artifact at all could be built and verified.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import logging
 import os
-import signal
-import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -414,15 +411,12 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
         raise BuildError(str(e)) from e
     # the guard: compiler processes die with the build, even a build killed with SIGKILL
     try:
-        with (_ctrl_c_kept() as ctrl_c, ChildGuard(),
-              staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir):
+        with ChildGuard(), staging.staged(out, lambda e: BuildError(_unwritable(out, e))) as stage_dir:
             ctx = BuildContext(cfg=cfg, ckpt=ckpt, info=info, staging=stage_dir, machine=build_machine(device),
                                device=device, dtypes=dtypes)
             for name, fn, fatal, kind, dtype in stages(dtypes):
-                ctrl_c.check()
                 enabled = fatal or bool(getattr(cfg.stages, name))
                 _run_stage(ctx, name, fn, fatal, enabled, report, kind, dtype)
-            ctrl_c.check()
             _require_something_usable(ctx)
             _hash_artifacts(ctx)
             bundle = bundle_of(ctx)
@@ -432,42 +426,6 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     except staging.OutputBusy as e:  # another build writes this output now: it alone publishes there
         raise BuildError(str(e)) from None
     return BuildResult(bundle, out)
-
-
-class _CtrlC:
-    def __init__(self) -> None:
-        self.seen = threading.Event()
-
-    def check(self) -> None:
-        """KeyboardInterrupt where a Ctrl-C came and was swallowed since."""
-        if self.seen.is_set():
-            raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _ctrl_c_kept() -> Iterator[_CtrlC]:
-    """A Ctrl-C stops the build even where a library's bare `except:` swallowed the KeyboardInterrupt it raised
-    (a build under load once ran on to publish after one): the handler also records it, and the build checks
-    between stages and before it publishes. Outside the main thread (no handler can be set there), or where Ctrl-C
-    is ignored (a build started in the background), nothing changes."""
-    kept = _CtrlC()
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is None or previous == signal.SIG_IGN:
-        yield kept
-        return
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        kept.seen.set()
-        if callable(previous):
-            previous(signum, frame)  # Python's own: KeyboardInterrupt here, as before
-        else:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield kept
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _require_something_usable(ctx: BuildContext) -> None:
