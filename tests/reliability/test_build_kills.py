@@ -168,8 +168,11 @@ def test_ctrl_c_in_a_build_is_one_line_and_publishes_nothing(demo_ckpt, tmp_path
     exits 130; its staging is gone and nothing is at the output."""
     out = tmp_path / "out"
     env = dict(os.environ, LAYA_AOT_CACHE_DIR=str(tmp_path / "cache"))
+    # Ctrl-C as a terminal's build gets it: a test runner's worker may ignore SIGINT (pytest-xdist's do), and a
+    # child inherits an ignored signal, so the build would run on to publish
     proc = subprocess.Popen(_cmd(demo_ckpt, out, "stages.aoti=false", "stages.onnx=true"), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not list(tmp_path.glob(".out.partial-*")):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
