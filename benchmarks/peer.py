@@ -217,11 +217,18 @@ def child(mode: str, ckpt: str, bundle: str, result: str, args: argparse.Namespa
         import torch
     t_torch = time.time()
     rt = Runtime(mode, ckpt, bundle, args.device)
+    t_loaded = time.time()
     rt.ask(*made["calls"][FIRST])
     t_first = time.time()
     print("FIRST %.6f" % t_first, flush=True)
     res: Dict[str, Any] = {"mode": mode, "t_child_start": t0, "t_first": t_first, "facts": rt.facts(),
-                           "calls_ms": {}, "versions": {}}
+                           "calls_ms": {}, "versions": {},
+                           "phases_s": {"import torch": t_torch - t0, "load (imports included)": t_loaded - t_torch,
+                                        "first call": t_first - t_loaded}}
+    if mode not in TORCH_MODES:
+        del res["phases_s"]["import torch"]
+    if mode in BUNDLES:  # the load's own timeline (laya's agent, the artifact's probe, load and checks)
+        res["load_stats"] = json.loads(json.dumps(getattr(rt.agent.backend_object, "load_stats", {}), default=str))
     if mode in TORCH_MODES:
         res["import_torch_s"] = t_torch - t0
         res["versions"]["torch"] = torch.__version__
@@ -392,11 +399,28 @@ def markdown(res: Dict[str, Any]) -> str:
             lines.append("| %s | %s | %s | %s |" % (m, "%.2f" % first if first else "-",
                                                     "%.2f (%d)" % (statistics.median(later), len(later)) if later
                                                     else "-", "%.2f" % statistics.median(torch_s) if torch_s else "-"))
+        lines += _phases(s.get("starts", {}))
         for m, r in modes.items():
             if r.get("error") or r.get("skipped"):
                 lines.append("- %s: %s" % (m, r.get("error") or r.get("skipped")))
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _phases(starts: Dict[str, List[Dict[str, Any]]]) -> List[str]:
+    """The later starts' breakdown (median seconds of each phase in the child; the rest of a start is the
+    interpreter's own start before the child's first line)."""
+    lines = ["", "Later starts by phase (median s; the child's clock):", "", "| mode | phase | s |", "|---|---|---|"]
+    for m in ("aot", "cuda"):
+        got = [x["phases_s"] for x in starts.get(m, []) if "phases_s" in x]
+        for phase in (got[0] if got else {}):
+            lines.append("| %s | %s | %.3f |" % (m, phase, statistics.median(g[phase] for g in got)))
+        stats = [x["load_stats"] for x in starts.get(m, []) if x.get("load_stats")]
+        for key, v in sorted((stats[0] if stats else {}).items()):
+            if key.endswith("_s") and isinstance(v, (int, float)):
+                vals = [st[key] for st in stats if isinstance(st.get(key), (int, float))]
+                lines.append("| %s | load: %s | %.3f |" % (m, key, statistics.median(vals)))
+    return lines
 
 
 def main() -> None:
