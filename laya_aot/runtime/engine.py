@@ -6,9 +6,9 @@ only the requests its own connections bring, and their kernels take turns on the
 supervisor starts one engine process (this module) before the workers: it loads every bundled checkpoint with
 `laya_aot.load`, as one process would, and runs every artifact call; the workers keep everything else and load a
 thin laya agent on the CPU (no weights) whose forward is a `RemoteBackend`: the collated rows go to the engine,
-the outputs come back. The engine merges the calls that wait for it into one artifact call per checkpoint (rows
-padded to the longest, markers to the most; each call's rows and markers sliced back out), so the GPU runs one
-call for what several workers sent at once.
+the outputs come back. The engine merges the calls that wait for it into one artifact call per checkpoint and
+length group (rows padded to the longest, markers to the most; each call's rows and markers sliced back out), so
+the GPU runs one call for what several workers sent at once.
 
 The engine listens on a Unix socket in a private directory, with a random key the supervisor hands to its
 children (`multiprocessing.connection`'s handshake): only the server's own processes talk to it. A call that
@@ -81,6 +81,18 @@ def split(outputs: Sequence[Any], spans: Sequence[Tuple[int, int, int]], markers
         out.append(tuple((o[first:first + rows, :own] if o.dim() > 1 and o.shape[1] == markers and own < markers
                           else o[first:first + rows]).clone() for o in outputs))
     return out
+
+
+def by_length(calls: Sequence["_Call"]) -> List[List["_Call"]]:
+    """`calls` in the batcher's length groups (`batcher.length_groups` of their token widths): each worker's batcher
+    groups its own requests by length, and a merged call across workers must not pad a short call to a long one's
+    width (a 40-token row padded to 1,000 costs the 1,000-token forward)."""
+    from .batcher import length_groups
+
+    groups: Dict[int, List["_Call"]] = {}
+    for c, g in zip(calls, length_groups([c.inputs[0].shape[1] for c in calls])):
+        groups.setdefault(g, []).append(c)
+    return [groups[g] for g in sorted(groups)]
 
 
 # ------------------------------------------------------------------------------------------------ messages
@@ -159,7 +171,7 @@ class Engine:
                         and rows + nxt.inputs[0].shape[0] <= MAX_MERGED_ROWS)
                 (batch if fits else later).append(nxt)
                 rows += nxt.inputs[0].shape[0] if fits else 0
-            for calls in [batch] + [[c] for c in later]:
+            for calls in by_length(batch) + [[c] for c in later]:
                 try:
                     self._answer(calls)
                 except BaseException as e:  # noqa: BLE001 - the device thread outlives anything; no call waits for ever

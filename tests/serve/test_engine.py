@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any, List
 
@@ -79,6 +80,34 @@ def test_a_call_that_fails_in_a_merged_call_fails_alone():
     assert got[0][0] == "ok" and all(torch.equal(p, a) for p, a in zip(engine.unpack(got[0][1]), _fake_forward(*good)))
     assert got[1][:2] == ("error", "IndexError") and "past the embedding" in got[1][2]
     assert eng.stats == {"calls": 2, "artifact_calls": 1, "merged_calls": 0}
+
+
+class _Recording(_Backend):
+    def __init__(self):
+        self.widths: List[List[int]] = []
+
+    def forward(self, ids, att, mpos, mmask, qtype):
+        self.widths.append([ids.shape[0], ids.shape[1]])
+        return super().forward(ids, att, mpos, mmask, qtype)
+
+
+def test_calls_waiting_together_merge_within_their_length_group():
+    """Calls from several workers wait together: the short ones merge, the long ones merge, and no short call is
+    padded to a long one's width; each still gets its own answer."""
+    backend = _Recording()
+    agent = type("A", (), {"backend_object": backend})()
+    eng = engine.Engine(lambda key, request: agent, lambda agent: {})
+    eng.describe("demo", {})
+    got: dict = {}
+    calls = [_call(1, 16, 4, 0), _call(2, 300, 3, 1), _call(1, 24, 2, 2), _call(1, 520, 4, 3)]
+    for i, c in enumerate(calls):  # all queued before the device thread looks: one pass takes them together
+        eng.calls.put(engine._Call("demo", c, {}, lambda m, i=i: got.__setitem__(i, m)))
+    threading.Thread(target=eng.run, daemon=True).start()
+    _until(lambda: len(got) == 4, "the four calls answered", timeout=30)
+    assert sorted(backend.widths) == [[2, 24], [3, 520]]
+    for i, c in enumerate(calls):
+        assert got[i][0] == "ok"
+        assert all(torch.equal(p, a) for p, a in zip(engine.unpack(got[i][1]), _fake_forward(*c)))
 
 
 @pytest.fixture(scope="module")
