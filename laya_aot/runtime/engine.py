@@ -14,15 +14,19 @@ The engine listens on a Unix socket in a private directory, with a random key th
 children (`multiprocessing.connection`'s handshake): only the server's own processes talk to it. A call that
 fails in the engine fails the worker's request with the engine's error; a merged call that fails is run again
 call by call, so a bad call does not fail its neighbours. The engine exiting stops the server (the supervisor
-watches it as it watches the workers).
+watches it as it watches the workers). A checkpoint stays loaded in the engine while a worker holds an agent for
+it: when the last worker's agent goes (laya's eviction or idle unload there) or its connection closes, the engine
+drops it and frees its device memory, as one process's unload would.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -142,6 +146,7 @@ class Engine:
     load: Callable[[str, Dict[str, Any]], Any]
     describe_agent: Callable[[Any], Dict[str, Any]]
     agents: Dict[str, Any] = field(default_factory=dict)
+    holds: Dict[str, int] = field(default_factory=dict)  # per checkpoint: the workers' agents for it alive
     calls: "queue.Queue[_Call]" = field(default_factory=queue.Queue)
     stats: Dict[str, int] = field(default_factory=lambda: {"calls": 0, "artifact_calls": 0, "merged_calls": 0})
     _loading: threading.Lock = field(default_factory=threading.Lock)
@@ -152,9 +157,26 @@ class Engine:
             if key not in self.agents:
                 self.agents[key] = self.load(key, request)
             agent = self.agents[key]
+            self.holds[key] = self.holds.get(key, 0) + 1
         backend = agent.backend_object
         return {"describe": self.describe_agent(agent), "pad_id": getattr(backend, "pad_id", 0),
-                "stats": getattr(backend, "stats", {}), "load_stats": dict(getattr(backend, "load_stats", None) or {})}
+                "load_stats": dict(getattr(backend, "load_stats", None) or {})}
+
+    def release(self, key: str, n: int = 1) -> None:
+        """`n` of the workers' agents for `key` are gone: with the last, the checkpoint leaves the engine (a call
+        the device thread already took keeps its own reference and finishes)."""
+        with self._loading:
+            left = self.holds.get(key, 0) - n
+            if left > 0:
+                self.holds[key] = left
+                return
+            self.holds.pop(key, None)
+            agent = self.agents.pop(key, None)
+        if agent is not None:
+            del agent
+            gc.collect()
+            _empty_device_cache()
+            log.info("laya-aot engine: %r unloaded: no worker holds it", key)
 
     def run(self) -> None:
         """The device thread: each call with the calls for its checkpoint that wait behind it, as one."""
@@ -219,6 +241,7 @@ class Engine:
 
     def _reader(self, conn: Connection) -> None:
         lock = threading.Lock()
+        held: Dict[str, int] = {}  # what this worker holds: released when its connection closes
 
         def reply(message: Tuple[str, Any], tag: int) -> None:
             with lock:
@@ -231,12 +254,19 @@ class Engine:
             try:
                 tag, op, key, payload = _recv(conn)
             except (EOFError, OSError):
+                for key, n in held.items():
+                    self.release(key, n)
                 return
             if op == "load":
                 try:
                     reply(("ok", self.describe(key, payload)), tag)
+                    held[key] = held.get(key, 0) + 1
                 except Exception as e:  # noqa: BLE001 - the worker raises it as its load's error
                     reply(("error", type(e).__name__, str(e)), tag)
+            elif op == "release":
+                if held.get(key, 0) > 0:
+                    held[key] -= 1
+                    self.release(key)
             elif op == "forward":
                 inputs, extra = payload
                 self.calls.put(_Call(key, unpack(inputs), {k: unpack([v])[0] for k, v in extra.items()},
@@ -246,6 +276,13 @@ class Engine:
                 reply(("ok", {"engine": dict(self.stats),
                               "backend": dict(getattr(getattr(agent, "backend_object", None), "stats", {}) or {})}),
                       tag)
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -258,7 +295,9 @@ class EngineClient:
         self._waiting: Dict[int, "queue.Queue[Tuple[Any, ...]]"] = {}
         self._tag = 0
         self._gone: Optional[str] = None
+        self._notes: "queue.SimpleQueue[Tuple[str, str]]" = queue.SimpleQueue()  # put is safe in a gc callback
         threading.Thread(target=self._read, name="laya-aot-engine-client", daemon=True).start()
+        threading.Thread(target=self._notify, name="laya-aot-engine-notes", daemon=True).start()
 
     def _read(self) -> None:
         while True:
@@ -275,6 +314,22 @@ class EngineClient:
                 q = self._waiting.pop(tag, None)
             if q is not None:
                 q.put(tuple(answer))
+
+    def notify(self, op: str, key: str) -> None:
+        """A message the engine does not answer, sent from the client's own thread: a garbage collector's callback
+        may call this while this thread is inside a send, which must not be re-entered."""
+        self._notes.put((op, key))
+
+    def _notify(self) -> None:
+        while True:
+            op, key = self._notes.get()
+            with self._lock:
+                if self._gone:
+                    return
+                try:
+                    _send(self._conn, (0, op, key, None))
+                except OSError:
+                    return
 
     def request(self, op: str, key: str, payload: Any) -> Any:
         q: "queue.Queue[Tuple[Any, ...]]" = queue.Queue(1)
@@ -350,7 +405,13 @@ def remote_agent(engine: EngineClient, key: str, checkpoint: str, request: Dict[
     kwargs = dict(agent_kwargs, device="cpu")
     agent = laya_api.thin_agent(checkpoint, **kwargs)
     laya_api.install_backend(agent, RemoteBackend(agent))
+    weakref.finalize(agent, _release, engine, key)  # laya's eviction or idle unload here frees it there
     return agent
+
+
+def _release(engine: EngineClient, key: str) -> None:
+    """Tell the engine one agent for `key` is gone (no answer awaited: nothing here depends on it)."""
+    engine.notify("release", key)
 
 
 @dataclass(frozen=True)

@@ -218,3 +218,40 @@ def test_a_request_to_an_engine_that_is_gone_fails_at_once(tmp_path):
     t.join(5)
     assert got and got[0][1:3] == ("forward", "demo")
     listener.close()
+
+
+def test_a_checkpoint_leaves_the_engine_when_no_worker_holds_it():
+    loads: List[str] = []
+    eng = engine.Engine(lambda key, request: loads.append(key) or _Agent(), lambda agent: {})
+    eng.describe("demo", {})
+    eng.describe("demo", {})  # a second worker's agent: loaded once, held twice
+    eng.release("demo")
+    assert "demo" in eng.agents and loads == ["demo"]
+    eng.release("demo")
+    assert "demo" not in eng.agents and "demo" not in eng.holds
+    eng.describe("demo", {})  # a later request loads it again, as a cold start
+    assert loads == ["demo", "demo"]
+
+
+def test_a_workers_agent_going_or_its_connection_closing_frees_the_engine(demo_ckpt, tmp_path):
+    """A worker's thin agent collected (laya's eviction or idle unload) releases the engine's checkpoint; a worker
+    whose connection closes releases what it held."""
+    import gc
+    from multiprocessing.connection import Client, Listener
+
+    key = os.urandom(16)
+    address = str(tmp_path / "engine.sock")
+    info = {"backend": "aoti-cpu", "artifact": None, "variant": None, "refused": []}
+    eng = engine.Engine(lambda k, request: _Agent(), lambda agent: info)
+    threading.Thread(target=eng.serve, args=(Listener(address, family="AF_UNIX", authkey=key),), daemon=True).start()
+    worker = engine.EngineClient(address, key)
+    agent = engine.remote_agent(worker, "demo", str(demo_ckpt), {}, {})
+    assert agent.backend_object.name == "engine:aoti-cpu" and eng.holds == {"demo": 1}
+    del agent
+    gc.collect()
+    _until(lambda: "demo" not in eng.agents, "the engine dropped the checkpoint")
+    other = Client(address, family="AF_UNIX", authkey=key)  # a worker that loads, then exits
+    engine._send(other, (1, "load", "demo", {}))
+    assert engine._recv(other)[:2] == (1, "ok") and eng.holds == {"demo": 1}
+    other.close()
+    _until(lambda: "demo" not in eng.agents, "the closed connection released its checkpoint")
