@@ -329,8 +329,8 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
     stats = stats if stats is not None else {}
     if pending.cached is not None:
-        said = "not started" if pending.cached.get("not_cached") else "shipped" if pending.cached.get("shipped") \
-            else "cached"
+        said = ("not started" if pending.cached.get("not_cached") else "shipped" if pending.cached.get("shipped")
+                else "cached")
         stats.update(probe=said, probe_seconds=0.0,
                      probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
@@ -465,8 +465,8 @@ def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, 
     if graphs is not None:
         runner(*inputs)  # the second call of a shape captures it, then checks one replay
         gstats = graphs.stats
-        result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
-            "no graph was captured"
+        result["graphs"] = (None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values())
+                            or "no graph was captured")
         timeline["graph_capture_s"] = time.perf_counter() - t0 - sum(timeline.values())
     result["timeline"] = dict({k: round(v, 3) for k, v in timeline.items()}, **(ahead or {}))
     print(_MARK + json.dumps(result), flush=True)

@@ -435,8 +435,8 @@ def reference(model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int, s
     case_list, suite = suites(seed, ranges, vocab, pad_id, tolerance, context)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):
         outputs = reference_outputs(model, case_list)
-    pool = near_tie_pool(seed + 2, ranges, vocab, pad_id, context, tolerance.near_tie_pool) \
-        if tolerance.near_ties else []
+    pool = (near_tie_pool(seed + 2, ranges, vocab, pad_id, context, tolerance.near_tie_pool)
+            if tolerance.near_ties else [])
     return Reference(model, ranges, pad_id, tolerance, case_list, outputs,
                      EagerFigures(model, case_list, outputs, suite, tolerance.decisions_alpha, pool,
                                   tolerance.near_ties, pad_id))
