@@ -85,8 +85,8 @@ def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
     digests = {rel: cached_sha256(p) for rel, p in here.items()}
     differ = sorted(k for k in set(recorded.files) | set(digests) if recorded.files.get(k) != digests.get(k))
     if not differ:  # every sha256 matches the record; a recorded parts digest did not, or the record's own digest
-        differ = sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel], size) != parts[rel]) \
-            or ["the recorded combined digest, which is not its files'"]
+        differ = (sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel], size) != parts[rel])
+                  or ["the recorded combined digest, which is not its files'"])
     return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...; differing: %s)"
             % (ckpt, recorded.sha256[:12], combined_digest(digests)[:12], ", ".join(differ[:5]) or "?"))
 

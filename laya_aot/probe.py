@@ -235,23 +235,18 @@ def _end(proc: subprocess.Popen) -> None:
 
 def cached_verdict(entry: Artifact, machine: Machine, device: str, pinned: bool = False
                    ) -> Optional[Dict[str, Any]]:
-    """The verdict an earlier start's child recorded for `entry` on this machine, else, for a `pinned` bundle only,
-    the build's passing one where the build's machine had this machine's facts (`shipped_verdict`); None: a probe
-    child will run."""
-    own = _recorded_verdict(entry, verdict_path(entry, machine, device))
+    """The verdict an earlier start's child recorded for `entry` on this machine (`_collect` wrote it; one naming
+    another artifact or sha256, copied from another key's, or not one at all: `files.read_cache_json`, is none),
+    else, for a `pinned` bundle only, the build's passing one where the build's machine had this machine's facts
+    (`shipped_verdict`); None: a probe child will run."""
+    path = verdict_path(entry, machine, device)
+    own = read_cache_json(path, {"reason": (str, type(None)), "graphs": (str, type(None)), "artifact": str,
+                                 "sha256": str})
+    if own is not None and (own["artifact"] != entry.name or own["sha256"] != entry.sha256):
+        own = None
     if own is not None or not pinned:
         return own
     return shipped_verdict(entry, machine, device)
-
-
-def _recorded_verdict(entry: Artifact, path: Path) -> Optional[Dict[str, Any]]:
-    """The verdict `_collect` wrote at `path` for `entry` (None: none, or not one: `files.read_cache_json`). An entry
-    naming another artifact or sha256 (copied from another key's) is not this one's."""
-    cached = read_cache_json(path, {"reason": (str, type(None)), "graphs": (str, type(None)), "artifact": str,
-                                    "sha256": str})
-    if cached is None or cached["artifact"] != entry.name or cached["sha256"] != entry.sha256:
-        return None
-    return cached
 
 
 def shipped_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[Dict[str, Any]]:
@@ -329,8 +324,8 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
     """Wait for a started probe; None when the artifact loaded and ran in the child, else the reason."""
     stats = stats if stats is not None else {}
     if pending.cached is not None:
-        said = "not started" if pending.cached.get("not_cached") else "shipped" if pending.cached.get("shipped") \
-            else "cached"
+        said = ("not started" if pending.cached.get("not_cached") else "shipped" if pending.cached.get("shipped")
+                else "cached")
         stats.update(probe=said, probe_seconds=0.0,
                      probe_graphs=pending.cached.get("graphs", "not probed"))
         return pending.cached.get("reason")
@@ -465,8 +460,8 @@ def _child(bundle: str, checkpoint: str, device: str, ahead: Optional[Dict[str, 
     if graphs is not None:
         runner(*inputs)  # the second call of a shape captures it, then checks one replay
         gstats = graphs.stats
-        result["graphs"] = None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values()) or \
-            "no graph was captured"
+        result["graphs"] = (None if gstats.get("graphs") else "; ".join((gstats.get("refused") or {}).values())
+                            or "no graph was captured")
         timeline["graph_capture_s"] = time.perf_counter() - t0 - sum(timeline.values())
     result["timeline"] = dict({k: round(v, 3) for k, v in timeline.items()}, **(ahead or {}))
     print(_MARK + json.dumps(result), flush=True)

@@ -123,6 +123,24 @@ def smoke_from_record(record: SmokeRecord) -> Tuple[Batch, Tuple[torch.Tensor, t
     return batch, (logits, act)
 
 
+def smoke_disagreement(record: Optional[SmokeRecord], ranges: Ranges, vocab: int, pad_id: int,
+                       eager_forward: Callable[..., Tuple[torch.Tensor, torch.Tensor]],
+                       artifact_forward: Callable[..., Tuple[torch.Tensor, torch.Tensor]],
+                       device: torch.device) -> float:
+    """The worst probability difference between `artifact_forward` and the reference on the smoke batch: the
+    build's fp32 outputs in `record`, else (None) `eager_forward` here on `smoke_batch`. The caller holds it to
+    the bound the artifact met at verification."""
+    with torch.no_grad():
+        if record:
+            batch, ref = smoke_from_record(record)
+        else:
+            batch = smoke_batch(ranges, vocab, pad_id)
+            ref = eager_forward(*(x.to(device) for x in batch))
+        got = artifact_forward(*(x.to(device) for x in batch))
+    c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()), batch, 0)
+    return max(c["max_abs_option_prob"], c["max_abs_action_prob"])
+
+
 def run_padded(runner: Callable[..., Tuple[torch.Tensor, torch.Tensor]], batch: Batch, ranges: Ranges,
                pad_id: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Run an artifact the way the runtime does: pad, split rows into chunks, pad a chunk its CUDA graphs replay
@@ -435,8 +453,8 @@ def reference(model: torch.nn.Module, ranges: Ranges, vocab: int, pad_id: int, s
     case_list, suite = suites(seed, ranges, vocab, pad_id, tolerance, context)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):
         outputs = reference_outputs(model, case_list)
-    pool = near_tie_pool(seed + 2, ranges, vocab, pad_id, context, tolerance.near_tie_pool) \
-        if tolerance.near_ties else []
+    pool = (near_tie_pool(seed + 2, ranges, vocab, pad_id, context, tolerance.near_tie_pool)
+            if tolerance.near_ties else [])
     return Reference(model, ranges, pad_id, tolerance, case_list, outputs,
                      EagerFigures(model, case_list, outputs, suite, tolerance.decisions_alpha, pool,
                                   tolerance.near_ties, pad_id))

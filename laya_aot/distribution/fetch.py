@@ -233,8 +233,8 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
 def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str,
                  overwrite: bool = False) -> None:
     """A bundle directory at `target` of the manifest's bytes and the fetched files (hard links, or copies)."""
-    if read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) == raw and check_files(target, wanted, cached_sha256) \
-            is None:
+    if (read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) == raw
+            and check_files(target, wanted, cached_sha256) is None):
         return  # fetched before (another device's variant may be missing: then it is made again below)
     staging.may_replace(target, "fetch", overwrite)
     with staging.staged(target) as tmp:

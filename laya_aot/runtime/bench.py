@@ -99,8 +99,8 @@ def _shapes(value: Any) -> bool:
 
 
 def _entry(value: Any) -> bool:
-    return isinstance(value, dict) and sha256_hex(value.get("sha256")) and _shapes(value.get("latency_ms")) \
-        and (value.get("spread_ms") is None or _shapes(value.get("spread_ms")))
+    return (isinstance(value, dict) and sha256_hex(value.get("sha256")) and _shapes(value.get("latency_ms"))
+            and (value.get("spread_ms") is None or _shapes(value.get("spread_ms"))))
 
 
 def known(bundle_sha256: str, arts: Iterable[Artifact], here: "Here") -> Optional[Measured]:

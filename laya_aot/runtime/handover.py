@@ -132,8 +132,8 @@ class Handover:
         eager = self.trial.eager
         # laya's module built for the hand-over holds the weights again: dropped unless the serving backend
         # wants laya's eager forward for near-ties (the agent still thin; a need later builds it again)
-        if eager is not None and eager.model is not None and served.near_ties == "off" \
-                and served.eager_module is eager and _thin(self.trial.agent):
+        if (eager is not None and eager.model is not None and served.near_ties == "off"
+                and served.eager_module is eager and _thin(self.trial.agent)):
             eager.discard("the hand-over to %s, which it was built for, failed" % self.art.name)
 
     def _done_with(self, served: Any, backend: Any, seconds: float) -> None:

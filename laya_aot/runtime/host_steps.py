@@ -82,8 +82,8 @@ def collate(stock: Callable, batch: Any, pad_id: Any) -> Any:
     if n < COLLATE_ROWS:
         return stock(batch, pad_id)
     for it in items:
-        if type(it) is not dict or not it.keys() <= _ITEM_KEYS or type(it.get("ids")) is not list \
-                or type(it.get("markers")) is not list or "qtype" not in it:
+        if (type(it) is not dict or not it.keys() <= _ITEM_KEYS or type(it.get("ids")) is not list
+                or type(it.get("markers")) is not list or "qtype" not in it):
             return stock(batch, pad_id)
     rows = [it["ids"] for it in items]
     marks = [it["markers"] for it in items]
@@ -137,8 +137,8 @@ class Decoder:
                internal: Dict[str, Dict], offset: int) -> Dict[str, Any]:
         """`__call__` without a `lang` and without the check (what the check compares with laya's function)."""
         nq = len(items)
-        if nq == 0 or len(ids) != nq or not isinstance(logits, np.ndarray) or logits.ndim != 2 \
-                or not isinstance(act, np.ndarray) or act.ndim != 2 or offset % nq or logits.shape[0] % nq:
+        if (nq == 0 or len(ids) != nq or not isinstance(logits, np.ndarray) or logits.ndim != 2
+                or not isinstance(act, np.ndarray) or act.ndim != 2 or offset % nq or logits.shape[0] % nq):
             if self.count is not None:
                 self.count(states_decoded_by_laya=1)
             return self.stock(logits, act, items, ids, internal, offset)
@@ -228,8 +228,8 @@ class Decoder:
     def _new_block(self, q: Dict, k: int, width: int) -> Optional[_Block]:
         """A block for question q of k options (of `width` logit columns): its temperature, option keys and a
         score's legend, the numbers still to compute (None: a question laya's function decodes)."""
-        if not 1 <= k < MAX_FOLD or k > width or q.get("t") not in ("choice", "score", "noul") \
-                or q["t"] == "noul" and k < 2:
+        if (not 1 <= k < MAX_FOLD or k > width or q.get("t") not in ("choice", "score", "noul")
+                or q["t"] == "noul" and k < 2):
             return None
         order = q.get("option_order")
         if order is not None and len(order) == k and sorted(int(i) for i in order) != list(range(k)):

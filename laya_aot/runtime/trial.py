@@ -41,11 +41,11 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
 
     The reference is the build's eager fp32 forward on that batch, stored in the manifest
     (verification.smoke_record), so a start does not also warm up and run the eager model; a bundle
-    written before that record existed is compared with the eager forward here instead.
+    written before that record existed is compared with the eager forward here instead
+    (`verification.smoke_disagreement`, given both forwards).
     """
-    from ..verification import compare, smoke_batch, smoke_from_record
+    from ..verification import smoke_disagreement
 
-    dev = agent.device
     # the bound the artifact met at verification (for a 16-bit one it depends on laya's eager figures there)
     bound = art.verify.tolerance if art.verify and art.verify.tolerance is not None else None
     if bound is None:
@@ -57,20 +57,12 @@ def _smoke_check(agent, backend: AOTBackend, art: Artifact, manifest: Bundle) ->
         (log.info if record.sha256 is None else log.warning)("laya-aot: the bundle's smoke record is not used: %s",
                                                              why)
         record = None
-    with torch.no_grad():
-        if record:
-            batch, ref = smoke_from_record(record)
-        else:
-            batch = smoke_batch(art.ranges, vocab, backend.pad_id)
-            ref = backend.stock_forward(*(x.to(dev) for x in batch))
-            # this reference runs in the agent's own precision: it may itself be that far from fp32
-            if art.verify.eager_in_dtype is not None:
-                bound += art.verify.eager_in_dtype.worst
-        got = backend.artifact_forward(*(x.to(dev) for x in batch))
-    c = compare((ref[0].float().cpu(), ref[1].float().cpu()), (got[0].float().cpu(), got[1].float().cpu()),
-                batch, 0)
+    if not record and art.verify.eager_in_dtype is not None:
+        # the eager forward here runs in the agent's own precision: it may itself be that far from fp32
+        bound += art.verify.eager_in_dtype.worst
+    worst = smoke_disagreement(record, art.ranges, vocab, backend.pad_id, backend.stock_forward,
+                               backend.artifact_forward, agent.device)
     backend.reset_stats()  # the smoke batch is not traffic
-    worst = max(c["max_abs_option_prob"], c["max_abs_action_prob"])
     if not worst <= bound:
         return "it loaded but disagrees with the %s by %.3g (tolerance %.3g)" % (
             "build's eager fp32 reference" if record else "eager forward here", worst, bound)
