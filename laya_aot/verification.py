@@ -298,8 +298,8 @@ class EagerFigures:
         self._suite, self._alpha = suite or [], alpha
         self._models: Dict[str, torch.nn.Module] = {}
         self._pool, self._near_n, self._pad_id = pool or [], near_ties, pad_id
-        # (device, serving dtype) -> the near-tie cases and their gap
-        self._near: Dict[Tuple[str, str], Tuple[List[Case], float]] = {}
+        # (device, serving dtype) -> the near-tie cases
+        self._near: Dict[Tuple[str, str], List[Case]] = {}
         # (device, which suite, "fp32" or the autocast dtype) -> laya eager's decisions
         self._eager: Dict[Tuple[str, str, str], torch.Tensor] = {}
 
@@ -329,39 +329,37 @@ class EagerFigures:
             torch.clear_autocast_cache()
         return self._eager[key]
 
-    def near_ties(self, device: str, dtype: str) -> Tuple[List[Case], float]:
+    def near_ties(self, device: str, dtype: str, gap: float) -> List[Case]:
         """The near-tie part for artifacts serving `dtype` on `device`: rows of the pool whose fp32 top two options
-        are within `tolerance.near_tie_gap` of laya eager's error in `dtype` on the verification cases, and that
-        gap."""
+        are within `gap` (`tolerance.near_tie_gap` of laya eager's error in `dtype` on the verification cases)."""
         key = (device, dtype)
         if key not in self._near:
-            gap = near_tie_gap(self.get(dtype, device))
-            self._near[key] = (near_tie_cases(self._on(device), self._pool, gap, self._near_n, self._pad_id, device),
-                               gap)
+            self._near[key] = near_tie_cases(self._on(device), self._pool, gap, self._near_n, self._pad_id, device)
             log.info("near ties for %s on %s: %d rows with fp32's top two within %.3g", dtype, device,
-                     sum(c.batch[0].shape[0] for c in self._near[key][0]), gap)
+                     sum(c.batch[0].shape[0] for c in self._near[key]), gap)
         return self._near[key]
 
-    def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int,
-                  gemm: Optional[str] = None) -> Optional[DecisionAgreement]:
-        """The artifact's decisions on the suite, and on its near ties, against fp32's, paired with laya eager's on
-        the artifact's device in the dtype its matrix products run in (`gemm`, its `manifest.Precision.gemm`; None:
-        `dtype`), and beside laya eager's in `dtype`, the agents' (None for fp32, which laya serves as the
-        reference itself, or without a suite). A faithful artifact with fp16 products is held to laya eager fp16:
-        on near ties that is far above laya eager bf16, so an artifact only as faithful as bf16 fails."""
+    def decisions(self, runner, dtype: str, ranges: Ranges, pad_id: int, gemm: Optional[str] = None,
+                  gap: Optional[float] = None) -> Optional[DecisionAgreement]:
+        """The artifact's decisions on the suite, and on its near ties (those within `gap`, the near-tie gap of
+        laya eager's figures in `dtype`: `verify_artifact` computes it beside the rule; None: the suite alone),
+        against fp32's, paired with laya eager's on the artifact's device in the dtype its matrix products run in
+        (`gemm`, its `manifest.Precision.gemm`; None: `dtype`), and beside laya eager's in `dtype`, the agents'
+        (None for fp32, which laya serves as the reference itself, or without a suite). A faithful artifact with
+        fp16 products is held to laya eager fp16: on near ties that is far above laya eager bf16, so an artifact
+        only as faithful as bf16 fails."""
         if dtype == "fp32" or not self._suite:
             return None
         device, against = str(runner.device), gemm if gemm in ("bf16", "fp16") else dtype
         parts = [("suite", self._suite, None)]
-        if self._pool and self._near_n:
-            cases_near, gap = self.near_ties(device, dtype)
-            parts.append(("near", cases_near, gap))
+        if self._pool and self._near_n and gap is not None:
+            parts.append(("near", self.near_ties(device, dtype, gap), gap))
         rights = []
-        for name, suite, gap in parts:
+        for name, suite, within in parts:
             ref = self._eager_decisions(device, "fp32", suite, name)
             got = self._artifact_decisions(runner, suite, ranges, pad_id)
             rights.append(((got == ref).tolist(), (self._eager_decisions(device, against, suite, name) == ref).tolist(),
-                           gap, float((self._eager_decisions(device, dtype, suite, name) == ref).float().mean())
+                           within, float((self._eager_decisions(device, dtype, suite, name) == ref).float().mean())
                            if len(ref) else None))
         st = decision_statement(rights[0][0], rights[0][1], self._alpha, rights[1][:3] if len(rights) > 1 else None)
         if against != dtype:
@@ -466,13 +464,15 @@ def verify_artifact(runner, dtype: str, ref: Reference, device: str, label: str 
     against laya's eager fp32 forward: the one verification the build, `laya-aot verify` and the loader (a
     cross-compiled artifact on its first GPU) all run. The rule is `tolerance.rule_for` with laya eager's figures
     in `dtype` on `device` (the artifact's); a 16-bit artifact also needs its decision statement
-    (`EagerFigures.decisions`, against laya eager in `gemm`). `label` names it on the live line."""
+    (`EagerFigures.decisions`, against laya eager in `gemm`, on the near ties within `tolerance.near_tie_gap` of
+    the same figures): the rule and the gap are made here, once, from laya eager's figures. `label` names it on
+    the live line."""
     with torch.no_grad(), torch.autocast(torch.device(runner.device).type, enabled=False):
         eager = ref.figures.get(dtype, device)
-        decisions = ref.figures.decisions(runner, dtype, ref.ranges, ref.pad_id, gemm)
-        return verify_runner(runner, ref.model, ref.cases, ref.ranges, ref.pad_id, runner.device,
-                             rule_for(dtype, ref.tolerance, eager), ref.outputs, eager, label=label,
-                             decisions=decisions)
+        rule, gap = rule_for(dtype, ref.tolerance, eager), near_tie_gap(eager) if eager is not None else None
+        decisions = ref.figures.decisions(runner, dtype, ref.ranges, ref.pad_id, gemm, gap)
+        return verify_runner(runner, ref.model, ref.cases, ref.ranges, ref.pad_id, runner.device, rule, ref.outputs,
+                             eager, label=label, decisions=decisions)
 
 
 Call = Tuple[str, str, Callable[[], Any], Optional[Callable[[], None]]]  # (artifact, shape, call, sync)
