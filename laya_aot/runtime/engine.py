@@ -159,8 +159,12 @@ class Engine:
             agent = self.agents[key]
             self.holds[key] = self.holds.get(key, 0) + 1
         backend = agent.backend_object
-        return {"describe": self.describe_agent(agent), "pad_id": getattr(backend, "pad_id", 0),
-                "load_stats": dict(getattr(backend, "load_stats", None) or {})}
+        try:
+            return {"describe": self.describe_agent(agent), "pad_id": getattr(backend, "pad_id", 0),
+                    "load_stats": dict(getattr(backend, "load_stats", None) or {})}
+        except BaseException:
+            self.release(key)  # the worker gets the error and no agent: it holds nothing
+            raise
 
     def release(self, key: str, n: int = 1) -> None:
         """`n` of the workers' agents for `key` are gone: with the last, the checkpoint leaves the engine (a call
