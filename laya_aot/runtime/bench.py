@@ -7,7 +7,8 @@ A build times each artifact on the build machine, whose load and threads are not
 timed (the keys of `Artifact.latency_ms`) in interleaved rounds after warm-up calls: every artifact sees the same
 moments of a busy machine, so a burst of other work slows all of them alike instead of one. The medians, their
 spread and the threads they ran on are stored in this machine's cache (`store`), keyed by the bundle's sha256 (its
-bundle.json's), the machine's facts, the device type, the serving dtype and the compute threads (`_key`); `known`
+bundle.json's), the machine's facts, the device type, the serving dtype, the compute threads and OpenMP's wait
+policy (`_key`; one measured with another wait policy is read where this process's has none); `known`
 reads an entry back through `files.read_cache_json`, each figure checked, each artifact by name and sha256, and
 `select.select` ranks by it where one exists (the load's
 log line and `load_stats["ranking"]` say which ranked). A figure that is not one, or not this artifact's, is a
@@ -51,11 +52,14 @@ class Measured:
     rounds: int = 0
     threads: int = 0
     not_timed: Dict[str, str] = field(default_factory=dict)
+    other_wait_policy: Optional[str] = None  # measured with OMP_WAIT_POLICY set otherwise than this process has it
 
     def describe(self) -> str:
         """How the load's log line and load_stats["ranking"] name it."""
-        return "measured here by `laya-aot bench` at %s (%d rounds, %d threads)" % (self.when, self.rounds,
-                                                                                     self.threads)
+        other = self.other_wait_policy
+        return "measured here by `laya-aot bench` at %s (%d rounds, %d threads%s)" % (
+            self.when, self.rounds, self.threads, "" if other is None else
+            "; OpenMP's wait policy %s there, %s in this process" % (other, _policy_words(wait_policy())))
 
 
 def _cpu_model() -> str:
@@ -76,17 +80,31 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def _key(bundle_sha256: str, here: "Here") -> str:
-    """One ranking per bundle, machine (its facts, CPU model and count), device, serving dtype and thread count."""
+def wait_policy() -> Optional[str]:
+    """This process's OMP_WAIT_POLICY (kinds/cpu_threads.py sets PASSIVE unless torch was imported first)."""
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+def _policy_words(policy: Optional[str]) -> str:
+    return "unset" if policy is None else policy
+
+
+_UNSET = object()
+
+
+def _key(bundle_sha256: str, here: "Here", policy: Any = _UNSET) -> str:
+    """One ranking per bundle, machine (its facts, CPU model and count), device, serving dtype, thread count and
+    OpenMP wait policy (this process's unless `policy` is given)."""
     facts = {"bundle": bundle_sha256, "machine": dict(here.machine.as_dict(), traced_packages=None),
              "device": here.device_type, "serving": here.serving, "threads": threads(), "cpu": _cpu_model(),
-             "cpus": os.cpu_count(), "wait_policy": os.environ.get("OMP_WAIT_POLICY"), "version": BENCH_VERSION}
+             "cpus": os.cpu_count(), "wait_policy": wait_policy() if policy is _UNSET else policy,
+             "version": BENCH_VERSION}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
-def path(bundle_sha256: str, here: "Here") -> Path:
-    """Where the ranking of that bundle on this machine is cached."""
-    return cache_dir() / "rankings" / (_key(bundle_sha256, here) + ".json")
+def path(bundle_sha256: str, here: "Here", policy: Any = _UNSET) -> Path:
+    """Where the ranking of that bundle on this machine is cached (for this process's wait policy by default)."""
+    return cache_dir() / "rankings" / (_key(bundle_sha256, here, policy) + ".json")
 
 
 def _ms(value: Any) -> bool:
@@ -105,8 +123,21 @@ def _entry(value: Any) -> bool:
 
 def known(bundle_sha256: str, arts: Iterable[Artifact], here: "Here") -> Optional[Measured]:
     """The ranking `store` wrote for this bundle on this machine, of those of `arts` it timed (None: none, or an
-    entry that is not one, or one that times none of them)."""
-    entry = read_cache_json(path(bundle_sha256, here), {
+    entry that is not one, or one that times none of them). One measured with OpenMP's wait policy set otherwise
+    (`laya-aot bench` runs with PASSIVE; a service that imported torch before laya-aot runs with it unset) is
+    taken where none of this process's exists: it was measured on this machine, the build's figures were not."""
+    arts = list(arts)
+    own = wait_policy()
+    for policy in [own] + [p for p in ("PASSIVE", None) if p != own]:
+        measured = _read(bundle_sha256, arts, here, policy)
+        if measured is not None:
+            measured.other_wait_policy = None if policy == own else _policy_words(policy)
+            return measured
+    return None
+
+
+def _read(bundle_sha256: str, arts: List[Artifact], here: "Here", policy: Optional[str]) -> Optional[Measured]:
+    entry = read_cache_json(path(bundle_sha256, here, policy), {
         "bundle_sha256": lambda v: v == bundle_sha256, "when": str,
         "rounds": lambda v: type(v) is int and v > 0, "threads": lambda v: type(v) is int and v > 0,
         "artifacts": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _entry(e) for k, e in v.items()),

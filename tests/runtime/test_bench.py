@@ -67,6 +67,26 @@ def test_the_loader_ranks_by_the_ranking_measured_here(demo_ckpt, bundle_copy, c
     assert any("chosen by its latency measured here by `laya-aot bench`" in r.getMessage() for r in caplog.records)
 
 
+def test_a_ranking_measured_with_another_openmp_wait_policy_ranks_before_the_builds(demo_ckpt, bundle_copy, cache,
+                                                                                    monkeypatch):
+    """`laya-aot bench` runs with OMP_WAIT_POLICY=PASSIVE; a service that imported torch before laya-aot runs with
+    it unset. Its load takes the ranking measured on this machine all the same (saying so), and a ranking of its
+    own wait policy where both exist."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    _ranking(bundle_copy, demo_ckpt, "onnx-fp32")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
+    assert agent.backend_object.artifact.name == "onnx-fp32"
+    assert agent.backend_object.load_stats["ranking"] == (
+        "measured here by `laya-aot bench` at now (3 rounds, 2 threads; OpenMP's wait policy PASSIVE there, unset "
+        "in this process)")
+    _ranking(bundle_copy, demo_ckpt, "aoti-cpu")  # this process's own (unset)
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(bundle_copy), device="cpu", strict=True)
+    assert agent.backend_object.artifact.name == "aoti-cpu"
+    own = "measured here by `laya-aot bench` at now (3 rounds, 2 threads)"
+    assert agent.backend_object.load_stats["ranking"] == own
+
+
 def test_a_ranking_that_is_not_this_bundles_or_not_one_is_not_used(demo_ckpt, bundle_copy, cache):
     """An entry damaged, of other artifacts (another sha256) or of another bundle is a miss: the build's figures
     rank, and load_stats says so."""
