@@ -74,6 +74,9 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_ENGINE          1 (with LAYA_AOT_WORKERS > 1): one engine process loads the bundled checkpoints on
                            the device and runs every worker's artifact calls, merged; the workers keep HTTP,
                            tokenising and decoding, with no weights or device context of their own (default 0)
+  LAYA_AOT_GIL_SWITCH_MS   Python's thread switch interval in every process of the server, in milliseconds
+                           (default: Python's 5): how long a thread woken by an answer may wait for the running
+                           one (docs/batching.md)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
@@ -625,6 +628,13 @@ def main(argv: List[str], start: float) -> int:
         return 2
     from .runtime.loader import NoArtifactError
 
+    try:
+        switch = serve_workers.switch_interval_from_env(os.environ, ServeConfigError)
+    except ServeConfigError as e:
+        print("laya-aot serve: %s" % e, file=sys.stderr)
+        return 2
+    if switch is not None:
+        sys.setswitchinterval(switch)
     if os.environ.get("LAYA_AOT_ENGINE_READY_FD"):  # run by the supervisor as the engine (runtime/engine.py)
         return _engine_main()
     app = None

@@ -38,6 +38,7 @@ ENV_WORKER_DIR = "LAYA_AOT_WORKER_DIR"    # the shared directory of the workers'
 ENV_WORKER_FDS = "LAYA_AOT_WORKER_FDS"    # "READY_W,GO_R": the pipes of the start handshake
 PUBLISH_S = 1.0                           # how often a worker writes its figures for the others
 MAX_WORKERS = 64
+ENV_SWITCH = "LAYA_AOT_GIL_SWITCH_MS"     # Python's thread switch interval in every process of the server
 STOP_S = 30.0                             # how long stopping workers may take before they are killed
 
 
@@ -57,6 +58,23 @@ def count_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) ->
         raise error("%s=%d needs SO_REUSEPORT sockets, which this system lacks: use %s=1"
                     % (ENV_WORKERS, n, ENV_WORKERS))
     return n
+
+
+def switch_interval_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> Optional[float]:
+    """LAYA_AOT_GIL_SWITCH_MS in seconds (None when unset: Python's own, 5 ms). A server process runs its event loop,
+    its batcher's thread and, over an engine, the threads that carry calls to it: a thread woken by an answer waits
+    for the interpreter lock until the running thread gives it up, at most this long. `sys.setswitchinterval`."""
+    raw = env.get(ENV_SWITCH, "").strip()
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0.01 <= ms <= 100:
+        raise error("invalid %s %r: use milliseconds from 0.01 to 100 (unset: Python's own 5)"
+                    % (ENV_SWITCH, env.get(ENV_SWITCH)))
+    return ms / 1000.0
 
 
 def this_worker(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:

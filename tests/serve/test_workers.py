@@ -16,7 +16,7 @@ import pytest
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
 from laya_aot.serve import ServeConfigError
-from laya_aot.serve_workers import count_from_env
+from laya_aot.serve_workers import count_from_env, switch_interval_from_env
 from tests.serve.test_serve import AUTH, Server, _env, _free_port
 
 BODIES: List[Any] = [
@@ -144,6 +144,17 @@ def test_a_bad_workers_setting_is_one_clear_error(value, says):
     with pytest.raises(ServeConfigError, match=says):
         count_from_env({"LAYA_AOT_WORKERS": value}, ServeConfigError)
     assert count_from_env({}, ServeConfigError) == 1 and count_from_env({"LAYA_AOT_WORKERS": " 3 "}, ValueError) == 3
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-1", "nan", "101"])
+def test_a_bad_switch_interval_is_one_clear_error(value):
+    with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_GIL_SWITCH_MS .*milliseconds from 0.01 to 100"):
+        switch_interval_from_env({"LAYA_AOT_GIL_SWITCH_MS": value}, ServeConfigError)
+
+
+def test_the_switch_interval_is_read_in_milliseconds_and_unset_keeps_pythons():
+    assert switch_interval_from_env({}, ServeConfigError) is None
+    assert switch_interval_from_env({"LAYA_AOT_GIL_SWITCH_MS": " 0.5 "}, ServeConfigError) == pytest.approx(0.0005)
 
 
 def test_the_command_says_a_bad_workers_setting_once_before_starting_any(demo_ckpt, bundle_dir):
