@@ -375,6 +375,35 @@ def start_ray(a, ckpt: str, bundle: str, replicas: int, work: Path, env: Dict[st
     return srv
 
 
+def aot_counts(port: int) -> Dict[str, float]:
+    """laya-aot serve's running totals from `GET /v1/aot`: the batchers' calls (every worker's), the requests, rows
+    and queue wait in them, and the artifact calls (the engine's, or one worker's without one)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/aot")
+    aot = json.loads(conn.getresponse().read())
+    conn.close()
+    batching = (aot.get("workers") or {}).get("batching") or aot.get("batching") or {}
+    out = {"batcher_calls": batching.get("batch_requests", {}).get("count", 0),
+           "requests": batching.get("batch_requests", {}).get("sum", 0),
+           "rows": batching.get("batch_rows", {}).get("sum", 0),
+           "queue_wait_ms": batching.get("queue_wait_ms", {}).get("sum", 0.0)}
+    for b in (aot.get("bundles") or {}).values():
+        out["artifact_calls"] = out.get("artifact_calls", 0) + (b.get("calls") or {}).get("artifact_calls", 0)
+    return out
+
+
+def level_calls(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, Optional[float]]:
+    """What one level's load did between two `aot_counts`: requests and rows per batcher call, batcher calls per
+    artifact call (above 1: the engine merged the workers' calls), mean queue wait."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    calls, art = d.get("batcher_calls") or 0, d.get("artifact_calls") or 0
+    return {"batcher_calls": calls, "artifact_calls": art,
+            "requests_per_call": round(d["requests"] / calls, 2) if calls else None,
+            "rows_per_call": round(d["rows"] / calls, 2) if calls else None,
+            "batcher_calls_per_artifact_call": round(calls / art, 2) if art else None,
+            "queue_wait_ms_mean": round(d["queue_wait_ms"] / d["requests"], 2) if d.get("requests") else None}
+
+
 def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]]], work: Path,
                gpu: bool) -> Dict[str, Any]:
     app, workers = server_kind(name) if not name.startswith("ray:") else ("laya-aot", 1)
@@ -408,14 +437,17 @@ def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dic
                 load(srv.port, bodies, c, min(1.0, a.seconds), a.client_procs)
             levels = []
             for c in a.clients:
+                before = aot_counts(srv.port) if app != "laya" else {}
                 with GpuSampler() if gpu else _Null() as sampler:
                     lv = load(srv.port, bodies, c, a.seconds, a.client_procs)
                 lv["gpu_util_pct"] = sampler.mean() if gpu else None
+                if before:
+                    lv["calls"] = level_calls(before, aot_counts(srv.port))
                 _check(lv, ref)
                 levels.append(lv)
-                print("%-10s %-6s %4d clients: %7.1f req/s  p50 %7.1f ms  p99 %7.1f ms  %s  decisions differ %d/%d"
+                print("%-10s %-6s %4d clients: %7.1f req/s  p50 %7.1f ms  p99 %7.1f ms  %s  decisions differ %d/%d  %s"
                       % (name, stream, c, lv["rps"], lv["p50_ms"] or -1, lv["p99_ms"] or -1, lv["statuses"],
-                         lv["decisions_differ"], lv["decisions_checked"]), flush=True)
+                         lv["decisions_differ"], lv["decisions_checked"], lv.get("calls", "")), flush=True)
             out["streams"][stream] = levels
         if app != "laya" and not name.startswith("ray:"):
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
@@ -613,16 +645,22 @@ def markdown(r: Dict[str, Any]) -> str:
                  "%s %.0f requests/s" % (k, v["rps"]) for k, v in r.get("server_ceiling", {}).items()), ""]
     lines += ["Decisions: each answer sampled under load against the same request sent alone to the same server "
               "first (`differ` of `checked`).", "",
-              "| server | stream | clients | requests/s | p50 ms | p99 ms | GPU % | non-200 | decisions differ |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "`requests / call`: requests per batcher call (every worker's); `calls / artifact call`: batcher calls "
+              "per artifact call (over one engine: above 1 where it merged the workers' calls); `wait`: mean "
+              "milliseconds a request waited in a batcher's queue.", "",
+              "| server | stream | clients | requests/s | p50 ms | p99 ms | GPU % | non-200 | decisions differ "
+              "| requests / call | calls / artifact call | wait ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, srv in r["servers"].items():
         for stream, levels in srv.get("streams", {}).items():
             for lv in levels:
                 bad = {k: v for k, v in lv["statuses"].items() if k != "200"}
-                lines.append("| %s | %s | %d | %.1f | %s | %s | %s | %s | %d / %d |" % (
+                calls = lv.get("calls") or {}
+                lines.append("| %s | %s | %d | %.1f | %s | %s | %s | %s | %d / %d | %s | %s | %s |" % (
                     name, stream, lv["clients"], lv["rps"], lv["p50_ms"], lv["p99_ms"],
                     lv.get("gpu_util_pct") if lv.get("gpu_util_pct") is not None else "-", bad or 0,
-                    lv["decisions_differ"], lv["decisions_checked"]))
+                    lv["decisions_differ"], lv["decisions_checked"], calls.get("requests_per_call", "-"),
+                    calls.get("batcher_calls_per_artifact_call", "-"), calls.get("queue_wait_ms_mean", "-")))
     for name, srv in r["servers"].items():
         levels = srv.get("streams", {}).get("short") or []
         by = {lv["clients"]: lv["rps"] for lv in levels}
