@@ -388,7 +388,11 @@ def aot_counts(port: int) -> Dict[str, float]:
            "rows": batching.get("batch_rows", {}).get("sum", 0),
            "queue_wait_ms": batching.get("queue_wait_ms", {}).get("sum", 0.0)}
     for b in (aot.get("bundles") or {}).values():
-        out["artifact_calls"] = out.get("artifact_calls", 0) + (b.get("calls") or {}).get("artifact_calls", 0)
+        calls = b.get("calls") or {}
+        out["artifact_calls"] = out.get("artifact_calls", 0) + calls.get("artifact_calls", 0)
+        for k, v in (calls.get("engine") or {}).items():  # one engine's: where its device thread's time went
+            if k.endswith("_s"):
+                out["engine_" + k] = v
     return out
 
 
@@ -401,7 +405,8 @@ def level_calls(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, 
             "requests_per_call": round(d["requests"] / calls, 2) if calls else None,
             "rows_per_call": round(d["rows"] / calls, 2) if calls else None,
             "batcher_calls_per_artifact_call": round(calls / art, 2) if art else None,
-            "queue_wait_ms_mean": round(d["queue_wait_ms"] / d["requests"], 2) if d.get("requests") else None}
+            "queue_wait_ms_mean": round(d["queue_wait_ms"] / d["requests"], 2) if d.get("requests") else None,
+            **{k: round(v, 3) for k, v in d.items() if k.startswith("engine_")}}
 
 
 def run_server(name: str, a, ckpt: str, bundle: str, streams: Dict[str, List[Dict[str, Any]]], work: Path,

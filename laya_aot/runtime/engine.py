@@ -26,6 +26,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
@@ -148,7 +149,10 @@ class Engine:
     agents: Dict[str, Any] = field(default_factory=dict)
     holds: Dict[str, int] = field(default_factory=dict)  # per checkpoint: the workers' agents for it alive
     calls: "queue.Queue[_Call]" = field(default_factory=queue.Queue)
-    stats: Dict[str, int] = field(default_factory=lambda: {"calls": 0, "artifact_calls": 0, "merged_calls": 0})
+    # calls taken, artifact calls made (merged ones among them); the device thread's seconds idle, in the artifact's
+    # forward (its outputs on the host) and in the rest (merging, splitting, answering)
+    stats: Dict[str, float] = field(default_factory=lambda: {"calls": 0, "artifact_calls": 0, "merged_calls": 0,
+                                                             "idle_s": 0.0, "forward_s": 0.0, "host_s": 0.0})
     _loading: threading.Lock = field(default_factory=threading.Lock)
 
     def describe(self, key: str, request: Dict[str, Any]) -> Dict[str, Any]:
@@ -184,8 +188,12 @@ class Engine:
 
     def run(self) -> None:
         """The device thread: each call with the calls for its checkpoint that wait behind it, as one."""
+        stats = self.stats
         while True:
+            t0 = time.perf_counter()
             first = self.calls.get()
+            t1 = time.perf_counter()
+            stats["idle_s"] += t1 - t0
             batch, later = [first], []
             rows = first.inputs[0].shape[0]
             while True:
@@ -197,6 +205,7 @@ class Engine:
                         and rows + nxt.inputs[0].shape[0] <= MAX_MERGED_ROWS)
                 (batch if fits else later).append(nxt)
                 rows += nxt.inputs[0].shape[0] if fits else 0
+            forward_before = stats["forward_s"]
             for calls in by_length(batch) + [[c] for c in later]:
                 try:
                     self._answer(calls)
@@ -204,6 +213,7 @@ class Engine:
                     log.exception("laya-aot engine: a call failed outside its requests")
                     for c in calls:
                         c.reply(("error", type(e).__name__, str(e)))
+            stats["host_s"] += time.perf_counter() - t1 - (stats["forward_s"] - forward_before)
 
     def _answer(self, batch: List[_Call]) -> None:
         import torch
@@ -218,8 +228,10 @@ class Engine:
         if len(batch) > 1:
             try:
                 inputs, spans = merge([c.inputs for c in batch], getattr(backend, "pad_id", 0))
+                t0 = time.perf_counter()
                 with torch.no_grad():
                     outs = [o.detach().cpu() for o in backend.forward(*inputs)]
+                self.stats["forward_s"] += time.perf_counter() - t0
                 self.stats["artifact_calls"] += 1
                 self.stats["merged_calls"] += 1
                 for c, part in zip(batch, split(outs, spans, inputs[2].shape[1])):
@@ -229,8 +241,10 @@ class Engine:
                 log.debug("laya-aot engine: a merged call failed; its calls run one by one", exc_info=True)
         for c in batch:
             try:
+                t0 = time.perf_counter()
                 with torch.no_grad():
-                    outs = backend.forward(*c.inputs, **c.extra)
+                    outs = [o.detach().cpu() for o in backend.forward(*c.inputs, **c.extra)]
+                self.stats["forward_s"] += time.perf_counter() - t0
                 self.stats["artifact_calls"] += 1
                 c.reply(("ok", pack(outs)))
             except Exception as e:  # noqa: BLE001 - the worker's request fails with it, nothing else does
@@ -395,10 +409,15 @@ def remote_agent(engine: EngineClient, key: str, checkpoint: str, request: Dict[
 
         @property
         def stats(self) -> Dict[str, Any]:
+            """The engine's artifact's calls, and the engine's own (`Engine.stats`: merging, and where its device
+            thread's time went) under "engine"."""
             try:
-                return engine.request("stats", key, None)["backend"]
+                got = engine.request("stats", key, None)
             except EngineError:
                 return {}
+            out = dict(got["backend"])
+            out["engine"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in got["engine"].items()}
+            return out
 
         def forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype, detach_encoder=False,
                     **extra):

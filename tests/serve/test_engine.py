@@ -79,7 +79,8 @@ def test_a_call_that_fails_in_a_merged_call_fails_alone():
     eng._answer([engine._Call("demo", good, {}, got.append), engine._Call("demo", bad, {}, got.append)])
     assert got[0][0] == "ok" and all(torch.equal(p, a) for p, a in zip(engine.unpack(got[0][1]), _fake_forward(*good)))
     assert got[1][:2] == ("error", "IndexError") and "past the embedding" in got[1][2]
-    assert eng.stats == {"calls": 2, "artifact_calls": 1, "merged_calls": 0}
+    counts = {k: v for k, v in eng.stats.items() if not k.endswith("_s")}
+    assert counts == {"calls": 2, "artifact_calls": 1, "merged_calls": 0} and eng.stats["forward_s"] > 0
 
 
 class _Recording(_Backend):
@@ -131,6 +132,8 @@ def test_workers_over_one_engine_answer_laya_routes_as_one_process(servers):
     served = aot["bundles"]["demo"]
     assert served["backend"].startswith(engine.REMOTE) and served["artifact"] == aot["bundles"]["demo"]["artifact"]
     assert served["calls"].get("artifact_calls", 0) >= 1  # the engine's own count of its artifact calls
+    own = served["calls"]["engine"]  # the engine's device thread: calls taken, and where its time went
+    assert own["calls"] >= own["artifact_calls"] >= 1 and own["forward_s"] > 0 and own["idle_s"] > 0
 
 
 def _engine_pid(server: Server) -> int:
