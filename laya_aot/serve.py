@@ -31,7 +31,16 @@ from . import serve_workers
 from .distribution import HF_SCHEME, PACK_SUFFIX
 from .errors import LayaAotError
 from .runtime.batcher import Limits
-from .serve_batching import ENV_BATCH, ENV_METRICS, LIMIT_SETTINGS, METRICS_ROUTE, ServeBatching, limits_from_env
+from .serve_batching import (
+    DEFAULT_ENGINE_LANES,
+    ENV_BATCH,
+    ENV_METRICS,
+    LIMIT_SETTINGS,
+    METRICS_ROUTE,
+    ServeBatching,
+    lanes_from_env,
+    limits_from_env,
+)
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -74,6 +83,8 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_ENGINE          1 (with LAYA_AOT_WORKERS > 1): one engine process loads the bundled checkpoints on
                            the device and runs every worker's artifact calls, merged; the workers keep HTTP,
                            tokenising and decoding, with no weights or device context of their own (default 0)
+  LAYA_AOT_ENGINE_LANES    over an engine: the calls each worker's batcher sends to it at once, which it
+                           merges with the other workers' (default %d)
   LAYA_AOT_GIL_SWITCH_MS   Python's thread switch interval in every process of the server, in milliseconds
                            (default: Python's 5): how long a thread woken by an answer may wait for the running
                            one (docs/batching.md)
@@ -81,7 +92,7 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
 the batcher did (histograms of requests per call and of the wait).""" % ((_EXAMPLE,) + tuple(
-    default for _, default in LIMIT_SETTINGS.values()))
+    default for _, default in LIMIT_SETTINGS.values()) + (DEFAULT_ENGINE_LANES,))
 
 
 class ServeConfigError(LayaAotError, ValueError):
@@ -111,6 +122,7 @@ class ServeConfig:
     near_ties: str = "off"  # runtime/backend.DEFAULT_NEAR_TIES (not imported here: torch loads lazily)
     batching: Optional[Limits] = field(default_factory=Limits)  # None: LAYA_AOT_BATCH=0, one request at a time
     metrics: bool = False  # LAYA_AOT_METRICS: GET /metrics
+    lanes: int = 1  # calls the batcher runs at once (serve_batching.lanes_from_env: > 1 only over an engine)
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str, example: str = _EXAMPLE) -> Dict[str, Any]:
@@ -250,7 +262,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
     near_ties = _near_ties(env)
     batching = limits_from_env(env, ServeConfigError) if _flag(env, ENV_BATCH, default=True) else None
     return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties, batching=batching,
-                       metrics=_flag(env, ENV_METRICS))
+                       metrics=_flag(env, ENV_METRICS), lanes=lanes_from_env(env, ServeConfigError))
 
 
 def _require_load_parameter(name: str, setting: str) -> None:
@@ -554,7 +566,7 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
     elif router is None:  # no bundle: laya's own Router, built as laya's create_app builds it
         router = laya_api.build_router(None)
     app = laya.serve.create_app(router=router)
-    batching = ServeBatching(app, config.batching, metrics=config.metrics)
+    batching = ServeBatching(app, config.batching, metrics=config.metrics, lanes=config.lanes)
     if batching.enabled:
         log.info("batching concurrent requests: %s", ", ".join("%s=%s" % kv for kv in vars(config.batching).items()))
     app.add_middleware(AotRoute, router=router, loads=loads, batching=batching, board=serve_workers.board())

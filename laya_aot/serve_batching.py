@@ -10,8 +10,10 @@ one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothin
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
 LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
-LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call holds requests of one length group; 0: of any length), and
-LAYA_AOT_METRICS (0, the default; 1: `GET /metrics` in Prometheus's text format).
+LAYA_AOT_BATCH_BUCKETS (1, the default: a merged call holds requests of one length group; 0: of any length),
+LAYA_AOT_ENGINE_LANES (in a worker over an engine: the calls its batcher sends at once, which the engine merges
+with the other workers'; elsewhere one call runs at a time, as a device's artifact must) and LAYA_AOT_METRICS (0,
+the default; 1: `GET /metrics` in Prometheus's text format).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from . import laya_internals as laya_api
 from .runtime import batcher as engine
 from .runtime.batcher import Batcher, BatcherClosed, Limits, Overloaded, RouterTarget, Stats, Work
+from .runtime.engine import ENV_ENGINE_ADDRESS
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -34,6 +37,9 @@ LIMIT_SETTINGS = {"max_rows": ("LAYA_AOT_BATCH_MAX_ROWS", engine.DEFAULT_MAX_ROW
                   "max_wait_ms": ("LAYA_AOT_BATCH_MAX_WAIT_MS", engine.DEFAULT_MAX_WAIT_MS),
                   "max_queue": ("LAYA_AOT_BATCH_QUEUE", engine.DEFAULT_MAX_QUEUE)}
 ENV_BUCKETS = "LAYA_AOT_BATCH_BUCKETS"
+ENV_LANES = "LAYA_AOT_ENGINE_LANES"
+DEFAULT_ENGINE_LANES = 4  # a worker's calls in flight to the engine (docs/batching.md says what was measured)
+MAX_LANES = 64
 SIDE_THREADS = 64  # batch requests and tournaments waiting on the queue at once (more wait for a thread)
 METRICS_ROUTE = "/metrics"
 
@@ -58,6 +64,23 @@ def limits_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -
     elif raw not in ("", "1", "true", "yes", "on"):
         raise error("invalid %s %r: use 1 (on, the default) or 0 (off)" % (ENV_BUCKETS, env.get(ENV_BUCKETS)))
     return Limits(**values)
+
+
+def lanes_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> int:
+    """The calls this process's batcher runs at once: LAYA_AOT_ENGINE_LANES in a worker over an engine (its forward
+    is the engine's, which takes calls from any thread and merges them), else 1: an artifact on this process's
+    device runs one call at a time. A bad value raises `error(message)` wherever it is read."""
+    raw = env.get(ENV_LANES, "").strip()
+    lanes = DEFAULT_ENGINE_LANES
+    if raw:
+        try:
+            lanes = int(raw)
+        except ValueError:
+            lanes = 0
+        if not 1 <= lanes <= MAX_LANES:
+            raise error("invalid %s %r: use a number of calls from 1 to %d (default %d)"
+                        % (ENV_LANES, env.get(ENV_LANES), MAX_LANES, DEFAULT_ENGINE_LANES))
+    return lanes if env.get(ENV_ENGINE_ADDRESS) else 1
 
 
 class SharedGate:
@@ -116,11 +139,12 @@ class _Router:
 class LayaPool:
     """What laya's app submits its inferences and its idle unload to, in place of its one-thread pool."""
 
-    def __init__(self, cells: Dict[str, Any], limits: Limits, stats: Stats):
+    def __init__(self, cells: Dict[str, Any], limits: Limits, stats: Stats, lanes: int = 1):
         self.router = cells["router"].cell_contents
         self.run_inference = cells["run_inference"].cell_contents
         self.target = RouterTarget(self.router)
-        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats)
+        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats,
+                               lanes=lanes)
         self.proxy = _Router(self.router, self)
         self.threads = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="laya-infer-side")
         self.closed = False
@@ -172,9 +196,10 @@ class ServeBatching:
     """One app's batching: its limits and statistics, the pool and gate it gives laya's app (again after laya's
     lifespan restarts, which resets them), and what `GET /v1/aot` and `/metrics` say about it."""
 
-    def __init__(self, app: Any, limits: Optional[Limits], metrics: bool = False):
+    def __init__(self, app: Any, limits: Optional[Limits], metrics: bool = False, lanes: int = 1):
         self.limits = limits
         self.metrics = metrics
+        self.lanes = lanes
         self.stats = Stats()
         self.cells = laya_api.app_cells(app) if limits is not None else None
         if limits is not None and self.cells is None:
@@ -201,7 +226,7 @@ class ServeBatching:
         with self._lock:
             if self.pool is None or self.pool.closed or cells["pool"].cell_contents is not self.pool:
                 laya_pool = cells["pool"].cell_contents
-                self.pool = LayaPool(cells, self.limits, self.stats)  # type: ignore[arg-type]
+                self.pool = LayaPool(cells, self.limits, self.stats, self.lanes)  # type: ignore[arg-type]
                 cells["pool"].cell_contents = self.pool
                 if isinstance(laya_pool, ThreadPoolExecutor):  # laya's own, idle: nothing will submit to it again
                     laya_pool.shutdown(wait=False)

@@ -385,10 +385,16 @@ class Batcher:
         batcher.close()                                  # answers what was accepted, then stops
 
     `wrap(call)` runs each call on the worker (laya's server passes the function that marks its last request);
-    `stats` may be shared between batchers (one server's, across restarts of its app)."""
+    `stats` may be shared between batchers (one server's, across restarts of its app). `lanes`: calls run at once
+    by that many worker threads, for a target whose forward takes calls from several threads (a serving worker's
+    thin agent over the engine, which merges them); an agent with its own artifact needs 1 (a CUDA graph's buffers
+    are one call's). A job still runs beside no call."""
 
     def __init__(self, target: Any, limits: Optional[Limits] = None, *, name: str = "laya-aot-batcher",
-                 wrap: Optional[Callable[[Callable[[], Any]], Any]] = None, stats: Optional[Stats] = None):
+                 wrap: Optional[Callable[[Callable[[], Any]], Any]] = None, stats: Optional[Stats] = None,
+                 lanes: int = 1):
+        if type(lanes) is not int or lanes < 1:
+            raise ValueError("lanes=%r: a positive integer is needed" % (lanes,))
         self.target = target_for(target)
         self.limits = limits or Limits()
         self.stats = stats if stats is not None else Stats()
@@ -396,9 +402,12 @@ class Batcher:
         self._cv = threading.Condition()
         self._queue: Deque[_Entry] = deque()
         self._closed = False
-        self._busy = False
-        self._thread = threading.Thread(target=self._worker, name=name, daemon=True)
-        self._thread.start()
+        self._running = 0          # calls and jobs running now (at most `lanes`)
+        self._exclusive = False    # a job is running: no call beside it
+        self._threads = [threading.Thread(target=self._worker, name="%s-%d" % (name, i) if lanes > 1 else name,
+                                          daemon=True) for i in range(lanes)]
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------------ submitting
     def submit(self, state: Any, questions: Dict[str, Any], **controls: Any) -> Future:
@@ -443,7 +452,7 @@ class Batcher:
     def busy(self) -> bool:
         """Whether a call or job is running, or one is waiting to."""
         with self._cv:
-            return self._busy or bool(self._queue)
+            return self._running > 0 or bool(self._queue)
 
     def close(self, wait: bool = True, cancel: bool = False) -> None:
         """Take no more requests; answer those accepted (or, with `cancel`, cancel those not started)."""
@@ -455,8 +464,9 @@ class Batcher:
                     if entry.future.cancel():
                         self.stats.count("refused", "cancelled")
             self._cv.notify_all()
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+        if wait and threading.current_thread() not in self._threads:
+            for thread in self._threads:
+                thread.join()
 
     def __enter__(self) -> "Batcher":
         return self
@@ -471,22 +481,27 @@ class Batcher:
         off), oldest first, while the call stays within the limits; the others keep their places. None once closed
         and drained."""
         limits = self.limits
-        self._cv.wait_for(lambda: self._queue or self._closed)
-        if not self._queue:
-            return None
-        head = self._queue[0]
-        if head.job is not None or head.work is None or head.work.key is None:
-            return _Batch([self._queue.popleft()])
-        key = head.work.key
-        if limits.max_wait_ms > 0:  # let neighbours arrive, up to the wait or until the call is full
-            deadline = head.submitted + limits.max_wait_ms / 1000.0
-            while not self._closed:
-                rows = sum(e.work.rows for e in self._queue if e.job is None and e.work is not None
-                           and e.work.key == key)
-                left = deadline - time.perf_counter()
-                if rows >= limits.max_rows or left <= 0:
-                    break
-                self._cv.wait(left)
+        while True:  # again after any wait: another lane may have taken the head meanwhile
+            self._cv.wait_for(lambda: (self._queue and not self._exclusive) or (self._closed and not self._queue))
+            if not self._queue:
+                return None
+            head = self._queue[0]
+            if head.job is not None:  # a job runs with no call beside it: after those running, before any other
+                if self._running:
+                    self._cv.wait()
+                    continue
+                self._exclusive = True
+                return _Batch([self._queue.popleft()])
+            if head.work is None or head.work.key is None:
+                return _Batch([self._queue.popleft()])
+            key = head.work.key
+            if limits.max_wait_ms <= 0 or self._closed:
+                break
+            rows = sum(e.work.rows for e in self._queue if e.job is None and e.work is not None and e.work.key == key)
+            left = head.submitted + limits.max_wait_ms / 1000.0 - time.perf_counter()
+            if rows >= limits.max_rows or left <= 0:  # neighbours waited for, up to the wait or a full call
+                break
+            self._cv.wait(left)
         kind = [e for e in self._queue if e.job is None and e.work is not None and e.work.key == key][:GROUPED]
         if limits.length_buckets and len(kind) > 1:
             groups = length_groups([e.work.row_tokens for e in kind])  # type: ignore[union-attr]
@@ -510,7 +525,7 @@ class Batcher:
                 batch = self._take()
                 if batch is None:
                     return
-                self._busy = True
+                self._running += 1
             try:
                 self._run(batch)
             except BaseException as e:  # noqa: BLE001 - the worker must outlive anything a call raises
@@ -520,7 +535,9 @@ class Batcher:
                         entry.future.set_exception(RuntimeError("the batcher's call failed: %r" % (e,)))
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._running -= 1
+                    self._exclusive = False
+                    self._cv.notify_all()  # a job waiting for the calls to end, or lanes waiting for a job
 
     def _run(self, batch: _Batch) -> None:
         now = time.perf_counter()

@@ -360,3 +360,70 @@ def test_a_call_that_raises_past_its_requests_fails_them_and_the_worker_goes_on(
     agent.system_one = Agent().system_one
     assert b.submit("b", Q).result(5)["state"] == "b"
     b.close()
+
+
+class _Gate:
+    """An agent whose calls each wait at a barrier of `n`: the calls only finish if `n` of them run at once."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=5)
+        self.running = 0
+        self.most = 0
+        self.lock = threading.Lock()
+        self.jobs_beside: List[int] = []
+
+    def _enter(self) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+
+    def _leave(self) -> None:
+        with self.lock:
+            self.running -= 1
+
+    def system_one(self, state, questions, **kw):
+        self._enter()
+        try:
+            self.barrier.wait()
+            return {"state": state}
+        finally:
+            self._leave()
+
+    def predict_batch(self, states, questions, **kw):
+        self._enter()
+        try:
+            self.barrier.wait()
+            return [{"state": s} for s in states]
+        finally:
+            self._leave()
+
+
+def test_lanes_run_calls_at_once_each_answered_and_a_job_runs_alone():
+    """Over an engine a worker's calls are only sent from it: with lanes, the calls queued behind a running one go
+    at once (the engine merges them), each still answered with its own result; a job still runs beside no call."""
+    agent = _Gate(3)
+    b = Batcher(agent, lanes=3)
+    questions = [Q, Q2, {"other": {"type": "noul", "instructions": "Other?"}}]  # none may share a call
+    first = [b.submit("s%d" % i, q) for i, q in enumerate(questions)]  # three calls at once, or the barrier breaks
+    assert [f.result(10)["state"] for f in first] == ["s0", "s1", "s2"] and agent.most == 3
+    agent.barrier = threading.Barrier(1)
+    seen: List[int] = []
+    calls = [b.submit("t%d" % i, Q) for i in range(20)]
+    job = b.submit_job(lambda: seen.append(agent.running) or "done")
+    later = [b.submit("u%d" % i, Q) for i in range(20)]
+    assert job.result(10) == "done" and seen == [0]
+    assert [f.result(10)["state"] for f in calls + later] == ["t%d" % i for i in range(20)] + [
+        "u%d" % i for i in range(20)]
+    b.close()
+    assert not any(t.is_alive() for t in b._threads)
+
+
+def test_one_lane_runs_one_call_at_a_time():
+    agent = _Gate(1)
+    b = Batcher(agent)
+    assert [f.result(10)["state"] for f in [b.submit("s%d" % i, Q) for i in range(30)]] == [
+        "s%d" % i for i in range(30)]
+    b.close()
+    assert agent.most == 1
+    with pytest.raises(ValueError, match="lanes=0"):
+        Batcher(agent, lanes=0)

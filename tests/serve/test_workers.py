@@ -16,6 +16,7 @@ import pytest
 
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
 from laya_aot.serve import ServeConfigError
+from laya_aot.serve_batching import DEFAULT_ENGINE_LANES, lanes_from_env
 from laya_aot.serve_workers import count_from_env, switch_interval_from_env
 from tests.serve.test_serve import AUTH, Server, _env, _free_port
 
@@ -155,6 +156,18 @@ def test_a_bad_switch_interval_is_one_clear_error(value):
 def test_the_switch_interval_is_read_in_milliseconds_and_unset_keeps_pythons():
     assert switch_interval_from_env({}, ServeConfigError) is None
     assert switch_interval_from_env({"LAYA_AOT_GIL_SWITCH_MS": " 0.5 "}, ServeConfigError) == pytest.approx(0.0005)
+
+
+def test_lanes_are_for_a_worker_over_an_engine_and_a_bad_value_is_one_clear_error():
+    """Several calls at once only where the forward is the engine's (it merges them); a process's own artifact runs
+    one call at a time whatever the setting says."""
+    over = {"LAYA_AOT_ENGINE_ADDRESS": "/tmp/x/engine"}
+    assert lanes_from_env(over, ServeConfigError) == DEFAULT_ENGINE_LANES
+    assert lanes_from_env(dict(over, LAYA_AOT_ENGINE_LANES=" 8 "), ServeConfigError) == 8
+    assert lanes_from_env({"LAYA_AOT_ENGINE_LANES": "8"}, ServeConfigError) == 1
+    for bad in ("x", "0", "65"):
+        with pytest.raises(ServeConfigError, match="invalid LAYA_AOT_ENGINE_LANES .*from 1 to 64"):
+            lanes_from_env({"LAYA_AOT_ENGINE_LANES": bad}, ServeConfigError)
 
 
 def test_the_command_says_a_bad_workers_setting_once_before_starting_any(demo_ckpt, bundle_dir):
