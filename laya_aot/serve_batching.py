@@ -70,16 +70,10 @@ def lanes_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) ->
     """The calls this process's batcher runs at once: LAYA_AOT_ENGINE_LANES in a worker over an engine (its forward
     is the engine's, which takes calls from any thread and merges them), else 1: an artifact on this process's
     device runs one call at a time. A bad value raises `error(message)` wherever it is read."""
-    raw = env.get(ENV_LANES, "").strip()
-    lanes = DEFAULT_ENGINE_LANES
-    if raw:
-        try:
-            lanes = int(raw)
-        except ValueError:
-            lanes = 0
-        if not 1 <= lanes <= MAX_LANES:
-            raise error("invalid %s %r: use a number of calls from 1 to %d (default %d)"
-                        % (ENV_LANES, env.get(ENV_LANES), MAX_LANES, DEFAULT_ENGINE_LANES))
+    from .serve_workers import number_from_env
+
+    lanes = number_from_env(env, ENV_LANES, int, 1, MAX_LANES, "a number of calls from 1 to %d (default %d)"
+                            % (MAX_LANES, DEFAULT_ENGINE_LANES), error) or DEFAULT_ENGINE_LANES
     return lanes if env.get(ENV_ENGINE_ADDRESS) else 1
 
 

@@ -51,17 +51,10 @@ def build_app() -> Any:
 
 def _positive(env: Mapping[str, str], name: str, default: int) -> int:
     from .serve import ServeConfigError
+    from .serve_workers import number_from_env
 
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ServeConfigError("invalid %s %r: use a positive integer" % (name, env.get(name)))
-    return value
+    value = number_from_env(env, name, int, 1, None, "a positive integer", ServeConfigError)
+    return default if value is None else value
 
 
 def options(env: Mapping[str, str], gpus: float) -> Dict[str, Any]:

@@ -42,18 +42,29 @@ ENV_SWITCH = "LAYA_AOT_GIL_SWITCH_MS"     # Python's thread switch interval in e
 STOP_S = 30.0                             # how long stopping workers may take before they are killed
 
 
+Number = Any  # int or float, as `cast` makes it
+
+
+def number_from_env(env: Mapping[str, str], name: str, cast: Callable[[str], Number], low: Number,
+                    high: Optional[Number], use: str, error: Callable[[str], Exception]) -> Optional[Number]:
+    """The number a `laya-aot serve` setting holds (None when unset); outside [low, high] or not a number raises
+    `error("invalid NAME 'value': use " + use)`, one line naming the setting and the fix."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = cast(raw)
+    except ValueError:
+        value = None
+    if value is None or not (low <= value and (high is None or value <= high)):  # NaN fails both
+        raise error("invalid %s %r: use %s" % (name, env.get(name), use))
+    return value
+
+
 def count_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> int:
     """LAYA_AOT_WORKERS (1 when unset: one process, as `laya serve`); a bad value raises `error(message)`."""
-    raw = env.get(ENV_WORKERS, "").strip()
-    if not raw:
-        return 1
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_WORKERS:
-        raise error("invalid %s %r: use a number of worker processes from 1 (the default: one process) to %d"
-                    % (ENV_WORKERS, env.get(ENV_WORKERS), MAX_WORKERS))
+    n = number_from_env(env, ENV_WORKERS, int, 1, MAX_WORKERS, "a number of worker processes from 1 (the default: "
+                        "one process) to %d" % MAX_WORKERS, error) or 1
     if n > 1 and not hasattr(socket, "SO_REUSEPORT"):
         raise error("%s=%d needs SO_REUSEPORT sockets, which this system lacks: use %s=1"
                     % (ENV_WORKERS, n, ENV_WORKERS))
@@ -64,17 +75,9 @@ def switch_interval_from_env(env: Mapping[str, str], error: Callable[[str], Exce
     """LAYA_AOT_GIL_SWITCH_MS in seconds (None when unset: Python's own, 5 ms). A server process runs its event loop,
     its batcher's thread and, over an engine, the threads that carry calls to it: a thread woken by an answer waits
     for the interpreter lock until the running thread gives it up, at most this long. `sys.setswitchinterval`."""
-    raw = env.get(ENV_SWITCH, "").strip()
-    if not raw:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not 0.01 <= ms <= 100:
-        raise error("invalid %s %r: use milliseconds from 0.01 to 100 (unset: Python's own 5)"
-                    % (ENV_SWITCH, env.get(ENV_SWITCH)))
-    return ms / 1000.0
+    ms = number_from_env(env, ENV_SWITCH, float, 0.01, 100, "milliseconds from 0.01 to 100 (unset: Python's own 5)",
+                         error)
+    return None if ms is None else ms / 1000.0
 
 
 def this_worker(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:
