@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from laya_aot.runtime import engine
+from tests.questions import assert_same_answers
 from tests.serve.test_serve import Server, _env
 from tests.serve.test_workers import _alive, _answers, _until
 
@@ -116,7 +117,8 @@ def servers(demo_ckpt, demo_bundle, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     env = _env(demo_ckpt, {"demo": str(demo_bundle)}, LAYA_MAX_CONCURRENT="64")
     started = {"one": Server(tmp, "one", env),
-               "engine": Server(tmp, "engine", dict(env, LAYA_AOT_WORKERS="2", LAYA_AOT_ENGINE="1"))}
+               "engine": Server(tmp, "engine", dict(env, LAYA_AOT_WORKERS="2", LAYA_AOT_ENGINE="1",
+                                                    LAYA_AOT_ENGINE_LANES="3"))}
     try:
         yield {k: s.wait_ready() for k, s in started.items()}
     finally:
@@ -134,6 +136,29 @@ def test_workers_over_one_engine_answer_laya_routes_as_one_process(servers):
     assert served["calls"].get("artifact_calls", 0) >= 1  # the engine's own count of its artifact calls
     own = served["calls"]["engine"]  # the engine's device thread: calls taken, and where its time went
     assert own["calls"] >= own["artifact_calls"] >= 1 and own["forward_s"] > 0 and own["idle_s"] > 0
+
+
+def test_concurrent_requests_over_the_engine_with_lanes_answer_as_one_process(servers):
+    """Each worker sends up to three calls at once (LAYA_AOT_ENGINE_LANES=3), which the engine merges with the other
+    worker's: every answer to 24 concurrent requests is the one process's answer to that request."""
+    from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+
+    bodies = [{"model": "demo", "state": DEMO_STATES[i % len(DEMO_STATES)] + " #%d" % i, "questions": DEMO_QUESTIONS}
+              for i in range(24)]
+    alone = [servers["one"].post("/v1/systemone", b).json() for b in bodies]
+    got: List[Any] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        got[i] = servers["engine"].post("/v1/systemone", bodies[i]).json()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(g is not None for g in got)
+    for g, a in zip(got, alone):  # the same decisions, probabilities within laya's rounding
+        assert_same_answers(g["answers"], a["answers"])
 
 
 def _engine_pid(server: Server) -> int:
