@@ -19,7 +19,7 @@ Most of a child's time is importing torch. On a machine whose cache holds no ver
 every start of a fresh container is), `start_ahead` starts a child as soon as `laya_aot.load` is called
 and its checkpoint and bundle passed the checks that need no heavy import (looking `load` up starts nothing):
 it imports torch and the kinds while the service imports its own, then waits (`--wait`) for the artifact that
-`start` hands it on stdin, with the environment a child started then would get. It is used only by a `start`
+`begin` hands it on stdin, with the environment a child started then would get. It is used only by a `begin`
 with the same interpreter and the same variables its imports may read (`_IMPORT_ENV`), and ended when the load
 that could have used it is over ($LAYA_AOT_PROBE_AHEAD=0 turns this off).
 """
@@ -203,7 +203,7 @@ def start_ahead() -> bool:
 
 
 def _take_ahead(key: Any) -> Optional[subprocess.Popen]:
-    """The child started ahead, if it is still waiting and was started exactly as `start` would start one."""
+    """The child started ahead, if it is still waiting and was started exactly as `begin` would start one."""
     global _ahead
     with _ahead_lock:
         got, _ahead = _ahead, None
@@ -262,7 +262,7 @@ def shipped_verdict(entry: Artifact, machine: Machine, device: str) -> Optional[
     return {"artifact": entry.name, "sha256": entry.sha256, "reason": None, "graphs": shipped.graphs, "shipped": True}
 
 
-def start(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
+def begin(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
           pinned: bool = False) -> Pending:
     """Start the probe child for `entry` (or read its cached verdict: `cached_verdict`) without waiting for it."""
     path = verdict_path(entry, machine, device)
@@ -339,7 +339,7 @@ def finish(pending: Pending, stats: Optional[Dict[str, Any]] = None) -> Optional
 def _collect(pending: Pending, stats: Dict[str, Any]) -> Optional[str]:
     """`finish` for a started child: wait for it (once more if it was killed from outside), read its verdict."""
     assert pending.proc is not None
-    limit = timeout_s()  # checked by `start`
+    limit = timeout_s()  # checked by `begin`
     for attempt in (1, 2):
         try:
             out, err = pending.proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - pending.t0)))
@@ -399,11 +399,11 @@ def _collect(pending: Pending, stats: Dict[str, Any]) -> Optional[str]:
 def probe(bundle: Path, entry: Artifact, checkpoint: Path, device: str, machine: Machine,
           stats: Optional[Dict[str, Any]] = None, pinned: bool = False) -> Optional[str]:
     """None when the artifact loads and runs in a child process on this machine, else the reason."""
-    return finish(start(bundle, entry, checkpoint, device, machine, pinned), stats)
+    return finish(begin(bundle, entry, checkpoint, device, machine, pinned), stats)
 
 
 def _wait_for_artifact() -> int:
-    """`--wait`: import what a child needs now, then probe the artifact `start` writes on stdin (nothing within
+    """`--wait`: import what a child needs now, then probe the artifact `begin` writes on stdin (nothing within
     WAIT_S, or stdin closed: exit without a word)."""
     import select
 

@@ -89,7 +89,7 @@ class HeadStart:
         return round(time.perf_counter() - self._t0, 3)
 
     def _run(self, session: "LoadView", thin: bool) -> None:
-        from ..probe import start
+        from ..probe import begin
 
         try:
             config, bundle, ckpt = session.config, session.bundle.path, session.ckpt
@@ -103,7 +103,7 @@ class HeadStart:
                 self.name, self.device = art.name, here.device
                 if probed:
                     self.started_after_s = self._since()
-                    self._pending = start(bundle, art, ckpt, here.device, here.machine, pinned=session.pinned)
+                    self._pending = begin(bundle, art, ckpt, here.device, here.machine, pinned=session.pinned)
                 if prepare is not None:
                     path = artifact_path(bundle, art)
                     self._weights_thread = threading.Thread(target=self._prepare, args=(prepare, path, ckpt),

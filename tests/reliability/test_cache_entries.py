@@ -117,7 +117,7 @@ def _verdict(art, reason=None):
 
 def test_a_damaged_probe_verdict_means_the_child_runs_again(cache, sample):
     """Anything but a verdict this machine's child wrote for this very artifact is none: the loader runs the
-    child (`probe.start` starts one), never the artifact in-process on the strength of a damaged entry."""
+    child (`probe.begin` starts one), never the artifact in-process on the strength of a damaged entry."""
     machine = current_machine("cpu")
     art, twin = sample.artifact("aoti-cpu"), sample.artifact("aoti-cpu-frozen")
     for a, reason in ((art, None), (twin, "loading it crashed a probe process: SIGABRT")):

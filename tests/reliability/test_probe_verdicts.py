@@ -59,7 +59,7 @@ def test_the_builds_verdict_is_taken_for_a_pinned_bundle_on_a_machine_with_its_f
     machine = current_machine("cpu")
     assert art.probe_verdict is not None and art.probe_verdict.key == probe.verdict_key(art, machine, "cpu")
     assert not probe.verdict_path(art, machine, "cpu").exists()
-    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine, pinned=True)
+    pending = probe.begin(demo_bundle, art, demo_ckpt, "cpu", machine, pinned=True)
     stats = {}
     assert pending.proc is None and probe.finish(pending, stats) is None and stats["probe"] == "shipped"
     assert not probe.verdict_path(art, machine, "cpu").exists()
@@ -80,7 +80,7 @@ def test_a_manifests_verdict_does_not_skip_the_child_for_an_unpinned_bundle(demo
     machine = current_machine("cpu")
     assert art.probe_verdict.key == probe.verdict_key(art, machine, "cpu")   # recomputed for this machine
     assert probe.cached_verdict(art, machine, "cpu") is None
-    pending = probe.start(demo_bundle, art, demo_ckpt, "cpu", machine)
+    pending = probe.begin(demo_bundle, art, demo_ckpt, "cpu", machine)
     stats = {}
     assert pending.proc is not None and probe.finish(pending, stats) is None and stats["probe"] == "ran"
     assert probe.cached_verdict(art, machine, "cpu") == json.loads(probe.verdict_path(art, machine, "cpu").read_text())
@@ -151,7 +151,7 @@ def test_a_probe_killed_from_outside_is_retried_and_its_verdict_is_the_retrys(de
                                                                                tmp_path, monkeypatch):
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
     machine = current_machine("cpu")
-    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    pending = probe.begin(demo_bundle, aoti, demo_ckpt, "cpu", machine)
     _kill_soon(pending, sig)      # as the out-of-memory killer or a shutdown would
     stats = {}
     assert probe.finish(pending, stats) is None          # the second child ran it
@@ -163,7 +163,7 @@ def test_a_probe_killed_from_outside_is_retried_and_its_verdict_is_the_retrys(de
 def test_a_probe_killed_twice_is_not_cached(demo_bundle, demo_ckpt, aoti, tmp_path, monkeypatch):
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
     machine = current_machine("cpu")
-    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    pending = probe.begin(demo_bundle, aoti, demo_ckpt, "cpu", machine)
     relaunch = pending.relaunch
 
     def relaunch_and_kill():
@@ -180,7 +180,7 @@ def test_a_crash_of_the_artifact_itself_is_cached(demo_bundle, demo_ckpt, aoti, 
     # SIGABRT is what a broken package does (std::terminate): that is the artifact's fault, remembered
     monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path))
     machine = current_machine("cpu")
-    pending = probe.start(demo_bundle, aoti, demo_ckpt, "cpu", machine)
+    pending = probe.begin(demo_bundle, aoti, demo_ckpt, "cpu", machine)
     _kill_soon(pending, signal.SIGABRT)
     assert probe.finish(pending, {}) == "loading it crashed a probe process: SIGABRT"
     assert json.loads(probe.verdict_path(aoti, machine, "cpu").read_text())["reason"].endswith("SIGABRT")

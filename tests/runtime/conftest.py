@@ -6,14 +6,14 @@ import pytest
 
 @pytest.fixture
 def probe_starts(monkeypatch) -> list:
-    """Every probe child `probe.start` starts from now on (its `Pending`), in order."""
+    """Every probe child `probe.begin` starts from now on (its `Pending`), in order."""
     from laya_aot import probe
 
     started: list = []
-    real_start = probe.start
+    real_begin = probe.begin
 
     def recording_start(*a, **k):
-        started.append(real_start(*a, **k))
+        started.append(real_begin(*a, **k))
         return started[-1]
-    monkeypatch.setattr(probe, "start", recording_start)
+    monkeypatch.setattr(probe, "begin", recording_start)
     return started

@@ -82,7 +82,7 @@ def test_a_child_started_ahead_under_other_settings_is_not_used(ahead, demo_ckpt
     assert probe.start_ahead() and not probe.start_ahead()   # once per process
     proc = probe._ahead[0]
     monkeypatch.setenv("PYTHONHASHSEED", "123")   # a variable its imports may have read: it is not that child
-    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    pending = probe.begin(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
     assert pending.proc is not proc and proc.poll() is not None   # ended, and a child started now instead
     stats = {}
     assert probe.finish(pending, stats) is None and "imported_ahead_s" not in stats["probe_timeline"]
@@ -95,7 +95,7 @@ def test_a_child_started_ahead_takes_the_environment_of_its_artifacts_start(ahea
     assert probe.start_ahead()
     proc = probe._ahead[0]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # read when the child probes, not when it imports
-    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    pending = probe.begin(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
     assert pending.proc is proc
     stats = {}
     assert probe.finish(pending, stats) is None and stats["probe_timeline"]["imported_ahead_s"] > 0
@@ -137,7 +137,7 @@ def test_an_entry_larger_than_an_environment_variable_is_probed(ahead, demo_ckpt
     art = _aoti(demo_bundle)
     big = dataclasses.replace(art, details=dict(art.details, notes=["k%06d" % i + "x" * 90 for i in range(3000)]))
     assert len(json.dumps(big.to_dict())) > 256 * 1024
-    pending = probe.start(demo_bundle, big, demo_ckpt, "cpu", current_machine("cpu"))
+    pending = probe.begin(demo_bundle, big, demo_ckpt, "cpu", current_machine("cpu"))
     entry_file = pending.entry_file
     assert pending.proc is not None and entry_file and os.path.exists(entry_file)
     assert os.path.dirname(entry_file) == tempfile.gettempdir()
@@ -162,6 +162,6 @@ def test_an_entry_file_changed_after_the_loader_wrote_it_is_refused(ahead, demo_
         return name, digest
 
     monkeypatch.setattr(probe, "_write_entry", tampered)
-    pending = probe.start(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
+    pending = probe.begin(demo_bundle, _aoti(demo_bundle), demo_ckpt, "cpu", current_machine("cpu"))
     why = probe.finish(pending, {})
     assert why and "entry file changed" in why
