@@ -2,9 +2,9 @@
 
 laya answers a request at a time; an artifact call of 32 short rows costs about what one of a single row costs
 on a GPU, and reads the weights once instead of 32 times on a CPU. `Batcher` takes requests from any number of
-threads (`submit` returns a `concurrent.futures.Future`) and hands them to one worker thread, which merges
-those that may share a call (same call-level controls; laya's own `predict_batch` then groups them by
-checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
+threads (`submit` returns a `concurrent.futures.Future`) and hands them to one worker thread (or `lanes` of
+them), which merges those that may share a call (same call-level controls; laya's own `predict_batch` then groups
+them by checkpoint, question set and budgets) into one `predict_batch` call and splits the results back.
 
 Each call is made for the oldest waiting request, with the queued requests that may share its call and whose rows
 are of its length group (`length_groups`: rows estimated within 2x of each other, rows under SHORT_ROW tokens
