@@ -8,7 +8,7 @@ timed (the keys of `Artifact.latency_ms`) in interleaved rounds after warm-up ca
 moments of a busy machine, so a burst of other work slows all of them alike instead of one. The medians, their
 spread and the threads they ran on are stored in this machine's cache (`store`), keyed by the bundle's sha256 (its
 bundle.json's), the machine's facts, the device type, the serving dtype, the compute threads and OpenMP's wait
-policy (`_key`; one measured with another wait policy is read where this process's has none); `known`
+policy (`path`; one measured with another wait policy is read where this process's has none); `known`
 reads an entry back through `files.read_cache_json`, each figure checked, each artifact by name and sha256, and
 `select.select` ranks by it where one exists (the load's
 log line and `load_stats["ranking"]` say which ranked). A figure that is not one, or not this artifact's, is a
@@ -92,19 +92,23 @@ def _policy_words(policy: Optional[str]) -> str:
 _UNSET = object()
 
 
-def _key(bundle_sha256: str, here: "Here", policy: Any = _UNSET) -> str:
-    """One ranking per bundle, machine (its facts, CPU model and count), device, serving dtype, thread count and
-    OpenMP wait policy (this process's unless `policy` is given)."""
-    facts = {"bundle": bundle_sha256, "machine": dict(here.machine.as_dict(), traced_packages=None),
-             "device": here.device_type, "serving": here.serving, "threads": threads(), "cpu": _cpu_model(),
-             "cpus": os.cpu_count(), "wait_policy": wait_policy() if policy is _UNSET else policy,
-             "version": BENCH_VERSION}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+def _facts(bundle_sha256: str, here: "Here") -> Dict[str, Any]:
+    """What a ranking is keyed by but the wait policy: bundle, machine (its facts, CPU model and count), device,
+    serving dtype and thread count (read once per lookup: the CPU model is a read of /proc/cpuinfo)."""
+    return {"bundle": bundle_sha256, "machine": dict(here.machine.as_dict(), traced_packages=None),
+            "device": here.device_type, "serving": here.serving, "threads": threads(), "cpu": _cpu_model(),
+            "cpus": os.cpu_count(), "version": BENCH_VERSION}
+
+
+def _path_of(facts: Dict[str, Any], policy: Optional[str]) -> Path:
+    key = hashlib.sha256(json.dumps(dict(facts, wait_policy=policy), sort_keys=True).encode()).hexdigest()
+    return cache_dir() / "rankings" / (key + ".json")
 
 
 def path(bundle_sha256: str, here: "Here", policy: Any = _UNSET) -> Path:
-    """Where the ranking of that bundle on this machine is cached (for this process's wait policy by default)."""
-    return cache_dir() / "rankings" / (_key(bundle_sha256, here, policy) + ".json")
+    """Where the ranking of that bundle on this machine is cached, keyed by `_facts` and OpenMP's wait policy (this
+    process's unless `policy` is given)."""
+    return _path_of(_facts(bundle_sha256, here), wait_policy() if policy is _UNSET else policy)
 
 
 def _ms(value: Any) -> bool:
@@ -127,17 +131,17 @@ def known(bundle_sha256: str, arts: Iterable[Artifact], here: "Here") -> Optiona
     (`laya-aot bench` runs with PASSIVE; a service that imported torch before laya-aot runs with it unset) is
     taken where none of this process's exists: it was measured on this machine, the build's figures were not."""
     arts = list(arts)
-    own = wait_policy()
+    own, facts = wait_policy(), _facts(bundle_sha256, here)
     for policy in [own] + [p for p in ("PASSIVE", None) if p != own]:
-        measured = _read(bundle_sha256, arts, here, policy)
+        measured = _read(bundle_sha256, arts, _path_of(facts, policy))
         if measured is not None:
             measured.other_wait_policy = None if policy == own else _policy_words(policy)
             return measured
     return None
 
 
-def _read(bundle_sha256: str, arts: List[Artifact], here: "Here", policy: Optional[str]) -> Optional[Measured]:
-    entry = read_cache_json(path(bundle_sha256, here, policy), {
+def _read(bundle_sha256: str, arts: List[Artifact], where: Path) -> Optional[Measured]:
+    entry = read_cache_json(where, {
         "bundle_sha256": lambda v: v == bundle_sha256, "when": str,
         "rounds": lambda v: type(v) is int and v > 0, "threads": lambda v: type(v) is int and v > 0,
         "artifacts": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _entry(e) for k, e in v.items()),
