@@ -27,6 +27,7 @@ from . import laya_internals as laya_api
 from .runtime import batcher as engine
 from .runtime.batcher import Batcher, BatcherClosed, Limits, Overloaded, RouterTarget, Stats, Work
 from .runtime.engine import ENV_ENGINE_ADDRESS
+from .serve_workers import number_from_env
 
 log = logging.getLogger("laya_aot.serve")
 
@@ -70,8 +71,6 @@ def lanes_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) ->
     """The calls this process's batcher runs at once: LAYA_AOT_ENGINE_LANES in a worker over an engine (its forward
     is the engine's, which takes calls from any thread and merges them), else 1: an artifact on this process's
     device runs one call at a time. A bad value raises `error(message)` wherever it is read."""
-    from .serve_workers import number_from_env
-
     lanes = number_from_env(env, ENV_LANES, int, 1, MAX_LANES, "a number of calls from 1 to %d (default %d)"
                             % (MAX_LANES, DEFAULT_ENGINE_LANES), error) or DEFAULT_ENGINE_LANES
     return lanes if env.get(ENV_ENGINE_ADDRESS) else 1
