@@ -298,8 +298,8 @@ class EagerFigures:
         self._suite, self._alpha = suite or [], alpha
         self._models: Dict[str, torch.nn.Module] = {}
         self._pool, self._near_n, self._pad_id = pool or [], near_ties, pad_id
-        # (device, serving dtype) -> the near-tie cases
-        self._near: Dict[Tuple[str, str], List[Case]] = {}
+        # (device, serving dtype, gap) -> the near-tie cases
+        self._near: Dict[Tuple[str, str, float], List[Case]] = {}
         # (device, which suite, "fp32" or the autocast dtype) -> laya eager's decisions
         self._eager: Dict[Tuple[str, str, str], torch.Tensor] = {}
 
@@ -332,7 +332,7 @@ class EagerFigures:
     def near_ties(self, device: str, dtype: str, gap: float) -> List[Case]:
         """The near-tie part for artifacts serving `dtype` on `device`: rows of the pool whose fp32 top two options
         are within `gap` (`tolerance.near_tie_gap` of laya eager's error in `dtype` on the verification cases)."""
-        key = (device, dtype)
+        key = (device, dtype, gap)
         if key not in self._near:
             self._near[key] = near_tie_cases(self._on(device), self._pool, gap, self._near_n, self._pad_id, device)
             log.info("near ties for %s on %s: %d rows with fp32's top two within %.3g", dtype, device,
