@@ -254,6 +254,8 @@ class LoadSession:
             self.stats.agent_load_s = round(time.perf_counter() - t0, 3)
             self.stats.thin_agent = thin
             self.stats.tokenizer_snapshot = seed.wait() if seed is not None else self._snapshot_unused()
+            if usable and cfg.host_path:
+                host_path_mod.check_ahead(agent)
             chosen = self._choose_or_fall_back(agent, eager, early) if usable else None
         finally:
             if early is not None:

@@ -485,3 +485,21 @@ def test_laya_module_for_layas_retry_is_built_on_the_cpu_and_a_device_out_of_mem
     assert agent.model is shell and eager.model is None
     with pytest.raises(torch.OutOfMemoryError):
         eager.install("a test")
+
+
+def test_the_decoding_check_runs_during_the_load_not_on_the_first_call(demo_ckpt, demo_bundle, monkeypatch):
+    """The host path's one check per process (its batched decoding against laya's) starts once laya's agent exists,
+    beside the artifact's load, so the first answer does not pay for it."""
+    from laya_aot.runtime import host_steps
+
+    monkeypatch.setattr(host_steps, "_CHECKED", {})
+    checked = []
+    self_check = host_steps.self_check
+    monkeypatch.setattr(host_steps, "self_check", lambda agent: checked.append(1) or self_check(agent))
+    agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
+    deadline = time.monotonic() + 60
+    while "decode" not in host_steps._CHECKED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert host_steps._CHECKED == {"decode": True} and checked == [1]   # done with no call made
+    agent.predict_batch(STATES[:1], question_suite())
+    assert checked == [1]
