@@ -297,15 +297,6 @@ def install(agent: Any) -> Optional[HostPath]:
     return path
 
 
-def check_ahead(agent: Any) -> None:
-    """Compare the batched decoding with laya's (`host_steps.checked`, once per process) in a thread while the
-    artifact loads: otherwise the first answer pays for it (tens of ms); a call that comes first waits for it.
-    Nothing where this laya lacks what the host path relies on (`install` then installs none)."""
-    if laya_api.check(routes=("host_path",)):
-        return
-    threading.Thread(target=host_steps.checked, args=(agent,), daemon=True, name="laya-aot-decode-check").start()
-
-
 def of(agent: Any) -> Optional[HostPath]:
     """The host path installed on `agent`, if any."""
     return getattr(getattr(agent, "predict_batch", None), "host_path", None)

@@ -345,6 +345,15 @@ def checked(agent: Any) -> bool:
     return _CHECKED["decode"]
 
 
+def check_ahead(agent: Any) -> None:
+    """Compare the batched decoding with laya's (`checked`, once per process) in a thread while the
+    artifact loads: otherwise the first answer pays for it (tens of ms); a call that comes first waits for it.
+    Nothing where this laya lacks what the host path relies on (`host_path.install` then installs none)."""
+    if laya_api.check(routes=("host_path",)):
+        return
+    threading.Thread(target=checked, args=(agent,), daemon=True, name="laya-aot-decode-check").start()
+
+
 def check_cases(seed: int = 0, states: int = 5):
     """Batches that exercise every branch: (logits, act, items, ids, internal) with every question type, 1 to 7
     options, shuffled option orders, and logits from ties to extremes."""

@@ -239,7 +239,7 @@ class LoadSession:
         from .. import laya_internals as laya_api
         from ..kinds.usable import warn_refused_for_software
         from . import host_path as host_path_mod
-        from . import start_costs
+        from . import host_steps, start_costs
         from .eager_module import laya_agent, serve_eager
         from .head_start import HeadStart
 
@@ -255,7 +255,7 @@ class LoadSession:
             self.stats.thin_agent = thin
             self.stats.tokenizer_snapshot = seed.wait() if seed is not None else self._snapshot_unused()
             if usable and cfg.host_path:
-                host_path_mod.check_ahead(agent)
+                host_steps.check_ahead(agent)
             chosen = self._choose_or_fall_back(agent, eager, early) if usable else None
         finally:
             if early is not None:
