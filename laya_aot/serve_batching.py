@@ -39,7 +39,7 @@ LIMIT_SETTINGS = {"max_rows": ("LAYA_AOT_BATCH_MAX_ROWS", engine.DEFAULT_MAX_ROW
                   "max_queue": ("LAYA_AOT_BATCH_QUEUE", engine.DEFAULT_MAX_QUEUE)}
 ENV_BUCKETS = "LAYA_AOT_BATCH_BUCKETS"
 ENV_LANES = "LAYA_AOT_ENGINE_LANES"
-DEFAULT_ENGINE_LANES = 1  # a worker's calls in flight to the engine; more is not yet measured on a GPU
+DEFAULT_ENGINE_LANES = 1  # a worker's calls in flight to the engine: more buy little on a GPU (docs/batching.md)
 MAX_LANES = 64
 SIDE_THREADS = 64  # batch requests and tournaments waiting on the queue at once (more wait for a thread)
 METRICS_ROUTE = "/metrics"
