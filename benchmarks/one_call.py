@@ -1,7 +1,9 @@
 """Where one short call's time goes: laya-aot's bundle and laya-cuda's `Engine` on the same checkpoint and GPU.
 
-    python benchmarks/one_call.py --ckpt CKPT --bundle BUNDLE [--runtimes aot,cuda]
+    python benchmarks/one_call.py --ckpt CKPT --bundle BUNDLE [--runtimes aot,aot-laya-infer,cuda]
 
+`aot-laya-infer` is laya-aot with laya's own `Agent._infer` (each input moved to the GPU apart, then the backend's
+forward) in place of the collated batch handed to the backend on the host (`AOTBackend.host_call`).
 The call is `harness.CALLS`' 1x1 (one state of 20 words, one choice question). Each runtime in a fresh process:
 - its first call after load, then the median of 200 calls, each synchronised;
 - `torch.profiler` over 10 calls: kernels per call, the GPU's time in kernels per call, the kernels by GPU time
@@ -29,10 +31,12 @@ PROFILED = 10
 
 def _call(runtime: str, ckpt: str, bundle: str) -> Callable[[], Any]:
     state = harness.states(1, 20, seed=0)
-    if runtime == "aot":
+    if runtime.startswith("aot"):
         import laya_aot
 
         agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True)
+        if runtime == "aot-laya-infer":
+            agent.__dict__.pop("_infer")  # laya's own method again
         return lambda: agent.predict_batch(state, harness.ONE)
     from laya_cuda import Engine
 
@@ -60,6 +64,7 @@ def _marked(marks: Dict[str, float]) -> None:
 
     for owner, name, label in ((laya.agent.Agent, "_forward", "laya _forward"),
                                (laya.agent.Agent, "_infer", "laya _infer"),
+                               (backend.AOTBackend, "host_call", "backend host_call"),
                                (backend.AOTBackend, "_forward", "backend _forward"),
                                (backend.AOTBackend, "_call", "backend _call"),
                                (graphs.GraphedCalls, "__call__", "graphs"),
@@ -88,7 +93,7 @@ def child(runtime: str, ckpt: str, bundle: str, out: Path) -> None:
     res["kernel_ms_per_call"] = round(sum(e.device_time_total for e in kernels) / PROFILED / 1e3, 3)
     (out / ("kernels_%s.txt" % runtime)).write_text(
         prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=100))
-    if runtime == "aot":
+    if runtime.startswith("aot"):
         marks: Dict[str, float] = {}
         _marked(marks)
         rows = []
@@ -113,10 +118,10 @@ def markdown(res: Dict[str, Any]) -> str:
             continue
         lines.append("| %s | %.3f | %.3f | %.0f | %.3f |" % (name, r["first_call_ms"], r["median_ms"],
                                                             r["kernels_per_call"], r["kernel_ms_per_call"]))
-    split = res["runtimes"].get("aot", {}).get("split_us")
-    if split:
-        lines += ["", "laya-aot's call, unprofiled (median us from the call's start):", "",
-                  "| step | us |", "|---|---|"] + ["| %s | %.1f |" % kv for kv in split.items()]
+    for name, r in res["runtimes"].items():
+        if r.get("split_us"):
+            lines += ["", "%s's call, unprofiled (median us from the call's start):" % name, "",
+                      "| step | us |", "|---|---|"] + ["| %s | %.1f |" % kv for kv in r["split_us"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -124,7 +129,9 @@ def main() -> None:
     ap = harness.parser(__doc__)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--bundle", required=True)
-    ap.add_argument("--runtimes", default="aot,cuda", help="aot (laya_aot.load's default), cuda (laya-cuda Engine)")
+    ap.add_argument("--runtimes", default="aot,cuda",
+                    help="aot (laya_aot.load's default), aot-laya-infer (the same with laya's own _infer), cuda "
+                         "(laya-cuda Engine)")
     ap.add_argument("--child")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

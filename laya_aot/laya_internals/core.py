@@ -28,6 +28,33 @@ def install_backend(agent: Any, backend: Backend) -> None:
         backend.install()
         agent._backend = backend
         agent._fast = None
+        _route_infer(agent)
+
+
+def _route_infer(agent: Any) -> None:
+    """On this agent only (once): laya's `_infer(b)` first offers the collated batch, still on the host, to the
+    installed backend's `host_call(b)` under laya's read lock, as laya's own forward runs. Its answer is the
+    outputs on the host, or None; then, and on any RuntimeError (running out of memory among them), laya's own
+    `_infer` runs the batch: its device copies, autocast, retry on the CPU. A backend without `host_call`, laya's
+    fast or compiled forward, and the parallel option layout are always laya's."""
+    if "_infer" in agent.__dict__:
+        return
+    stock = agent._infer
+
+    @functools.wraps(stock)
+    def infer(b: Dict[str, Any]) -> Any:
+        if "option_ids" in b:
+            return stock(b)
+        try:
+            with agent._gate.read_lock():  # the backend read under it: a hand-over swaps it under the write lock
+                host_call = getattr(agent._backend, "host_call", None)
+                laya_own = host_call is None or agent._fast is not None or agent._compiled
+                out = None if laya_own else host_call(b)
+        except RuntimeError:
+            return stock(b)
+        return stock(b) if out is None else out
+
+    agent.__dict__["_infer"] = infer
 
 
 def guard_laya_switches(agent: Any, before: Callable[[str, Callable[..., Any]], Callable[..., Any]],

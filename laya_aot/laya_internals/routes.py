@@ -19,6 +19,7 @@ CORE_NAMES: Tuple[Tuple[str, str], ...] = (  # laya_aot.load, the build, every b
     ("laya", "load"),
     ("laya.agent", "Agent.deaccelerate"),
     ("laya.agent", "Agent._restore_runtime"),   # the end of laya's retry on the CPU (EagerModule)
+    ("laya.agent", "Agent._infer"),      # offers the collated batch on the host to the backend (install_backend)
     ("laya.backends.base", "Backend.install"),
     ("laya.backends.base", "Backend.stock_forward"),
     ("laya.backends.base", "BackendUnavailable"),
@@ -70,7 +71,8 @@ ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": S
 PACKAGES: Dict[str, Tuple[str, ...]] = {"serve": ("fastapi", "uvicorn"), "tilelang": ("tilelang",)}
 _ROUTE_WORDS: Dict[str, str] = {"serve": "laya-aot serve", "tilelang": "TileLang (its kernels and artifacts)"}
 MODULE_NAMES: Tuple[Tuple[str, str], ...] = CORE_NAMES + SERVE_NAMES + TILELANG_NAMES + HOST_PATH_NAMES  # every route
-AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "tok", "model", "device", "dtype", "amp_enabled")
+AGENT_NAMES: Tuple[str, ...] = ("_gate", "_backend", "_fast", "_compiled", "tok", "model", "device", "dtype",
+                                 "amp_enabled")
 # what `router_agent_kwargs` reads of a Router, as Router._build does
 ROUTER_NAMES: Tuple[str, ...] = ("_lock", "_agents", "device", "agent_kwargs", "sha256_digests")
 # private names used only where this laya has them; without them laya's own code runs (not checked): laya 0.4's head

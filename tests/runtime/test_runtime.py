@@ -80,6 +80,56 @@ def test_rows_beyond_the_export_are_chunked(aot, eager):
     assert aot.backend_object.stats["chunks"] - chunks >= 2
 
 
+def _laya_forwards(monkeypatch) -> list:
+    """Counts the calls laya's own `_infer` runs (each enters laya's autocast context once)."""
+    import laya.agent
+
+    entered = []
+    stock = laya.agent._amp_context
+
+    def counted(*args, **kwargs):
+        entered.append(args)
+        return stock(*args, **kwargs)
+    monkeypatch.setattr(laya.agent, "_amp_context", counted)
+    return entered
+
+
+def test_the_backend_takes_layas_batch_on_the_host(aot, eager, monkeypatch):
+    """The artifact gets laya's collated batch where laya made it, on the host (`AOTBackend.host_call`): laya's own
+    `_infer`, which moves each input to the device apart, runs none of these calls, and the answers are laya's."""
+    laya_runs = _laya_forwards(monkeypatch)
+    qs = dict(list(question_suite().items())[::4])
+    rng = np.random.default_rng(5)
+    states = [state_text(rng, n) for n in (2, 30, 90)]
+    before = aot.backend_object.stats.get("artifact_calls", 0)
+    got = aot.predict_batch(states, qs)
+    assert aot.backend_object.stats["artifact_calls"] > before and not laya_runs
+    for answer, ref in zip(got, eager.predict_batch(states, qs)):
+        assert_same_answers(answer["answers"], ref["answers"])
+    assert laya_runs  # laya's eager agent's own calls are counted
+
+
+def test_laya_runs_what_the_host_call_declines_or_fails(aot, eager, monkeypatch):
+    """Near-ties re-run by laya's eager forward need its device and autocast, and a RuntimeError (running out of
+    memory) is laya's to retry: both calls are laya's own `_infer`, with laya's answers."""
+    laya_runs = _laya_forwards(monkeypatch)
+    qs = dict(list(question_suite().items())[:3])
+    state = ["the refund never came and the invoice is wrong"]
+    ref = eager.predict_batch(state, qs)
+    laya_runs.clear()
+    bo = aot.backend_object
+    monkeypatch.setattr(bo, "near_ties", "rows")
+    assert bo.tie_margin is not None
+    assert_same_answers(aot.predict_batch(state, qs)[0]["answers"], ref[0]["answers"])
+    monkeypatch.setattr(bo, "near_ties", "off")
+
+    def short_of_memory(b):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(bo, "host_call", short_of_memory)
+    assert_same_answers(aot.predict_batch(state, qs)[0]["answers"], ref[0]["answers"])
+    assert len(laya_runs) == 2  # the two calls, each laya's own
+
+
 def test_prefer_onnx(demo_ckpt, demo_bundle, eager):
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", prefer="onnx", host_path=False)
     assert agent.backend == "aot:onnx"
