@@ -37,6 +37,7 @@ from .host_path import (  # noqa: F401
     decode_helpers,
     decode_numbers,
     encode_texts,
+    plain_predict_batch,
     render_options,
     route_decode,
     route_encode_state,
@@ -87,7 +88,8 @@ __all__ = ["AGENT_NAMES", "APP_CELLS", "AgentWithModel", "Backend", "BackendUnav
            "bucket_tokens", "build_eager_module", "build_head", "build_router", "check", "context_len",
            "decode_helpers", "decode_numbers", "eager_agent", "embedding_rows", "embedding_rows_short",
            "encode_texts", "guard_laya_switches", "head_attention_classes", "install_backend", "is_thin",
-           "missing_packages", "overloaded_error", "pad_batch", "pad_id", "predict_call", "render_options", "require",
-           "resident_agent", "route_decode", "route_encode_state", "route_host_path", "router_agent_kwargs",
+           "missing_packages", "overloaded_error", "pad_batch", "pad_id", "plain_predict_batch", "predict_call",
+           "render_options", "require", "resident_agent", "route_decode", "route_encode_state", "route_host_path",
+           "router_agent_kwargs",
            "sequence_parts", "serve_settings", "serving_dtype", "serving_paused", "set_model", "state_encoder",
            "state_text", "stock_decode", "stock_encode_text", "thin_agent", "vocab", "with_router"]

@@ -156,3 +156,103 @@ def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
     from laya.common import encode_text
 
     return encode_text(tok, texts, add_special_tokens=False)["input_ids"]
+
+
+# laya's `Agent.predict_batch` whose plain call `plain_predict_batch` computes (sha256 of its source): on any other
+# source, the function is not made and every call runs laya's own method
+PREDICT_BATCH_SHA256 = "659f2eb4a286184f2716c15ea3584e03454913d1cd39331dbb5849aee1480134"
+_PLAIN_KEYWORDS = frozenset(("lang", "max_len", "head_max_len", "sort_by_length", "hooks", "on_predict_start",
+                             "on_predict_end", "hooks_raise", "hooks_timeout", "min_confidence"))
+_NO_HOOK_KEYWORDS = ("hooks", "on_predict_start", "on_predict_end", "hooks_raise", "hooks_timeout", "min_confidence")
+
+
+def plain_predict_batch(agent: Any) -> Optional[Callable[..., Optional[List[Dict[str, Any]]]]]:
+    """`plain(states, questions, batch_size, kwargs)`: laya's `agent.predict_batch(states, questions, batch_size,
+    **kwargs)` for a plain call, else None (the call is laya's to run). None instead of the function where the
+    agent's `predict_batch` is not laya's method of the source checked here (PREDICT_BATCH_SHA256).
+
+    A plain call: no hook anywhere (the process's defaults, the agent's, the call's), no confidence gate or hook
+    setting, a non-empty list of states (none None) and a non-empty dict of questions, all states in one batch.
+    For such a call laya's method runs its hooks' dispatch on an empty list, its gate on None and its usage total
+    for the hooks alone, and its windows and batches are one: what is left is its validation, encoding, forward,
+    decoding and per-state usage, computed here with laya's own methods, in laya's order, under laya's decorators.
+    `input_tokens` is the number of the state's ids: what laya sums of the attention mask `collate_items` filled
+    with a 1 for each id (without the two torch calls per state)."""
+    import hashlib
+    import inspect
+
+    import laya.agent
+    import laya.common
+    import laya.hooks
+    import torch
+
+    method = laya.agent.Agent.predict_batch
+    if getattr(type(agent), "predict_batch", None) is not method:
+        return None
+    try:
+        digest = hashlib.sha256(inspect.getsource(method).encode()).hexdigest()
+    except (OSError, TypeError):  # no source to check
+        return None
+    if digest != PREDICT_BATCH_SHA256:
+        return None
+    defaults = laya.hooks._DEFAULT_HOOKS
+    collapsed_options = laya.agent.collapsed_options
+    disable_reuse = laya.agent._disable_question_token_reuse
+
+    @torch.no_grad()
+    @laya.agent._reuse_question_tokens
+    def run(states: List[Any], questions: Dict[str, Any], lang: Any, max_len: Any, head_max_len: Any
+            ) -> List[Dict[str, Any]]:
+        if len(states) == 1:
+            disable_reuse()
+        ids = list(questions.keys())
+        for qid in ids:
+            agent._check_question(qid, questions[qid])
+        internal = {qid: agent._to_internal(questions[qid]) for qid in ids}
+        overrides: Dict[str, Any] = {}
+        if max_len is not None:
+            overrides["max_len"] = max_len
+        if head_max_len is not None:
+            overrides["head_max_len"] = head_max_len
+        encoded = [agent._encode_state(st, ids, internal, **overrides) for st in states]
+        b = laya.agent.collate_items(encoded, agent.tok.pad_token_id)  # the module's (routed) function, as laya's
+        logits, act = agent._forward(b)
+        results: List[Dict[str, Any]] = []
+        row = 0
+        for items in encoded:
+            n_tokens = sum(len(item["ids"]) for item in items)
+            answers = agent._decode_answers(logits, act, items, ids, internal, row, **({"lang": lang} if lang else {}))
+            stats = [item["state_stats"] for item in items]
+            dropped = max(s["state_tokens_dropped"] for s in stats)
+            usage = {
+                "input_tokens": n_tokens,
+                "output_tokens": 0,
+                "state_tokens": stats[0]["state_tokens"],
+                "state_tokens_dropped": dropped,
+                "truncated": dropped > 0,
+                "truncated_questions": [qid for qid, s in zip(ids, stats) if s["truncated"]],
+            }
+            collapsed = collapsed_options(ids, items)
+            if collapsed:
+                usage["options"] = collapsed
+            results.append({"model": "laya-rl-agent", "answers": answers, "usage": usage})
+            row += len(items)
+        return results
+
+    def plain(states: Any, questions: Any, batch_size: Any, kwargs: Dict[str, Any]
+              ) -> Optional[List[Dict[str, Any]]]:
+        if (type(states) is not list or not states or type(questions) is not dict or not questions
+                or defaults or agent.hooks or not kwargs.keys() <= _PLAIN_KEYWORDS
+                or type(kwargs.get("sort_by_length", False)) is not bool):
+            return None
+        if batch_size is not None and (type(batch_size) is not int or batch_size < len(states)):
+            return None
+        for name in _NO_HOOK_KEYWORDS:
+            if kwargs.get(name) is not None:
+                return None
+        for st in states:
+            if st is None:
+                return None
+        return run(list(states), questions, kwargs.get("lang"), kwargs.get("max_len"), kwargs.get("head_max_len"))
+
+    return plain

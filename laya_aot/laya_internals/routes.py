@@ -64,6 +64,14 @@ HOST_PATH_NAMES: Tuple[Tuple[str, str], ...] = (  # runtime/host_path.py: laya's
     ("laya.agent", "answer_confidence"),
     ("laya.agent", "confidence_from_probs"),
     ("laya.agent", "unpermute_probs"),
+    ("laya.agent", "Agent.predict_batch"),  # a plain call computed as this laya's method (plain_predict_batch) ...
+    ("laya.agent", "Agent._check_question"),  # ... with its own validation, normalisation and forward
+    ("laya.agent", "Agent._to_internal"),
+    ("laya.agent", "Agent._forward"),
+    ("laya.agent", "_reuse_question_tokens"),  # ... under its decorators
+    ("laya.agent", "_disable_question_token_reuse"),
+    ("laya.agent", "collapsed_options"),
+    ("laya.hooks", "_DEFAULT_HOOKS"),  # ... when no hook is set anywhere
 )
 ROUTES: Dict[str, Tuple[Tuple[str, str], ...]] = {"core": CORE_NAMES, "serve": SERVE_NAMES,
                                                    "tilelang": TILELANG_NAMES, "host_path": HOST_PATH_NAMES}

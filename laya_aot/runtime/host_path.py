@@ -6,6 +6,9 @@ service asks the same questions on every call. With a bundle installed, `HostPat
 one batched call of the fast tokenizer (parallel in its Rust core) before laya's loop asks for them one at a
 time. Within a call it fetches each question's head once and assembles every state's items from it as laya's
 `build_sequence` does (`encode_state`), and collates the batch with a few numpy operations (`host_steps.collate`).
+A plain call (no hooks, confidence gate or windows: most of a service's calls) is computed by
+`laya_internals.plain_predict_batch` with laya's own methods, without the hook and usage machinery of
+`predict_batch` that such a call cannot observe.
 Each result is laya's code on laya's inputs, or equal to it (the tests compare batches and answers); anything not
 prepared here is laya's stock path.
 """
@@ -56,6 +59,11 @@ class HostPath:
         self._stock_encode: Callable = laya_api.stock_encode_text()
         self.encode = laya_api.state_encoder(agent.tok)  # the tokenizer's Rust call, where it is laya's call
         self.decoder = host_steps.Decoder(agent, self._count)
+        # laya's predict_batch for a plain call (no hooks, gate or windows), without what such a call does not use
+        self.plain = laya_api.plain_predict_batch(agent)
+        if self.plain is None:
+            log.info("laya-aot: laya's own predict_batch for every call (its method is not the one plain calls "
+                     "were checked against)")
         self._heads: "OrderedDict[tuple, Tuple[Tuple[int, ...], Tuple[int, ...], Dict[str, Any]]]" = OrderedDict()
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
@@ -65,7 +73,7 @@ class HostPath:
         """Heads served from the cache or built by laya; states tokenised ahead (batched), by the direct call when
         laya asked (direct: a call of one state, a window after the first) and by laya's own call (alone); states
         whose items were assembled from the call's heads (encoded); questions decoded in blocks (one per batch),
-        and states whose answers laya's own function decoded."""
+        and states whose answers laya's own function decoded; calls computed as plain calls (plain_calls)."""
         with self._lock:
             return dict(self._counts)
 
@@ -232,6 +240,11 @@ class HostPath:
             call = self.prepare(states, batch_size)
             token = _CALL.set(call)
             try:
+                if self.plain is not None and not args:
+                    results = self.plain(states, questions, batch_size, kwargs)
+                    if results is not None:
+                        call.counts["plain_calls"] += 1
+                        return results
                 return predict_batch(states, questions, batch_size, *args, **kwargs)
             finally:
                 _CALL.reset(token)

@@ -251,3 +251,97 @@ def test_a_question_whose_options_do_not_fit_raises_laya_s_own_error(demo_ckpt):
     turns = [[{"role": "user", "content": "word " * 400}, {"role": "agent", "content": "newest " * 30}]] * 2
     noul = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
     assert fast.predict_batch(turns, noul, max_len=64) == stock.predict_batch(turns, noul, max_len=64)
+
+
+# ------------------------------------------------------------------------------------------------ plain calls
+def test_plain_calls_give_laya_s_own_results_to_the_last_bit(demo_ckpt):
+    """A call with no hooks, gate or windows is computed by `laya_internals.plain_predict_batch`: on fuzzed calls
+    (1 to 9 states of every kind, every question type, option orders, structured criteria, budgets, a `lang`,
+    batch sizes that hold every state, laya's errors for a question it refuses) its results are laya's method's,
+    key order and every float included, from laya's own batches."""
+    import json
+
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    path = host_path.install(fast)
+    assert path.plain is not None
+    stock_batches, fast_batches = _recording(stock), _recording(fast)
+    mask = stock.tok.mask_token
+    rng = random.Random(7)
+    plain = 0
+    for i in range(40):
+        n = rng.choice([1, 1, 2, 5, 9])
+        questions = _questions(rng)
+        if i % 3 == 0:
+            questions.update(rng.sample(sorted(ONE_STATE_QUESTIONS.items()), rng.randint(1, 2)))
+        if i % 10 == 9:
+            questions["bad"] = {"type": "ranking", "instructions": "?"}  # laya refuses it: its own error
+        kwargs = rng.choice([{}, {"batch_size": n}, {"batch_size": n + 3, "sort_by_length": True},
+                             {"max_len": 96, "head_max_len": 40}, {"lang": "de-AT"}])
+        states = [_state(rng, mask) for _ in range(n)]
+        got, want = _outcome(fast, states, questions, kwargs), _outcome(stock, states, questions, kwargs)
+        assert json.dumps(got) == json.dumps(want)
+        plain += not isinstance(want, str)  # a refused question: laya's error, raised in the plain call too
+    assert len(fast_batches) == len(stock_batches) > 30
+    for got, ref in zip(fast_batches, stock_batches):
+        for k in ref:
+            assert torch.equal(got[k], ref[k]) if torch.is_tensor(ref[k]) else got[k] == ref[k], k
+    assert path.stats["plain_calls"] == plain > 30
+
+
+def test_calls_with_hooks_a_gate_or_windows_run_laya_s_method(demo_ckpt):
+    """Anything a plain call does not cover (hooks installed, set for the process or passed, a confidence gate, a
+    hook setting, batches smaller than the call, states not in a list, extra positional arguments) is laya's
+    method, and gives its results."""
+    import laya.hooks
+
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    path = host_path.install(fast)
+    _recording(stock), _recording(fast)
+    q = {"q": {"type": "noul", "instructions": "Is it urgent?"},
+         "c": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech"]}}
+    states = ["refund please", "the site is down", "login fails"]
+    seen = []
+
+    class Hook:
+        def on_predict_end(self, ctx):
+            seen.append(len(ctx.results))
+
+    cases = [((states, q), {"hooks": [Hook()]}), ((states, q), {"on_predict_end": lambda ctx: seen.append(0)}),
+             ((states, q), {"min_confidence": 0.9}), ((states, q), {"hooks_timeout": 5.0}),
+             ((states, q), {"hooks_raise": True}), ((states, q), {"batch_size": 2}),
+             ((tuple(states), q), {}), ((states, q, None, "de"), {})]
+    for args, kwargs in cases:
+        assert fast.predict_batch(*args, **kwargs) == stock.predict_batch(*args, **kwargs)
+    fast.add_hook(Hook())
+    assert fast.predict_batch(states, q) == stock.predict_batch(states, q)
+    fast.remove_hook(fast.hooks[0])
+    laya.hooks.add_default_hook(Hook())
+    try:
+        assert fast.predict_batch(states, q) == stock.predict_batch(states, q)
+    finally:
+        laya.hooks.clear_default_hooks()
+    assert "plain_calls" not in path.stats
+    assert len(seen) == 2 + 2 + 1 + 2  # the hooks ran: those passed (both agents), the installed one, the process's
+    assert fast.predict_batch(states, q) == stock.predict_batch(states, q)
+    assert path.stats["plain_calls"] == 1
+
+
+def test_another_predict_batch_gets_no_plain_call(demo_ckpt, monkeypatch):
+    """The plain call is laya's method as its source reads here: another source (a laya upgrade) or a subclass's
+    own method leaves every call to laya's method."""
+    import laya.agent
+
+    from laya_aot.laya_internals import host_path as internals
+
+    agent = _agent(demo_ckpt)
+    assert internals.plain_predict_batch(agent) is not None
+    monkeypatch.setattr(internals, "PREDICT_BATCH_SHA256", "0" * 64)
+    assert internals.plain_predict_batch(agent) is None
+    monkeypatch.undo()
+
+    class Own(laya.agent.Agent):
+        def predict_batch(self, *args, **kwargs):
+            return super().predict_batch(*args, **kwargs)
+
+    agent.__class__ = Own
+    assert internals.plain_predict_batch(agent) is None
