@@ -335,7 +335,7 @@ def test_another_predict_batch_gets_no_plain_call(demo_ckpt, monkeypatch):
 
     agent = _agent(demo_ckpt)
     assert internals.plain_predict_batch(agent) is not None
-    monkeypatch.setattr(internals, "PREDICT_BATCH_SHA256", "0" * 64)
+    monkeypatch.setattr(internals, "AGENT_SOURCE_SHA256", "0" * 64)
     assert internals.plain_predict_batch(agent) is None
     monkeypatch.undo()
 
