@@ -70,11 +70,14 @@ class Recorder:
             self.calls.append(((input_ids, attention_mask, marker_pos, marker_mask, qtype), out))
             return out
 
-        self.backend.model.forward = forward
+        # both ways in: laya's `_infer` calls the module's forward, the batch handed on the host (`host_call`) the
+        # backend's own
+        self.backend.model.forward = self.backend.forward = forward
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.backend.model.forward = self.forward
+        del self.backend.forward
 
 
 def _own_rows(batch: Tuple[torch.Tensor, ...], rows: slice) -> Tuple[torch.Tensor, ...]:
