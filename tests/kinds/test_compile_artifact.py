@@ -75,7 +75,7 @@ def test_saved_cache_serves_a_fresh_dynamo_like_eager(even_head_ckpt, tmp_path, 
 
     agent = laya.load(str(even_head_ckpt), device="cpu")
     assert agent.model.head.layers[0].self_attn.num_heads % 2 == 0
-    # stand in for torch 2.11, whose Dynamo cannot trace the fused op (a graph break on the H200, run 8):
+    # stand in for torch 2.11, whose Dynamo cannot trace the fused op (a graph break on an H200):
     # the build and the runner must not reach it; a plain full-graph compile does, which shows the
     # stand-in is in the way
     monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", _untraceable)

@@ -56,7 +56,7 @@ def test_this_machine_has_a_usable_compiler(demo_bundle):
 @pytest.mark.slow  # compiles an AOTInductor package
 def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
     # aoti_compile_and_package fills aot_inductor.metadata in place; left so, it changed the FX-graph
-    # cache key of the compile route's cache saved later in the same build (a miss on the H200, run 10)
+    # cache key of the compile route's cache saved later in the same build (a miss seen on an H200)
     import torch
 
     class Tiny(torch.nn.Module):

@@ -70,7 +70,7 @@ def test_a_failing_capture_leaves_plain_calls_and_says_why():
 
 
 def test_a_capture_out_of_memory_is_tried_again_later_then_given_up():
-    """Memory short at a capture (a GPU shared with another process; session 34's H200 runs filled it) may be
+    """Memory short at a capture (a GPU shared with another process, as an H200 was) may be
     short only for now: the shape is captured again after two more calls, up to three captures in all, instead
     of running plain calls for the rest of the process."""
     tries = []
@@ -181,8 +181,8 @@ def test_inputs_move_to_the_functions_device_and_outputs_come_back_where_asked()
 
 def test_a_capture_is_checked_by_a_replay_that_takes_the_callers_inputs_and_gives_back_where_asked():
     """The replay a capture is checked with is the one later calls make: host inputs straight in, outputs on
-    `out_device`; a replay that is right only when its outputs stay on the GPU (the
-    check before session 35) must not pass."""
+    `out_device`; a replay that is right only when its outputs stay on the GPU (what the
+    check once tried) must not pass."""
     seen = []
 
     class WrongOnCallersPath(FakeGraph):

@@ -145,7 +145,7 @@ def test_an_entry_larger_than_an_environment_variable_is_probed(ahead, demo_ckpt
     assert probe.finish(pending, stats) is None, stats
     assert stats["probe"] == "ran"
     # this probe's own file: another test worker's probe may hold one of the same prefix at this moment (a glob of
-    # the whole directory failed so under pytest-xdist in CI, session 19)
+    # the whole directory failed so under pytest-xdist in CI)
     assert not os.path.exists(entry_file)
 
 

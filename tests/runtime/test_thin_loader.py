@@ -422,16 +422,17 @@ def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_
         demo_ckpt, demo_bundle, reference):
     """laya's own retry (`Agent._infer`): after the forward ran out of memory on an accelerator it takes its write
     lock, calls `deaccelerate()`, moves the agent's module to the CPU, answers there and moves the module back. On
-    the shell of meta tensors that move raised inside the retry (session 34); with laya's module given for the retry,
+    the shell of meta tensors that move raised inside the retry; with laya's module given for the retry,
     a GPU still full refused the move back and left the agent on the CPU, laya's eager forward serving every later
-    call (H200, session 36). Here the agent's device is `meta`, which laya treats as an accelerator: the forward
+    call (seen on an H200). Here the agent's device is `meta`, which laya treats as an accelerator: the forward
     runs out of memory there and laya's retry answers on the CPU; laya's move of its module back to `meta` (raising
     here, refused by a full GPU there) must not be made: the shell goes back and the artifact serves again."""
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
     bo, eager, shell = agent.backend_object, agent.backend_object.eager_module, agent.model
     kept = []
     for retry in (1, 2):
-        agent.model.forward = _out_of_memory   # the artifact's call on the accelerator
+        # the artifact's call on the accelerator, either way in: the batch on the host, or laya's after it
+        agent.model.forward = bo.host_call = _out_of_memory
         agent.device = torch.device("meta")
         with pytest.warns(RuntimeWarning, match="Retrying this request on CPU"):
             got = agent.predict_batch(STATES, question_suite())
@@ -446,6 +447,7 @@ def test_layas_retry_on_the_cpu_after_running_out_of_memory_leaves_a_thin_agent_
         kept.append(eager.retry_module)
     assert kept[0] is kept[1]   # built once, for both retries
     assert "built on the CPU for laya's retry" in eager.stats["eager_module_why"]
+    del bo.host_call
     agent.device = torch.device("cpu")
     before = bo.stats.get("artifact_calls", 0)
     for got, ref in zip(agent.predict_batch(STATES, question_suite()), reference):
@@ -463,7 +465,7 @@ def test_laya_aots_own_backend_swaps_build_no_eager_module(demo_ckpt, demo_bundl
 def test_laya_module_for_layas_retry_is_built_on_the_cpu_and_a_device_out_of_memory_elsewhere_raises(
         demo_ckpt, demo_bundle, monkeypatch):
     """laya's retry runs laya's module on the CPU, so it is built there, never on the device that just ran out of
-    memory (on the H200 filled to 3 MB, session 34, the build there ran out too). Anywhere else the device's
+    memory (on an H200 filled to 3 MB the build there ran out too). Anywhere else the device's
     out-of-memory is the caller's."""
     agent = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True)
     eager = agent.backend_object.eager_module

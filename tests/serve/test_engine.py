@@ -199,12 +199,13 @@ def test_a_real_merged_call_answers_each_request_as_alone(demo_ckpt, demo_bundle
         seen.append(tuple(a.detach().clone() for a in args[:5]))
         return forward(*args, **kwargs)
 
-    backend.model.forward = record
+    backend.model.forward = backend.forward = record  # both ways in: laya's `_infer`, and `host_call`
     try:
         agent.system_one(DEMO_STATES[0], DEMO_QUESTIONS)
         agent.system_one(DEMO_STATES[1] * 3, {k: DEMO_QUESTIONS[k] for k in list(DEMO_QUESTIONS)[:1]})
     finally:
         backend.model.forward = forward
+        del backend.forward
     assert len(seen) == 2 and seen[0][0].shape != seen[1][0].shape
     eng = engine.Engine(lambda key, request: agent, lambda a: {})
     eng.describe("demo", {})

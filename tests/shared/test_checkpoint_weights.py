@@ -63,8 +63,8 @@ def test_load_into_allocated_tensors_writes_them_in_place(weights, chunk, monkey
 
 @pytest.mark.parametrize("fails_at", ["copy", "device"])
 def test_a_failed_load_raises_its_own_error_not_the_mappings(weights, fails_at, monkeypatch):
-    """A copy that fails (another shape in `into`; the device out of memory, as on an H200 filled to a few MB in
-    session 34) raised BufferError "cannot close exported pointers exist" in its place: the traceback kept a
+    """A copy that fails (another shape in `into`; the device out of memory, as on an H200 filled to a few MB)
+    raised BufferError "cannot close exported pointers exist" in its place: the traceback kept a
     view of the file's mapping alive while the mapping was closed."""
     w, tensors = weights
     if fails_at == "copy":
