@@ -156,6 +156,7 @@ def test_a_checkpoint_laya_s_strict_load_refuses_raises_its_error(demo_ckpt, tmp
 def test_tied_parameters_stay_one_parameter_holding_the_value_laya_s_load_leaves(demo_ckpt, monkeypatch):
     """laya 0.4's DecisionModel ties nothing; a module that does keeps the tie, with the value a copying strict
     load leaves (the name loaded last)."""
+    import laya.agent  # noqa: F401 - imported before the patch: its own `build_model` binding stays laya's
     import laya.common
 
     real = laya.common.build_model
