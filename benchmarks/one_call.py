@@ -3,7 +3,8 @@
     python benchmarks/one_call.py --ckpt CKPT --bundle BUNDLE [--runtimes aot,aot-laya-infer,cuda]
 
 `aot-laya-infer` is laya-aot with laya's own `Agent._infer` (each input moved to the GPU apart, then the backend's
-forward) in place of the collated batch handed to the backend on the host (`AOTBackend.host_call`).
+forward) in place of the collated batch handed to the backend on the host (`AOTBackend.host_call`);
+`aot-laya-predict` is laya-aot with every call through laya's own `predict_batch` (no plain calls).
 The call is `harness.CALLS`' 1x1 (one state of 20 words, one choice question). Each runtime in a fresh process:
 - its first call after load, then the median of 200 calls, each synchronised;
 - `torch.profiler` over 10 calls: kernels per call, the GPU's time in kernels per call, the kernels by GPU time
@@ -37,6 +38,8 @@ def _call(runtime: str, ckpt: str, bundle: str) -> Callable[[], Any]:
         agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True)
         if runtime == "aot-laya-infer":
             agent.__dict__.pop("_infer")  # laya's own method again
+        if runtime == "aot-laya-predict":
+            agent.backend_object.host_path.plain = None  # every call through laya's own predict_batch
         return lambda: agent.predict_batch(state, harness.ONE)
     from laya_cuda import Engine
 
@@ -130,8 +133,8 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--runtimes", default="aot,cuda",
-                    help="aot (laya_aot.load's default), aot-laya-infer (the same with laya's own _infer), cuda "
-                         "(laya-cuda Engine)")
+                    help="aot (laya_aot.load's default), aot-laya-infer / aot-laya-predict (the same with laya's own "
+                         "_infer / predict_batch), cuda (laya-cuda Engine)")
     ap.add_argument("--child")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
