@@ -72,10 +72,27 @@ def _answers(server: Server) -> List[Dict[str, Any]]:
     return out
 
 
+def _alike(a: Any, b: Any, tol: float) -> bool:
+    """`a == b`, but for numbers (not booleans), which may differ by `tol`."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_alike(x, y, tol) for x, y in zip(a, b))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return abs(a - b) <= tol
+    return a == b
+
+
 def test_two_workers_answer_laya_routes_as_one_process(servers):
+    """The same answers, bit for bit where every process serves the same artifact. Two artifacts within the
+    loader's tie may serve different processes (the start order's tie-break reads the start costs each start
+    records); fp32 artifacts verified against laya, their rounded numbers may then differ in the last digit."""
     one, two = _answers(servers["one"]), _answers(servers["two"])
     assert [a.get("status") for a in one] == [200, 200, 200, 422, 400, 422, 200, 401, "ok"]
-    assert two == one
+    served = {servers["one"].aot()["bundles"]["demo"]["artifact"]}
+    served |= {w["backends"]["demo"]["artifact"] for w in _seen(servers["two"]) if "demo" in w["backends"]}
+    assert _alike(two, one, 0.0 if len(served) == 1 else 1e-3), (served, two, one)
 
 
 def test_v1_aot_names_the_worker_that_answered_and_metrics_sum_both(servers):
