@@ -5,7 +5,8 @@ trained, when it is made, on tickets generated here from phrase lists (no downlo
 ticket has a team (billing, technical, account), an urgency level and whether the writer is angry, and the
 model learns the three questions `laya-aot demo` asks. The demo's own states are not among the tickets.
 Training is laya's (`laya.train.items_from_rows`, `laya.train.train_model`) on one CPU thread, so a seed
-gives the same weights on one machine, in well under a minute on a small CPU.
+gives the same weights on one machine (a CPU with other vector instructions rounds differently), in about a
+minute on a small CPU.
 """
 from __future__ import annotations
 
