@@ -16,12 +16,19 @@ from .. import kinds
 from ..kinds.usable import Here, reject_reason
 from ..manifest import Artifact
 
-__all__ = ["MIX_TIE", "START_SLACK_S", "StartOrder", "StartPlan", "plan", "rank", "reject_reason",  # kinds.usable's
+__all__ = ["MIX_TIE", "START_SLACK_S", "START_TIE", "StartOrder", "StartPlan", "plan", "rank",
+           "reject_reason",  # kinds.usable's
            "select"]
 
 # artifacts whose measured mix is within this fraction of the fastest one's are a tie on the mix (a build's
 # figures vary by a few percent from run to run): among them, the one that starts faster on this machine wins
 MIX_TIE = 0.05
+
+# within the mix tie, a recorded start moves an artifact ahead of the one before it only when it is quicker than that
+# one's recorded start by more than this fraction: recorded starts vary with the machine's load, and a tie-break
+# that followed that noise switched a service's artifact from one start to the next (and two workers of one server
+# could serve different ones)
+START_TIE = 0.2
 
 # an artifact that runs laya's own module but is recorded as starting within this of a quicker one here serves a
 # start itself: no hand-over (`plan`)
@@ -45,9 +52,10 @@ def rank(arts: List[Artifact], device: str, prefer: Optional[str] = None,
 
     The mix of shapes measured on this kind of device ranks first (fastest sum first): measured on this machine
     (`here`, the sums `laya-aot bench` stored: runtime/bench.py) where given, else at build (`Artifact.latency_ms`);
-    among those within MIX_TIE of the fastest, the one with the cheapest start recorded on this machine (`starts`,
-    from `start_costs.known`) goes first. Artifacts without a figure follow (those the build measured, by the
-    build's figures, where `here` ranks the rest) in the kinds' fixed order (`kinds.RUNTIME_ORDER`).
+    among those within MIX_TIE of the fastest, one whose start recorded on this machine (`starts`, from
+    `start_costs.known`) is quicker by more than START_TIE goes first (`_start_leader`). Artifacts without a figure
+    follow (those the build measured, by the build's figures, where `here` ranks the rest) in the kinds' fixed
+    order (`kinds.RUNTIME_ORDER`).
     """
     order = kinds.RUNTIME_ORDER
     skipped: List[Tuple[str, str]] = []
@@ -70,10 +78,21 @@ def rank(arts: List[Artifact], device: str, prefer: Optional[str] = None,
     measured = [a for a in ordered if _latency(a, device, here) is not None]
     if starts and len(measured) > 1:
         bound = _latency(measured[0], device, here) * (1 + MIX_TIE)
-        tied = [a for a in measured if _latency(a, device, here) <= bound]
-        tied.sort(key=lambda a: (starts.get(a.name, float("inf")), _latency(a, device, here)))
-        ordered = tied + [a for a in ordered if all(a is not t for t in tied)]
+        lead = _start_leader([a for a in measured if _latency(a, device, here) <= bound], starts)
+        ordered = [lead] + [a for a in ordered if a is not lead]
     return ordered, skipped
+
+
+def _start_leader(tied: List[Artifact], starts: Mapping[str, float]) -> Artifact:
+    """Of `tied` (in mix order), the one a start tries first: walking the mix order, an artifact takes the lead
+    when its recorded start is quicker than the leader's by more than START_TIE (a leader never started here has
+    none, so any recorded start is quicker). The same figures give the same leader, and the leader's own start
+    recorded again a little slower, or a follower's a little quicker, does not change it."""
+    lead = tied[0]
+    for art in tied[1:]:
+        if art.name in starts and starts[art.name] < starts.get(lead.name, float("inf")) * (1 - START_TIE):
+            lead = art
+    return lead
 
 
 def start_tie_reason(art: Artifact, arts: List[Artifact], device: str, starts: Mapping[str, float],
@@ -85,8 +104,8 @@ def start_tie_reason(art: Artifact, arts: List[Artifact], device: str, starts: M
     if not faster or art.name not in starts:
         return None
     other = min(faster, key=lambda a: _latency(a, device, here))
-    return ("within %d%% of %s's mix, and it starts faster here (%.2f s against %s)"
-            % (round(MIX_TIE * 100), other.name, starts[art.name],
+    return ("within %d%% of %s's mix, and it starts more than %d%% faster here (%.2f s against %s)"
+            % (round(MIX_TIE * 100), other.name, round(START_TIE * 100), starts[art.name],
                "%.2f s" % starts[other.name] if other.name in starts else "no start recorded"))
 
 
