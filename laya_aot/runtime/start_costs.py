@@ -7,8 +7,9 @@ kernels). A start's cost is the whole of `laya_aot.load` for it: laya's agent, t
 smoke check, as the service waits for them. Only starts whose probe verdict was already cached are recorded, so
 the figures compare like with like (a first start's probe child is paid once per machine). `select.rank` uses
 them between artifacts whose measured mix is within `select.MIX_TIE` of the fastest: there, one that starts
-faster here by more than `select.START_TIE` goes first. An entry is read through `files.read_cache_json` (a figure that is not a start's, or
-not this artifact's, is none): at worst a wrong figure reorders artifacts whose measured mix is within the tie.
+faster here by more than `select.START_TIE` goes first. An entry is read through `files.read_cache_json` (a
+figure that is not a start's, or not this artifact's, is none): at worst a wrong figure reorders artifacts whose
+measured mix is within the tie.
 """
 from __future__ import annotations
 
