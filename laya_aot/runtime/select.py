@@ -21,7 +21,7 @@ __all__ = ["MIX_TIE", "START_SLACK_S", "START_TIE", "StartOrder", "StartPlan", "
            "select"]
 
 # artifacts whose measured mix is within this fraction of the fastest one's are a tie on the mix (a build's
-# figures vary by a few percent from run to run): among them, the one that starts faster on this machine wins
+# figures vary by a few percent from run to run): among them, one that starts clearly faster here wins (START_TIE)
 MIX_TIE = 0.05
 
 # within the mix tie, a recorded start moves an artifact ahead of the one before it only when it is quicker than that
