@@ -86,8 +86,8 @@ def _alike(a: Any, b: Any, tol: float) -> bool:
 
 def test_two_workers_answer_laya_routes_as_one_process(servers):
     """The same answers, bit for bit where every process serves the same artifact. Two artifacts within the
-    loader's tie may serve different processes (the start order's tie-break reads the start costs each start
-    records); fp32 artifacts verified against laya, their rounded numbers may then differ in the last digit."""
+    loader's tie may still serve different processes (a start recorded more than `select.START_TIE` quicker puts
+    another first); fp32 artifacts verified against laya, their rounded numbers may then differ in the last digit."""
     one, two = _answers(servers["one"]), _answers(servers["two"])
     assert [a.get("status") for a in one] == [200, 200, 200, 422, 400, 422, 200, 401, "ok"]
     served = {servers["one"].aot()["bundles"]["demo"]["artifact"]}
