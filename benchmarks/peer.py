@@ -201,6 +201,7 @@ def requests(ckpt: Path, path: Path, stream_n: int, pool_sets: int) -> Dict[str,
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer" / "tokenizer.json"))
+    tok.no_truncation()  # states are sized by counting tokens: a tokenizer file that truncates would never get there
     made = {"calls": calls(tok), "stream": stream(tok, stream_n), "pool": decision_pool(pool_sets)}
     path.write_text(json.dumps(made))
     return made
