@@ -19,9 +19,8 @@ R rows x T tokens instead of the build's default, `export.example_rows`/`example
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
 `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+splitmlp` (the
 GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue),
-`+faithful` (`export.precision=faithful` with fp16 products, the build's default where activations fit; otherwise
-laya's autocast policy in `--dtype`), `+splitk` (the faithful path's products by `splitk_gemm.splitk_mm`) and
-`+splitkcond` (by it up to `splitk_gemm.SKINNY_M` rows x tokens, by cuBLAS above).
+and `+faithful` (`export.precision=faithful` with fp16 products, the build's default where activations fit;
+otherwise laya's autocast policy in `--dtype`).
 `--prebuilt VARIANT=DIR` times a package already built (a bundle's `aoti-sm_90/`) instead of compiling it;
 `--smoke` first runs each package once per shape in a process of its own, so that a package which breaks the CUDA
 context is named and left out rather than ending the run. What these settings measured is in
@@ -67,10 +66,6 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
         import torch._inductor.config as inductor_config
 
         inductor_config.triton.enable_persistent_tma_matmul = True
-    if "splitk" in extras or "splitkcond" in extras:
-        import splitk_gemm
-
-        splitk_gemm.install(choose="splitkcond" in extras)
     head = "full" if "fullhead" in extras else e.head
     t0 = time.perf_counter()
     agent = laya.load(ckpt, device="cpu")

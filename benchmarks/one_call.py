@@ -4,8 +4,7 @@
 
 `aot-laya-infer` is laya-aot with laya's own `Agent._infer` (each input moved to the GPU apart, then the backend's
 forward) in place of the collated batch handed to the backend on the host (`AOTBackend.host_call`);
-`aot-laya-predict` is laya-aot with every call through laya's own `predict_batch` (no plain calls);
-`aot-cublaslt` is laya-aot with torch's matrix products through cuBLASLt (`preferred_blas_library`) instead of cuBLAS.
+`aot-laya-predict` is laya-aot with every call through laya's own `predict_batch` (no plain calls).
 The call is `harness.CALLS`' 1x1 (one state of 20 words, one choice question). Each runtime in a fresh process:
 - its first call after load, then the median of 200 calls, each synchronised;
 - `torch.profiler` over 10 calls: kernels per call, the GPU's time in kernels per call, the kernels by GPU time
@@ -36,10 +35,6 @@ def _call(runtime: str, ckpt: str, bundle: str) -> Callable[[], Any]:
     if runtime.startswith("aot"):
         import laya_aot
 
-        if runtime == "aot-cublaslt":
-            import torch
-
-            torch.backends.cuda.preferred_blas_library("cublaslt")
         agent = laya_aot.load(ckpt, bundle=bundle, device="cuda", strict=True)
         if runtime == "aot-laya-infer":
             agent.__dict__.pop("_infer")  # laya's own method again
@@ -139,7 +134,7 @@ def main() -> None:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--runtimes", default="aot,cuda",
                     help="aot (laya_aot.load's default), aot-laya-infer / aot-laya-predict (the same with laya's own "
-                         "_infer / predict_batch), aot-cublaslt (products through cuBLASLt), cuda (laya-cuda Engine)")
+                         "_infer / predict_batch), cuda (laya-cuda Engine)")
     ap.add_argument("--child")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
