@@ -424,6 +424,49 @@ def _phases(starts: Dict[str, List[Dict[str, Any]]]) -> List[str]:
     return lines
 
 
+def stream_cells(ckpt: Path, stream_reqs: List[Any]) -> Dict[str, Any]:
+    """The stream's tokens as laya-aot computes them, on the host (no GPU, no forward): real tokens, the cells of
+    each call padded to its longest row (a multiple of 16), as served (stepped where a CUDA graph replays it,
+    `padding.for_runner`), and packed (each row only its own tokens rounded up to 16, as laya-cuda and packed
+    rows compute them)."""
+    import laya
+    import laya.agent
+
+    from laya_aot.kinds.graphs import MAX_TOKENS
+    from laya_aot.padding import MAX_ROWS, Ranges, context_tokens
+
+    class Collated(Exception):
+        pass
+
+    agent = laya.load(str(ckpt), device="cpu")
+    ranges = Ranges(1, MAX_ROWS, 16, context_tokens(agent.cfg.get("max_len", 512)), 2, 64)
+    stock, seen = laya.agent.collate_items, []
+
+    def spy(batch: Any, pad_id: int) -> Any:
+        b = stock(batch, pad_id)
+        seen.append((b["attention_mask"].sum(1).tolist(), b["marker_pos"].shape[1]))
+        raise Collated
+
+    laya.agent.collate_items = spy
+    cells = {"real": 0, "padded": 0, "served": 0, "packed": 0}
+    try:
+        for state, questions in stream_reqs:
+            try:
+                agent.predict_batch([state], questions)
+            except Collated:
+                pass
+            lens, markers = seen[-1]
+            n, padded = len(lens), ranges.padded_tokens(max(lens))
+            shape = ranges.call_shape(n, padded, markers)
+            cells["real"] += sum(lens)
+            cells["padded"] += n * padded
+            cells["served"] += shape[0] * shape[1] if shape[0] * shape[1] <= MAX_TOKENS else n * padded
+            cells["packed"] += sum(-(-length // 16) * 16 for length in lens)
+    finally:
+        laya.agent.collate_items = stock
+    return dict(cells, **{k + "_per_real": round(cells[k] / cells["real"], 3) for k in ("padded", "served", "packed")})
+
+
 def main() -> None:
     ap = harness.parser(__doc__, work=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -448,12 +491,33 @@ def main() -> None:
     ap.add_argument("--result")
     ap.add_argument("--requests")
     ap.add_argument("--start-only", action="store_true")
+    ap.add_argument("--cells", action="store_true",
+                    help="only the stream's computed cells per real token, on the host (`stream_cells`)")
     a = ap.parse_args()
     a.modes = {"fp32", *a.modes.split(",")}
+    if a.cells:
+        cells(a)
+        return
     if a.child:
         child(a.child, a.ckpt, a.bundle, a.result, a)
         return
     run(a)
+
+
+def cells(a: argparse.Namespace) -> None:
+    """`--cells`: each shape's checkpoint and stream made as `run` makes them, then `stream_cells`."""
+    res: Dict[str, Any] = {"environment": harness.environment(), "stream": a.stream, "shapes": {}}
+    for shape in [s for s in a.shapes.split(",") if s]:
+        ckpt = Path(a.work) / shape / "ckpt"
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.check_call([sys.executable, "-m", "laya_aot.cli", "make-demo", str(ckpt), "--shape", shape])
+        made = requests(ckpt, ckpt.parent / "requests.json", a.stream, a.pool_sets)
+        res["shapes"][shape] = stream_cells(ckpt, made["stream"])
+        print(shape, json.dumps(res["shapes"][shape]), flush=True)
+    lines = ["| checkpoint | real tokens | padded / real | as served / real | packed / real |", "|---|---|---|---|---|"]
+    lines += ["| %s | %d | %.3f | %.3f | %.3f |" % (k, v["real"], v["padded_per_real"], v["served_per_real"],
+                                                   v["packed_per_real"]) for k, v in res["shapes"].items()]
+    harness.write(Path(a.out), "stream_cells" + a.tag, res, "\n".join(lines) + "\n", title="The stream's cells")
 
 
 def run(a: argparse.Namespace) -> Dict[str, Any]:
