@@ -427,8 +427,8 @@ def _phases(starts: Dict[str, List[Dict[str, Any]]]) -> List[str]:
 def stream_cells(ckpt: Path, stream_reqs: List[Any]) -> Dict[str, Any]:
     """The stream's tokens as laya-aot computes them, on the host (no GPU, no forward): real tokens, the cells of
     each call padded to its longest row (a multiple of 16), as served (stepped where the call is small enough for
-    a CUDA graph, `padding.for_runner`), and packed (each row only its own tokens rounded up to 16, as laya-cuda and packed
-    rows compute them)."""
+    a CUDA graph, `padding.for_runner`), and packed (each row only its own tokens rounded up to 16, as laya-cuda
+    and packed rows compute them)."""
     import laya
     import laya.agent
 
