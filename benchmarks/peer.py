@@ -432,14 +432,17 @@ def stream_cells(ckpt: Path, stream_reqs: List[Any]) -> Dict[str, Any]:
     import laya
     import laya.agent
 
-    from laya_aot.kinds.graphs import MAX_TOKENS
-    from laya_aot.padding import MAX_ROWS, Ranges, context_tokens
+    from laya_aot.kinds.exported_program_settings import ExportConfig
+    from laya_aot.kinds.graphs import GraphedCalls
+    from laya_aot.padding import TOKEN_MULTIPLE, Ranges, context_tokens
 
     class Collated(Exception):
         pass
 
     agent = laya.load(str(ckpt), device="cpu")
-    ranges = Ranges(1, MAX_ROWS, 16, context_tokens(agent.cfg.get("max_len", 512)), 2, 64)
+    e = ExportConfig()  # the ranges the build's export asks for by default
+    ranges = Ranges(1, e.max_rows, 2 * TOKEN_MULTIPLE, context_tokens(agent.cfg.get("max_len", 512)), 2, e.max_markers)
+    graphs = GraphedCalls(lambda *xs: xs)  # its `shape_for` decides which calls are stepped; nothing is called
     stock, seen = laya.agent.collate_items, []
 
     def spy(batch: Any, pad_id: int) -> Any:
@@ -457,10 +460,10 @@ def stream_cells(ckpt: Path, stream_reqs: List[Any]) -> Dict[str, Any]:
                 pass
             lens, markers = seen[-1]
             n, padded = len(lens), ranges.padded_tokens(max(lens))
-            shape = ranges.call_shape(n, padded, markers)
+            shape = graphs.shape_for(n, padded, markers, ranges)
             cells["real"] += sum(lens)
             cells["padded"] += n * padded
-            cells["served"] += shape[0] * shape[1] if shape[0] * shape[1] <= MAX_TOKENS else n * padded
+            cells["served"] += n * padded if shape is None else shape[0] * shape[1]
             cells["packed"] += sum(-(-length // 16) * 16 for length in lens)
     finally:
         laya.agent.collate_items = stock
