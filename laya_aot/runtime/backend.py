@@ -130,9 +130,11 @@ class AOTBackend(Backend):
         """Calls served by the artifact, chunks run, eager calls by reason, and CUDA graph use."""
         with self._lock:
             out: Dict[str, Any] = dict(self._counts)
-        graphs = getattr(self.runner, "graphs", None)
+        graphs = getattr(self.runner, "graph_stats", None)
+        if graphs is None and getattr(self.runner, "graphs", None) is not None:
+            graphs = self.runner.graphs.stats
         if graphs is not None:
-            out["cuda_graphs"] = graphs.stats
+            out["cuda_graphs"] = graphs
         if self.host_path is not None:
             out["host_path"] = self.host_path.stats
         return out
