@@ -32,14 +32,12 @@ from .distribution import HF_SCHEME, PACK_SUFFIX
 from .errors import LayaAotError
 from .runtime.batcher import Limits
 from .serve_batching import (
-    DEFAULT_ENGINE_INSTANCES,
     DEFAULT_ENGINE_LANES,
     ENV_BATCH,
     ENV_METRICS,
     LIMIT_SETTINGS,
     METRICS_ROUTE,
     ServeBatching,
-    instances_from_env,
     lanes_from_env,
     limits_from_env,
 )
@@ -87,8 +85,6 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
                            tokenising and decoding, with no weights or device context of their own (default 0)
   LAYA_AOT_ENGINE_LANES    over an engine: the calls each worker's batcher sends to it at once, which it
                            merges with the other workers' (default %d)
-  LAYA_AOT_ENGINE_INSTANCES  over an engine: the artifact calls it runs at once on its GPU, each on an
-                           instance of the artifact of its own that reads the same weights (default %d)
   LAYA_AOT_GIL_SWITCH_MS   Python's thread switch interval in every process of the server, in milliseconds
                            (default: Python's 5): how long a thread woken by an answer may wait for the running
                            one (docs/batching.md)
@@ -96,7 +92,7 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
 the batcher did (histograms of requests per call and of the wait).""" % ((_EXAMPLE,) + tuple(
-    default for _, default in LIMIT_SETTINGS.values()) + (DEFAULT_ENGINE_LANES, DEFAULT_ENGINE_INSTANCES))
+    default for _, default in LIMIT_SETTINGS.values()) + (DEFAULT_ENGINE_LANES,))
 
 
 class ServeConfigError(LayaAotError, ValueError):
@@ -127,7 +123,6 @@ class ServeConfig:
     batching: Optional[Limits] = field(default_factory=Limits)  # None: LAYA_AOT_BATCH=0, one request at a time
     metrics: bool = False  # LAYA_AOT_METRICS: GET /metrics
     lanes: int = 1  # calls the batcher runs at once (serve_batching.lanes_from_env: > 1 only over an engine)
-    instances: int = 1  # over an engine: the artifact calls it runs at once (serve_batching.instances_from_env)
 
 
 def _json_object(env: Mapping[str, str], name: str, shape: str, example: str = _EXAMPLE) -> Dict[str, Any]:
@@ -267,8 +262,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
     near_ties = _near_ties(env)
     batching = limits_from_env(env, ServeConfigError) if _flag(env, ENV_BATCH, default=True) else None
     return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties, batching=batching,
-                       metrics=_flag(env, ENV_METRICS), lanes=lanes_from_env(env, ServeConfigError),
-                       instances=instances_from_env(env, ServeConfigError))
+                       metrics=_flag(env, ENV_METRICS), lanes=lanes_from_env(env, ServeConfigError))
 
 
 def _require_load_parameter(name: str, setting: str) -> None:
@@ -626,7 +620,7 @@ def _engine_main() -> int:
         log.info("engine: %r served by %s (artifact %s)", model, info["backend"], info["artifact"])
         return agent
 
-    return engine.serve_engine(engine.Engine(load_one, describe, instances=config.instances))
+    return engine.serve_engine(engine.Engine(load_one, describe))
 
 
 def main(argv: List[str], start: float) -> int:

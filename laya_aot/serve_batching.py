@@ -41,9 +41,6 @@ ENV_BUCKETS = "LAYA_AOT_BATCH_BUCKETS"
 ENV_LANES = "LAYA_AOT_ENGINE_LANES"
 DEFAULT_ENGINE_LANES = 1  # a worker's calls in flight to the engine: more buy little on a GPU (docs/batching.md)
 MAX_LANES = 64
-ENV_INSTANCES = "LAYA_AOT_ENGINE_INSTANCES"
-DEFAULT_ENGINE_INSTANCES = 1  # artifact calls an engine runs at once on its GPU (runtime/engine.Engine.instances)
-MAX_INSTANCES = 8
 SIDE_THREADS = 64  # batch requests and tournaments waiting on the queue at once (more wait for a thread)
 METRICS_ROUTE = "/metrics"
 
@@ -77,13 +74,6 @@ def lanes_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) ->
     lanes = number_from_env(env, ENV_LANES, int, 1, MAX_LANES, "a number of calls from 1 to %d (default %d)"
                             % (MAX_LANES, DEFAULT_ENGINE_LANES), error) or DEFAULT_ENGINE_LANES
     return lanes if env.get(ENV_ENGINE_ADDRESS) else 1
-
-
-def instances_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -> int:
-    """The artifact calls an engine runs at once on its GPU, each on an instance of the artifact of its own:
-    LAYA_AOT_ENGINE_INSTANCES. A bad value raises `error(message)` wherever it is read."""
-    return number_from_env(env, ENV_INSTANCES, int, 1, MAX_INSTANCES, "a number of calls from 1 to %d (default %d)"
-                           % (MAX_INSTANCES, DEFAULT_ENGINE_INSTANCES), error) or DEFAULT_ENGINE_INSTANCES
 
 
 class SharedGate:

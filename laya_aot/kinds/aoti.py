@@ -15,7 +15,6 @@ import contextlib
 import copy
 import json
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
@@ -168,19 +167,18 @@ class AOTIRunner(Runner):
 
         art_dir = Path(art_dir)
         self.device = torch.device(device)
-        self._art_dir = art_dir
         spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
         t0 = time.perf_counter()
         self._compiled = load_aoti(art_dir, self._index())
         self.stats: Dict[str, object] = {"load_package_s": round(time.perf_counter() - t0, 3)}
         self._lock = threading.Lock()
         self._consts: Dict[str, torch.Tensor] = {}
-        self._frozen = bool(spec.get("frozen"))
-        first = _Instance(self._compiled, self.device, cuda_graphs)
-        self._run = first.run
-        self._instances = [first]
-        self._free: "queue.LifoQueue[_Instance]" = queue.LifoQueue()  # the last freed first: its graphs are warm
-        self._free.put(first)
+        self._run = self._plain_run()
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from .graphs import GraphedCalls
+
+            self.graphs = GraphedCalls(self._run, device=self.device)
         if spec.get("frozen"):  # weights folded into the package at build time
             return
         t0 = time.perf_counter()
@@ -241,133 +239,33 @@ class AOTIRunner(Runner):
             return -1
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
+    def _plain_run(self) -> Callable[..., Outputs]:
+        """The package's C++ `run` on a list of tensors: no pytree specs parsed on every call. Every input reaches
+        the package here (a plain call, a CUDA graph's capture, an early call), made contiguous: the package reads
+        each as laid out row after row, so a strided view (a transpose, a column slice) gave wrong answers without
+        an error; `contiguous` returns a contiguous tensor itself."""
+        loader = getattr(self._compiled, "loader", None)
+        if loader is None or not hasattr(loader, "run"):
+            return lambda *xs: tuple(self._compiled(*(x.contiguous() for x in xs)))
+        return lambda *xs: tuple(loader.run([x.contiguous() for x in xs]))
+
     takes_host_inputs = True
-
-    @property
-    def graphs(self) -> Optional[Any]:
-        """The first instance's CUDA graphs (`kinds.graphs.GraphedCalls`): the policy the backend steps calls by
-        (`padding.for_runner`); every instance's follow the same. None: plain calls only."""
-        return self._instances[0].graphs
-
-    @graphs.setter
-    def graphs(self, graphs: Optional[Any]) -> None:  # a benchmark compares a call with its graphs and without
-        self._instances[0].graphs = graphs
-
-    def widen(self, instances: int) -> int:
-        """Let up to `instances` calls run at once on this GPU, each on a model of its own: the package loaded
-        again, reading the same weight tensors in place (no second copy of the weights), with its own CUDA graphs
-        and stream. A call of a few rows leaves much of the GPU idle (its host side, its short kernels); another
-        call's work fills it. Returns the number of instances now (1 on a CPU, where calls share the cores, and
-        for a frozen package, whose weights live inside it)."""
-        if self.device.type != "cuda" or self._frozen:
-            return len(self._instances)
-        with self._lock:
-            if len(self._instances) < instances and self._instances[0].stream is None:
-                # no call runs on it now: the lock is held, and it is the only instance until the loop adds one
-                self._instances[0].stream = torch.cuda.Stream(device=self.device)
-            while len(self._instances) < instances:
-                t0 = time.perf_counter()
-                compiled = load_aoti(self._art_dir, self._index())
-                compiled.load_constants(self._consts, check_full_update=True, user_managed=True)
-                inst = _Instance(compiled, self.device, self.graphs is not None, torch.cuda.Stream(device=self.device))
-                inst.warm(self.device)
-                self._instances.append(inst)
-                self._free.put(inst)
-                log.info("laya-aot: AOTInductor instance %d of %s loaded in %.3f s", len(self._instances),
-                         self._art_dir.name, time.perf_counter() - t0)
-            self.stats["instances"] = len(self._instances)
-        return len(self._instances)
-
-    @property
-    def graph_stats(self) -> Optional[Dict[str, Any]]:
-        """The CUDA graphs' counts, over every instance (None: no graphs)."""
-        if self.graphs is None:
-            return None
-        if len(self._instances) == 1:
-            return self.graphs.stats
-        out: Dict[str, Any] = {}
-        for inst in self._instances:
-            for k, v in inst.graphs.stats.items():
-                out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else out.get(k, 0) + v
-        out["instances"] = len(self._instances)
-        return out
 
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:
         """Inputs on any device, outputs on the inputs' device. A CUDA graph's replay takes host inputs straight
         into its static buffers and gives its outputs straight back: no device copy of either in between (on
         the H200 those copies were about a quarter of a 1x1 call's host time)."""
+        back = ids.device
         # the package launches on the current stream of the current device: make that the artifact's GPU,
         # whatever device the calling thread had current (an agent on cuda:1 beside one on cuda:0)
         where = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        if len(self._instances) == 1:
-            with self._lock:
-                if len(self._instances) == 1:  # not widened while this call waited for the lock
-                    with where:
-                        return self._instances[0].call((ids, att, mpos, mmask, qtype), self.device)
-        inst = self._free.get()
-        try:
-            with where:
-                return inst.call((ids, att, mpos, mmask, qtype), self.device)
-        finally:
-            self._free.put(inst)
-
-
-class _Instance:
-    """One model of an AOTInductor package: its compiled program, its CUDA graphs (their own memory pool) and the
-    stream its calls run on (None: the caller's; `AOTIRunner.widen` gives each instance one of its own)."""
-
-    def __init__(self, compiled: Any, device: torch.device, cuda_graphs: bool, stream: Optional[Any] = None):
-        self.run = _plain_run(compiled)
-        self.stream = stream
-        self.graphs = None
-        if cuda_graphs and device.type == "cuda":
-            from .graphs import GraphedCalls
-
-            self.graphs = GraphedCalls(self.run, device=device)
-
-    def warm(self, device: torch.device) -> None:
-        """One call, outputs thrown away, before the instance serves: what a first call loads lazily (the kernels'
-        modules) is not paid by a request. A failure is left to the first real call, which reports it."""
-        from ..padding import batch_of_shape
-
-        try:
-            with torch.no_grad(), torch.cuda.stream(self.stream):
-                self.run(*(x.to(device) for x in batch_of_shape(1, 32, 4)))
-            self.stream.synchronize()
-        except Exception as e:  # noqa: BLE001
-            log.debug("laya-aot: warming an AOTInductor instance failed: %s", e)
-
-    def call(self, inputs: Sequence[torch.Tensor], device: torch.device) -> Outputs:
-        back = inputs[0].device
-        if self.stream is None:
-            return self._call(inputs, device, back)
-        caller = torch.cuda.current_stream(device)
-        self.stream.wait_stream(caller)  # inputs the caller made on the GPU are written before they are read
-        with torch.cuda.stream(self.stream):
-            out = self._call(inputs, device, back)
-        caller.wait_stream(self.stream)  # and outputs left on the GPU are written before the caller reads them
-        for o in out:
-            if o.is_cuda:
-                o.record_stream(caller)
-        return out
-
-    def _call(self, inputs: Sequence[torch.Tensor], device: torch.device, back: torch.device) -> Outputs:
-        if self.graphs is not None:
-            logits, act = self.graphs(*inputs, out_device=back)
-            return logits, act
-        logits, act = self.run(*(x.to(device) for x in inputs))
-        return logits.to(back), act.to(back)
-
-
-def _plain_run(compiled: Any) -> Callable[..., Outputs]:
-    """The package's C++ `run` on a list of tensors: no pytree specs parsed on every call. Every input reaches the
-    package here (a plain call, a CUDA graph's capture, an early call), made contiguous: the package reads each as
-    laid out row after row, so a strided view (a transpose, a column slice) gave wrong answers without an error;
-    `contiguous` returns a contiguous tensor itself."""
-    loader = getattr(compiled, "loader", None)
-    if loader is None or not hasattr(loader, "run"):
-        return lambda *xs: tuple(compiled(*(x.contiguous() for x in xs)))
-    return lambda *xs: tuple(loader.run([x.contiguous() for x in xs]))
+        with self._lock, where:
+            if self.graphs is not None:
+                logits, act = self.graphs(ids, att, mpos, mmask, qtype, out_device=back)
+            else:
+                logits, act = self._run(*(x.to(self.device) for x in (ids, att, mpos, mmask, qtype)))
+                logits, act = logits.to(back), act.to(back)
+        return logits, act
 
 
 def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[str, torch.Tensor]:

@@ -39,11 +39,6 @@ class Runner:
     def __call__(self, ids, att, mpos, mmask, qtype) -> Outputs:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def widen(self, instances: int) -> int:
-        """Let up to `instances` calls run at once; returns how many may (a runner that cannot: 1, its calls one at a
-        time, as the caller's lock around them would keep them)."""
-        return 1
-
 
 class Incoming:
     """Weights allocated on the device, their bytes not yet written: `fill` writes them, run by whoever takes them

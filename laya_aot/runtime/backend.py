@@ -130,11 +130,9 @@ class AOTBackend(Backend):
         """Calls served by the artifact, chunks run, eager calls by reason, and CUDA graph use."""
         with self._lock:
             out: Dict[str, Any] = dict(self._counts)
-        graphs = getattr(self.runner, "graph_stats", None)
-        if graphs is None and getattr(self.runner, "graphs", None) is not None:
-            graphs = self.runner.graphs.stats
+        graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
-            out["cuda_graphs"] = graphs
+            out["cuda_graphs"] = graphs.stats
         if self.host_path is not None:
             out["host_path"] = self.host_path.stats
         return out

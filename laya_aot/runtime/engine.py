@@ -146,27 +146,20 @@ class Engine:
 
     load: Callable[[str, Dict[str, Any]], Any]
     describe_agent: Callable[[Any], Dict[str, Any]]
-    # artifact calls run at once, each by a device thread of its own on an instance of the checkpoint's artifact
-    # (`AOTIRunner.widen`): one call's host side and short kernels leave the GPU idle, which another call fills
-    instances: int = 1
     agents: Dict[str, Any] = field(default_factory=dict)
-    slots: Dict[str, threading.Semaphore] = field(default_factory=dict)  # per checkpoint: its calls at once
     holds: Dict[str, int] = field(default_factory=dict)  # per checkpoint: the workers' agents for it alive
     calls: "queue.Queue[_Call]" = field(default_factory=queue.Queue)
-    # calls taken, artifact calls made (merged ones among them); the device threads' seconds (summed over them) idle,
-    # in the artifact's forward (its outputs on the host) and in the rest (merging, splitting, answering)
+    # calls taken, artifact calls made (merged ones among them); the device thread's seconds idle, in the artifact's
+    # forward (its outputs on the host) and in the rest (merging, splitting, answering)
     stats: Dict[str, float] = field(default_factory=lambda: {"calls": 0, "artifact_calls": 0, "merged_calls": 0,
                                                              "idle_s": 0.0, "forward_s": 0.0, "host_s": 0.0})
     _loading: threading.Lock = field(default_factory=threading.Lock)
-    _stats_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def describe(self, key: str, request: Dict[str, Any]) -> Dict[str, Any]:
         """Load `key` once (the first worker's request loads it; the others wait and share it); what serves it."""
         with self._loading:
             if key not in self.agents:
-                agent = self.load(key, request)
-                self.slots[key] = threading.Semaphore(widen(agent, self.instances))
-                self.agents[key] = agent
+                self.agents[key] = self.load(key, request)
             agent = self.agents[key]
             self.holds[key] = self.holds.get(key, 0) + 1
         backend = agent.backend_object
@@ -186,7 +179,6 @@ class Engine:
                 self.holds[key] = left
                 return
             self.holds.pop(key, None)
-            self.slots.pop(key, None)
             agent = self.agents.pop(key, None)
         if agent is not None:
             del agent
@@ -195,11 +187,13 @@ class Engine:
             log.info("laya-aot engine: %r unloaded: no worker holds it", key)
 
     def run(self) -> None:
-        """A device thread: each call with the calls for its checkpoint that wait behind it, as one."""
+        """The device thread: each call with the calls for its checkpoint that wait behind it, as one."""
+        stats = self.stats
         while True:
             t0 = time.perf_counter()
             first = self.calls.get()
             t1 = time.perf_counter()
+            stats["idle_s"] += t1 - t0
             batch, later = [first], []
             rows = first.inputs[0].shape[0]
             while True:
@@ -211,48 +205,38 @@ class Engine:
                         and rows + nxt.inputs[0].shape[0] <= MAX_MERGED_ROWS)
                 (batch if fits else later).append(nxt)
                 rows += nxt.inputs[0].shape[0] if fits else 0
-            forward = 0.0
+            forward_before = stats["forward_s"]
             for calls in by_length(batch) + [[c] for c in later]:
                 try:
-                    forward += self._answer(calls)
+                    self._answer(calls)
                 except BaseException as e:  # noqa: BLE001 - the device thread outlives anything; no call waits for ever
                     log.exception("laya-aot engine: a call failed outside its requests")
                     for c in calls:
                         c.reply(("error", type(e).__name__, str(e)))
-            self._add(idle_s=t1 - t0, host_s=time.perf_counter() - t1 - forward)
+            stats["host_s"] += time.perf_counter() - t1 - (stats["forward_s"] - forward_before)
 
-    def _add(self, **kw: float) -> None:
-        with self._stats_lock:
-            for name, n in kw.items():
-                self.stats[name] += n
-
-    def _answer(self, batch: List[_Call]) -> float:
-        """Answer `batch` (calls for one checkpoint); the seconds spent in the artifact's forward."""
-        agent = self.agents.get(batch[0].key)
-        slot = self.slots.get(batch[0].key)
-        if agent is None or slot is None:
-            for c in batch:
-                c.reply(("error", "EngineError", "checkpoint %r is not loaded in the engine" % c.key))
-            return 0.0
-        with slot:
-            return self._run_calls(agent.backend_object, batch)
-
-    def _run_calls(self, backend: Any, batch: List[_Call]) -> float:
+    def _answer(self, batch: List[_Call]) -> None:
         import torch
 
-        self._add(calls=len(batch))
-        forward = 0.0
+        agent = self.agents.get(batch[0].key)
+        if agent is None:
+            for c in batch:
+                c.reply(("error", "EngineError", "checkpoint %r is not loaded in the engine" % c.key))
+            return
+        backend = agent.backend_object
+        self.stats["calls"] += len(batch)
         if len(batch) > 1:
             try:
                 inputs, spans = merge([c.inputs for c in batch], getattr(backend, "pad_id", 0))
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     outs = [o.detach().cpu() for o in backend.forward(*inputs)]
-                forward = time.perf_counter() - t0
-                self._add(artifact_calls=1, merged_calls=1, forward_s=forward)
+                self.stats["forward_s"] += time.perf_counter() - t0
+                self.stats["artifact_calls"] += 1
+                self.stats["merged_calls"] += 1
                 for c, part in zip(batch, split(outs, spans, inputs[2].shape[1])):
                     c.reply(("ok", pack(part)))
-                return forward
+                return
             except Exception:  # noqa: BLE001 - each call again by itself: one bad call fails alone
                 log.debug("laya-aot engine: a merged call failed; its calls run one by one", exc_info=True)
         for c in batch:
@@ -260,18 +244,15 @@ class Engine:
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     outs = [o.detach().cpu() for o in backend.forward(*c.inputs, **c.extra)]
-                spent = time.perf_counter() - t0
-                forward += spent
-                self._add(artifact_calls=1, forward_s=spent)
+                self.stats["forward_s"] += time.perf_counter() - t0
+                self.stats["artifact_calls"] += 1
                 c.reply(("ok", pack(outs)))
             except Exception as e:  # noqa: BLE001 - the worker's request fails with it, nothing else does
                 c.reply(("error", type(e).__name__, str(e)))
-        return forward
 
     def serve(self, listener: Listener) -> None:
-        """Accept the workers' connections, one reader thread each; `instances` device threads run the calls."""
-        for i in range(max(1, self.instances)):
-            threading.Thread(target=self.run, name="laya-aot-engine-%d" % i, daemon=True).start()
+        """Accept the workers' connections, one reader thread each; the device thread runs the calls."""
+        threading.Thread(target=self.run, name="laya-aot-engine", daemon=True).start()
         while True:
             conn = listener.accept()
             threading.Thread(target=self._reader, args=(conn,), name="laya-aot-engine-conn", daemon=True).start()
@@ -313,15 +294,6 @@ class Engine:
                 reply(("ok", {"engine": dict(self.stats),
                               "backend": dict(getattr(getattr(agent, "backend_object", None), "stats", {}) or {})}),
                       tag)
-
-
-def widen(agent: Any, instances: int) -> int:
-    """The artifact calls `agent` may run at once: its runner widened to `instances` (`AOTIRunner.widen`), else 1
-    (laya's eager forward, or an artifact that runs one call at a time)."""
-    widen_runner = getattr(getattr(agent.backend_object, "runner", None), "widen", None)
-    if instances <= 1 or widen_runner is None:
-        return 1
-    return max(1, int(widen_runner(instances)))
 
 
 def _empty_device_cache() -> None:
