@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -126,17 +126,34 @@ def _install(model: torch.nn.Module) -> bool:
     return True
 
 
+class Segments(NamedTuple):
+    """Packed rows' attention mask (`modeling.packed`), rows x L each: `seg` numbers each position's segment (0:
+    padding), `lo` and `hi` bound the positions of its segment (`window_attention.segment_attention`)."""
+
+    seg: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
-              **kwargs: Any) -> tuple:
-    """transformers' attention interface: query, key, value rows x heads x L x D in; rows x L x heads x D out."""
+              attention_mask: Optional[torch.Tensor | Segments], dropout: float = 0.0,
+              scaling: Optional[float] = None, **kwargs: Any) -> tuple:
+    """transformers' attention interface: query, key, value rows x heads x L x D in; rows x L x heads x D out. The
+    mask is a rows x L padding mask, or packed rows' `Segments`."""
     rows, heads, length, dim = query.shape
     dtype = kernel_dtype(module, query)
     q, k, v = (t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous() for t in (query, key, value))
-    keep = attention_mask if attention_mask is not None else \
-        torch.ones(rows, length, dtype=torch.bool, device=query.device)
     window = getattr(module, "laya_aot_window", None)
     scale = scaling if scaling is not None else dim ** -0.5
+    if isinstance(attention_mask, Segments):
+        if q.is_cuda:
+            out = torch.ops.laya_aot.segment_attention(q, k, v, *attention_mask, -1 if window is None else window,
+                                                       scale)
+        else:
+            out = reference(q, k, v, attention_mask.seg, window, scale, segments=True)
+        return out, None
+    keep = attention_mask if attention_mask is not None else \
+        torch.ones(rows, length, dtype=torch.bool, device=query.device)
     if q.is_cuda:
         out = torch.ops.laya_aot.window_attention(q, k, v, keep, -1 if window is None else window, scale)
     else:
@@ -145,11 +162,14 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, window: Optional[int],
-              scale: float) -> torch.Tensor:
+              scale: float, segments: bool = False) -> torch.Tensor:
     """The kernel's attention in plain torch (softmax in fp32): rows x L x heads x D out; zeros where a query
-    has no key (a padded position beyond every window: nothing reads it)."""
+    has no key (a padded position beyond every window: nothing reads it). `segments`: `keep` holds segment numbers
+    (0: padding), and a query attends only the keys of its own segment."""
     length = q.shape[2]
     allowed = keep.bool()[:, None, None, :].expand(-1, 1, length, -1)
+    if segments:
+        allowed = allowed & (keep[:, None, :, None] == keep[:, None, None, :])
     if window is not None and window >= 0:
         i = torch.arange(length, device=q.device)
         allowed = allowed & ((i[:, None] - i[None, :]).abs() <= window)

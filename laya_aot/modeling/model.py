@@ -18,6 +18,7 @@ to the target dtype to match laya's own forward there too).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import types
@@ -132,12 +133,15 @@ class ExplicitDtypeModel(torch.nn.Module):
             last.answer_rows = None
 
     def _forward(self, input_ids, attention_mask, marker_pos, marker_mask, qtype):
-        if self.dtype == torch.float32 or self.precision == "faithful":  # no autocast region at all
+        with self.region():
             logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
-        else:
-            with torch.autocast(self.device_type, dtype=self.dtype):
-                logits, act_logits = self.model(input_ids, attention_mask, marker_pos, marker_mask, qtype)
         return logits.float(), act_logits.float()
+
+    def region(self) -> contextlib.AbstractContextManager:
+        """Where the model runs: under autocast in `dtype` for laya's policy in 16 bits, else no autocast region."""
+        if self.dtype == torch.float32 or self.precision == "faithful":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
 
 def gemm_extremes(model: torch.nn.Module, batches: Iterable[tuple], device: str) -> gemm_mod.Extremes:

@@ -22,14 +22,15 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 OP = "laya_aot::window_attention"
+SEGMENT_OP = "laya_aot::segment_attention"
 LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _kernel(Q, K, V, KEEP, OUT, qk_scale, L, H,
+def _kernel(Q, K, V, KEEP, LO, HI, OUT, qk_scale, L, H,
             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, smb, sob, sol, soh,
             WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTS: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor may pass the scale as an fp64 constant
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -47,19 +48,26 @@ def _kernel(Q, K, V, KEEP, OUT, qk_scale, L, H,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if WINDOW >= 0:
-        lo = (tl.maximum(start_m - WINDOW, 0) // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(start_m - WINDOW, 0)
         hi = tl.minimum(start_m + BLOCK_M + WINDOW, L)
     else:
         lo = 0
         hi = L
+    if SEGMENTS:  # only the keys of the block's queries' segments: [first start, last end)
+        seg_q = tl.load(KEEP + b * smb + offs_m, mask=m_ok, other=0)
+        lo = tl.maximum(lo, tl.min(tl.load(LO + b * smb + offs_m, mask=m_ok, other=L), 0))
+        hi = tl.minimum(hi, tl.max(tl.load(HI + b * smb + offs_m, mask=m_ok, other=0), 0))
+    lo = (lo // BLOCK_N) * BLOCK_N
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_j
         n_ok = offs_n < L
-        keep = tl.load(KEEP + b * smb + offs_n, mask=n_ok, other=0) != 0
+        seg_k = tl.load(KEEP + b * smb + offs_n, mask=n_ok, other=0)
         k = tl.load(K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, k) * qk_scale
-        allowed = keep[None, :]
+        allowed = (seg_k != 0)[None, :]
+        if SEGMENTS:
+            allowed = allowed & (seg_k[None, :] == seg_q[:, None])
         if WINDOW >= 0:
             dist = offs_m[:, None] - offs_n[None, :]
             allowed = allowed & (dist <= WINDOW) & (dist >= -WINDOW)
@@ -94,21 +102,33 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     return _launch(q, k, v, keep, window, scale)
 
 
+@triton_op(SEGMENT_OP, mutates_args={})
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, lo: torch.Tensor,
+                      hi: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """`window_attention` over packed rows: seg (rows x L, int32) numbers each position's segment (0: padding), and
+    query i attends key j iff both are in one segment (and within the window); lo and hi (rows x L, int32) are the
+    first position of i's segment and the one past its last (padding: L and 0), so that a query block visits only
+    the key blocks of its own segments. Rows x L x heads x D out; zeros at padding."""
+    return _launch(q, k, v, seg, window, scale, bounds=(lo, hi))
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, window: int, scale: float,
-            cfg: Optional[dict] = None) -> torch.Tensor:
-    """The op's launch; `cfg` (tile sizes and launch shape, `blocks`' when None) is for benchmarks/attention_ab.py,
-    which times the kernel with other tiles."""
+            cfg: Optional[dict] = None, bounds: Optional[tuple] = None) -> torch.Tensor:
+    """The ops' launch (`bounds`: segment_attention's lo and hi); `cfg` (tile sizes and launch shape, `blocks`' when
+    None) is for benchmarks/attention_ab.py, which times the kernel with other tiles."""
     rows, heads, length, dim = q.shape
     out = torch.empty((rows, length, heads, dim), dtype=q.dtype, device=q.device)
     cfg = cfg or blocks(dim, window)
+    lo, hi = bounds if bounds is not None else (keep, keep)
 
     def grid(meta):
         return (triton.cdiv(length, meta["BLOCK_M"]), rows * heads)
 
     wrap_triton(_kernel)[grid](
-        q, k, v, keep, out, scale * LOG2E, length, heads,
+        q, k, v, keep, lo, hi, out, scale * LOG2E, length, heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), keep.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        WINDOW=window, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), **cfg)
+        WINDOW=window, HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), SEGMENTS=bounds is not None,
+        **cfg)
     return out
 
