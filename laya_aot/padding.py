@@ -106,9 +106,11 @@ def pad_batch(batch: Batch, ranges: Ranges, pad_id: int) -> Batch:
     return ids, att, mpos, mmask, qtype
 
 
-def pad_call(batch: Batch, shape: Tuple[int, int, int], pad_id: int) -> Batch:
+def pad_call(batch: Batch, shape: Tuple[int, int, int], pad_id: int, one_token_rows: bool = False) -> Batch:
     """`batch` (already `pad_batch`ed) padded to `shape` (rows, tokens, markers) from `Ranges.call_shape`: tokens
-    and markers as `pad_batch` pads them; extra rows repeat the last row, whose outputs the caller drops."""
+    and markers as `pad_batch` pads them; extra rows repeat the last row, whose outputs the caller drops. With
+    `one_token_rows` (a runner of packed rows, which computes each row's own tokens) an extra row is one pad
+    token with no marker instead: a repeated row would be computed again."""
     import torch
     from torch.nn.functional import pad
 
@@ -119,7 +121,14 @@ def pad_call(batch: Batch, shape: Tuple[int, int, int], pad_id: int) -> Batch:
         ids, att = pad(ids, (0, tokens - t), value=pad_id), pad(att, (0, tokens - t))
     if markers != k:
         mpos, mmask = pad(mpos, (0, markers - k)), pad(mmask, (0, markers - k))
-    if rows != n:
+    if rows != n and one_token_rows:
+        extra = rows - n
+        att = torch.cat((att, pad(att.new_ones(extra, 1), (0, tokens - 1))))
+        ids = torch.cat((ids, ids.new_full((extra, tokens), pad_id)))
+        mpos = torch.cat((mpos, mpos.new_zeros(extra, markers)))
+        mmask = torch.cat((mmask, mmask.new_zeros(extra, markers)))
+        qtype = torch.cat((qtype, qtype.new_zeros(extra)))
+    elif rows != n:
         last = [n - 1] * (rows - n)
         ids, att, mpos, mmask, qtype = (torch.cat((x, x[last])) for x in (ids, att, mpos, mmask, qtype))
     return ids, att, mpos, mmask, qtype
@@ -135,7 +144,9 @@ def for_runner(piece: Batch, runner: Any, ranges: Ranges, pad_id: int) -> Batch:
         return piece
     n, t, k = piece[0].shape[0], piece[0].shape[1], piece[2].shape[1]
     shape = graphs.shape_for(n, t, k, ranges)
-    return piece if shape is None or shape == (n, t, k) else pad_call(piece, shape, pad_id)
+    if shape is None or shape == (n, t, k):
+        return piece
+    return pad_call(piece, shape, pad_id, one_token_rows=getattr(runner, "packed", False))
 
 
 def batch_of_shape(rows: int, tokens: int, markers: int) -> Batch:

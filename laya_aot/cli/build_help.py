@@ -46,6 +46,8 @@ Keys (KEY=VALUE overrides one value):
   export.head             answer_rows (default: the decision head's last layer computed only at position 0 and
                           the markers, the rows laya reads; every head layer's attention projected batch-first)
                           or full (laya's head as it is, every token)
+  export.rows             padded (default: every row at the width of the call's longest) or packed (GPU targets:
+                          the encoder runs the call's rows back to back, their own tokens only; not yet measured)
   export.example_rows, export.example_tokens
                           the example batch the export is traced at and AOTInductor tunes its kernels at
                           (default: 8 x 1024 on a GPU, capped by max_rows and max_tokens; 3 x 48 on the CPU)

@@ -162,11 +162,13 @@ class AOTIRunner(Runner):
     def __init__(self, art_dir: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu",
                  cuda_graphs: bool = False,
                  prepared: Optional[Mapping[str, torch.Tensor] | Incoming | Callable[[], Any]] = None,
-                 early_calls: Sequence[Sequence[torch.Tensor]] = ()):
+                 early_calls: Sequence[Sequence[torch.Tensor]] = (), rows: str = "padded"):
         from safetensors.torch import load_file
 
         art_dir = Path(art_dir)
         self.device = torch.device(device)
+        # a package of packed rows (`export.rows=packed`) takes the collated batch too: it is packed here, on the host
+        self.packed = rows == "packed"
         spec = json.loads((art_dir / CONSTANTS).read_text(encoding="utf-8"))
         t0 = time.perf_counter()
         self._compiled = load_aoti(art_dir, self._index())
@@ -227,7 +229,7 @@ class AOTIRunner(Runner):
         try:
             with torch.no_grad(), where:
                 for batch in batches:
-                    self._run(*(x.to(self.device) for x in batch))
+                    self._run(*(x.to(self.device) for x in self._inputs(batch, None)))
             self.stats["early_calls"] = len(batches)
         except Exception as e:  # noqa: BLE001 - the smoke check (or the first call) reports a real failure
             log.debug("early call of the AOTInductor package failed: %s", e)
@@ -256,16 +258,32 @@ class AOTIRunner(Runner):
         into its static buffers and gives its outputs straight back: no device copy of either in between (on
         the H200 those copies were about a quarter of a 1x1 call's host time)."""
         back = ids.device
+        inputs = self._inputs((ids, att, mpos, mmask, qtype), self.graphs)
         # the package launches on the current stream of the current device: make that the artifact's GPU,
         # whatever device the calling thread had current (an agent on cuda:1 beside one on cuda:0)
         where = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with self._lock, where:
             if self.graphs is not None:
-                logits, act = self.graphs(ids, att, mpos, mmask, qtype, out_device=back)
+                logits, act = self.graphs(*inputs, out_device=back)
             else:
-                logits, act = self._run(*(x.to(self.device) for x in (ids, att, mpos, mmask, qtype)))
+                logits, act = self._run(*(x.to(self.device) for x in inputs))
                 logits, act = logits.to(back), act.to(back)
         return logits, act
+
+    def _inputs(self, batch: Sequence[torch.Tensor], graphs: Optional[Any]) -> Sequence[torch.Tensor]:
+        """The package's inputs for a collated batch: itself, or its rows packed on the host (`modeling.packed`),
+        the packed row's length stepped as the backend steps a call's (`padding.step_up`) where a CUDA graph may
+        replay it, so that packed calls too take few shapes."""
+        if not self.packed:
+            return batch
+        from ..modeling.packed import pack
+        from ..padding import TOKEN_MULTIPLE, step_up
+
+        batch = tuple(x.cpu() for x in batch)
+        units = -(-max(1, int(batch[1].sum())) // TOKEN_MULTIPLE)
+        stepped = step_up(units) * TOKEN_MULTIPLE
+        multiple = stepped if graphs is not None and stepped <= graphs.max_tokens else TOKEN_MULTIPLE
+        return pack(batch, 0, multiple)
 
 
 def synthetic_constants(art_dir: Path, checkpoint: Path, device: str) -> Dict[str, torch.Tensor]:
@@ -464,7 +482,8 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
 
 
 def load(path: Path, art: Artifact, env: LoadEnv) -> Runner:
-    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs, env.prepared, env.early_calls)
+    return AOTIRunner(path, env.tensors or {}, env.device, env.cuda_graphs, env.prepared, env.early_calls,
+                      str(art.details.get("rows", "padded")))
 
 
 def probe_env(path: Path, art: Artifact, checkpoint: Path, device: str) -> LoadEnv:

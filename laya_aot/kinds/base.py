@@ -121,10 +121,13 @@ class Exported:
     example: str = ""
     # how it computes (`export.precision`, `precision.gemm_dtype`): what every artifact of it records
     precision: Optional[Precision] = None
+    # how the encoder takes a call's rows (`export.rows`): "padded" or "packed" (`modeling.packed`)
+    rows: str = "padded"
 
     def details(self) -> Dict[str, str]:
         """How the program was made, as every artifact of it records it in `Artifact.details`."""
-        return {"attention": self.attention, "rotary": self.rotary, "head": self.head, "example": self.example}
+        return {"attention": self.attention, "rotary": self.rotary, "head": self.head, "example": self.example,
+                "rows": self.rows}
 
 
 @dataclass

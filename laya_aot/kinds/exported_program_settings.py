@@ -44,6 +44,11 @@ class ExportConfig:
     # and the markers; laya_aot/modeling/head.py), -11% of a base-512 forward on the CPU at 8x256; "full": over every
     # token, as laya's forward does
     head: str = "answer_rows"
+    # "packed": the encoder runs a call's rows back to back, each its own tokens only (laya_aot/modeling/packed.py):
+    # no cells for padding. The AOTInductor package takes the collated batch as every artifact does and packs it on
+    # the host; "padded": every row at the width of the call's longest, as laya computes it. Not yet measured on a
+    # GPU: padded stays the default until it is
+    rows: str = "padded"
     # the example batch torch.export traces with, rows x tokens; AOTInductor tunes its Triton kernels' launch
     # settings at these sizes. null = by device: on a GPU 8 x 1024 (capped by max_rows and max_tokens), measured on
     # large-1024 against the 3 x 48 used before: -3.7 / -4.5 / -5.1% at 8x256 / 32x512 / 32x1024 and +2.5 / +3.8% at

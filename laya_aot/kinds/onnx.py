@@ -75,7 +75,7 @@ class ONNXRunner(Runner):
 def build(ctx: BuildContext, exported: Exported) -> Built:
     """Exported from an fp32 program (ONNX Runtime runs on the CPU), whatever the target's dtype."""
     ep, r = exported.program, exported.ranges
-    if exported.dtype != "fp32":
+    if exported.dtype != "fp32" or exported.rows != "padded":  # ONNX Runtime takes the padded rows
         module = ExplicitDtypeModel(ctx.agent.model, torch.float32, torch.float32)
         ep = export_model(module, r.max_rows, r.max_tokens, r.max_markers, ctx.pad_id)
     t0 = time.perf_counter()

@@ -127,12 +127,16 @@ def _install(model: torch.nn.Module) -> bool:
 
 
 class Segments(NamedTuple):
-    """Packed rows' attention mask (`modeling.packed`), rows x L each: `seg` numbers each position's segment (0:
-    padding), `lo` and `hi` bound the positions of its segment (`window_attention.segment_attention`)."""
+    """Packed rows' attention mask (`modeling.packed`), 1 x T each: `seg` numbers each position's segment (0:
+    padding), `lo` and `hi` bound the positions of its segment (`window_attention.segment_attention`), `pos` is each
+    position's place in its own row; `index` and `keep` (rows x L) lay the segments out as padded rows again."""
 
     seg: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+    pos: torch.Tensor
+    index: torch.Tensor
+    keep: torch.Tensor
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -146,11 +150,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     window = getattr(module, "laya_aot_window", None)
     scale = scaling if scaling is not None else dim ** -0.5
     if isinstance(attention_mask, Segments):
+        s = attention_mask
         if q.is_cuda:
-            out = torch.ops.laya_aot.segment_attention(q, k, v, *attention_mask, -1 if window is None else window,
+            out = torch.ops.laya_aot.segment_attention(q, k, v, s.seg, s.lo, s.hi, -1 if window is None else window,
                                                        scale)
-        else:
-            out = reference(q, k, v, attention_mask.seg, window, scale, segments=True)
+        else:  # each segment as a padded row again: attention costs what the padded rows' does, not T x T
+            rows = [t[0][:, s.index].transpose(0, 1) for t in (q, k, v)]  # rows x heads x L x D
+            out = reference(*rows, s.keep, window, scale)[(s.seg[0].long() - 1).clamp(min=0), s.pos[0]][None]
         return out, None
     keep = attention_mask if attention_mask is not None else \
         torch.ones(rows, length, dtype=torch.bool, device=query.device)

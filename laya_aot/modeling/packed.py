@@ -23,6 +23,10 @@ import torch
 from .attention import Segments
 from .model import ExplicitDtypeModel
 
+ROWS = ("padded", "packed")  # export.rows
+# where packed rows are built: a GPU's kernel visits only each segment's keys. On the CPU each segment's attention is
+# laid out as a padded row again and back, and the tiny demo's packed CPU artifact was 1.3-3x slower than padded
+DEVICES = ("cuda",)
 INPUT_NAMES = ("input_ids", "segments", "positions", "segment_lo", "segment_hi", "rows_index", "attention_mask",
                "marker_pos", "marker_mask", "qtype")
 Batch = Tuple[torch.Tensor, ...]
@@ -77,17 +81,23 @@ class PackedModel(ExplicitDtypeModel):
         super().__init__(*args, **kwargs)
         from . import attention as attention_mod
 
+        if kwargs.get("attention") == "stock":
+            raise ValueError("export.rows=packed computes attention with laya-aot's own (segments within one row); "
+                             "export.attention=stock cannot take packed rows: use export.attention=triton")
         encoder = self.model.encoder
-        if self.attention != "triton" and not attention_mod._install(self.model):
-            raise ValueError("packed rows need a ModernBERT encoder whose attention laya_aot.modeling.attention "
-                             "computes; this checkpoint's encoder is not one")
+        if self.attention != "triton":  # the CPU, or fp32: the kernel on a GPU, its plain-torch reference elsewhere
+            why = attention_mod.kernel_available() if self.device_type == "cuda" else None
+            if why or not attention_mod._install(self.model):
+                raise ValueError("packed rows need a ModernBERT encoder whose attention laya_aot.modeling.attention "
+                                 "computes: %s" % (why or "this checkpoint's encoder is not one"))
+            self.attention = "triton" if self.device_type == "cuda" else "reference"
         encoder.laya_aot_forward = encoder.forward
         encoder.forward = types.MethodType(_given_or_own, encoder)
 
     def forward(self, input_ids, segments, positions, segment_lo, segment_hi, rows_index, attention_mask,
                 marker_pos, marker_mask, qtype):
         encoder = self.model.encoder
-        mask = Segments(segments, segment_lo, segment_hi)
+        mask = Segments(segments, segment_lo, segment_hi, positions, rows_index, attention_mask)
         with self.region():
             h = encoder.laya_aot_forward(input_ids=input_ids, position_ids=positions,
                                          attention_mask={"full_attention": mask, "sliding_attention": mask})

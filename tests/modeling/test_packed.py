@@ -149,3 +149,64 @@ def test_segment_kernel_in_triton_interpreter_equals_reference():
         tol = 2e-3 if dtype == "float16" else 1e-5
         assert diff < tol, (case, diff)
         assert leaky > 10 * tol, (case, leaky)  # it can fail: segments that see each other are caught
+
+
+def test_a_cpu_target_is_refused_packed_rows(demo_ckpt, tmp_path):
+    from laya_aot.config import compose
+    from laya_aot.pipeline import build
+
+    cfg = compose(["checkpoint.path=%s" % demo_ckpt, "output_dir=%s" % (tmp_path / "b"), "export.rows=packed",
+                   "stages.onnx=false", "stages.aoti=false", "stages.inductor_cache=false"])
+    with pytest.raises(Exception, match="export.rows=packed is for GPU targets"):
+        build(cfg)
+
+
+@pytest.mark.slow
+def test_a_packed_bundle_verifies_and_answers_as_the_padded_one(demo_ckpt, demo_bundle, tmp_path, monkeypatch):
+    """The whole path on this CPU (refused to users there, allowed here to test it without a GPU): the export of
+    packed rows, its AOTInductor package, which takes the collated batch and packs it on the host, the build's
+    verification of it, ONNX exported padded beside it, and a load that answers every call as the padded bundle."""
+    import numpy as np
+
+    import laya_aot
+    from laya_aot.bundle_format import read_manifest
+    from laya_aot.modeling import packed as packed_mod
+    from tests.conftest import build_bundle
+    from tests.questions import assert_same_answers, question_suite, state_text
+
+    monkeypatch.setattr(packed_mod, "DEVICES", ("cuda", "cpu"))
+    out = tmp_path / "packed"
+    build_bundle(demo_ckpt, out, "export.rows=packed", "stages.inductor_cache=false", "stages.tilelang=false")
+    arts = {a["name"]: a for a in read_manifest(out)["artifacts"]}
+    assert arts["aoti-cpu"]["details"]["rows"] == "packed" and arts["aoti-cpu"]["status"] == "verified"
+    assert arts["onnx-fp32"]["status"] == "verified"   # ONNX Runtime takes padded rows: exported padded
+    packed = laya_aot.load(str(demo_ckpt), bundle=str(out), device="cpu", strict=True, prefer="aoti")
+    padded = laya_aot.load(str(demo_ckpt), bundle=str(demo_bundle), device="cpu", strict=True, prefer="aoti")
+    assert packed.backend_object.runner.packed and not padded.backend_object.runner.packed
+    suite = list(question_suite().items())
+    rng = np.random.default_rng(7)
+    for n, words in ((1, 5), (3, 40), (12, 15)):   # rows of many lengths in one call: short states, long heads
+        states = [state_text(rng, int(rng.integers(1, words + 1))) for _ in range(n)]
+        questions = dict(suite[n % 7::7][:4])
+        got, ref = packed.predict_batch(states, questions), padded.predict_batch(states, questions)
+        for g, r in zip(got, ref):
+            assert_same_answers(g["answers"], r["answers"])
+
+
+def test_a_packed_call_is_stepped_with_one_token_rows_and_a_stepped_packed_row():
+    """Where a CUDA graph replays a packed call, its rows are stepped with rows of one pad token (a repeated row
+    would be computed again) and its packed row's length is stepped (`padding.step_up`), so that calls recur."""
+    from laya_aot.kinds.aoti import AOTIRunner
+    from laya_aot.padding import pad_call
+
+    batch = _rows([30, 21, 9], 32, 3, seed=4)
+    stepped = pad_call(batch, (5, 48, 4), pad_id=1, one_token_rows=True)
+    assert [t.shape[0] for t in stepped] == [5] * 5 and stepped[0].shape[1] == 48 and stepped[2].shape[1] == 4
+    assert stepped[1][3:].sum(1).tolist() == [1, 1] and not stepped[3][3:].any() and bool((stepped[0][3:] == 1).all())
+    runner = AOTIRunner.__new__(AOTIRunner)
+    runner.packed = True
+    graphs = type("G", (), {"max_tokens": 2048})()
+    ids, seg = runner._inputs(stepped, graphs)[:2]
+    assert int((seg > 0).sum()) == 62 and ids.shape == (1, 64)  # 62 tokens: 4 units of 16 step up to 4
+    assert runner._inputs(_rows([300, 290], 304, 2, 0), graphs)[0].shape == (1, 640)  # 37 units -> 40
+    assert runner._inputs(_rows([300, 290], 304, 2, 0), None)[0].shape == (1, 592)   # no graph: a multiple of 16
