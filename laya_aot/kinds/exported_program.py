@@ -172,8 +172,8 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
         raise ValueError("export.rows=%r: one of %s" % (e.rows, ", ".join(packed_mod.ROWS)))
     if e.rows == "packed" and dev not in packed_mod.DEVICES:
         raise ValueError("export.rows=packed is for GPU targets, where one kernel visits only each segment's keys; on "
-                         "the %s a packed artifact answered 1.3-3x slower than padded rows: use export.rows=padded"
-                         % dev)
+                         "the %s a packed artifact answered slower than padded rows (2.2x on the tiny demo's mixed "
+                         "stream): use export.rows=padded" % dev)
     chosen = choose_precision(ctx, dev, max_tokens)
     model = packed_mod.PackedModel if e.rows == "packed" else ExplicitDtypeModel
     module = model(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,

@@ -25,7 +25,8 @@ from .model import ExplicitDtypeModel
 
 ROWS = ("padded", "packed")  # export.rows
 # where packed rows are built: a GPU's kernel visits only each segment's keys. On the CPU each segment's attention is
-# laid out as a padded row again and back, and the tiny demo's packed CPU artifact was 1.3-3x slower than padded
+# laid out as a padded row again and back, and the tiny demo's packed CPU artifact answered its mixed stream 2.2x
+# slower than padded (benchmarks/results/calls.md)
 DEVICES = ("cuda",)
 INPUT_NAMES = ("input_ids", "segments", "positions", "segment_lo", "segment_hi", "rows_index", "attention_mask",
                "marker_pos", "marker_mask", "qtype")
