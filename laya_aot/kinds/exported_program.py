@@ -82,7 +82,7 @@ def example_inputs(max_tokens: int, pad_id: int, device: str = "cpu", max_rows: 
     return tuple(t.to(device) for t in (ids, att, mpos, mmask, qtype))
 
 
-def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int, rows_: str = "padded"
+def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int, layout: str = "padded"
                    ) -> Dict[str, Dict[int, object]]:
     """The declared ranges; packed rows (`modeling.packed`) add the packed row, up to every row's tokens."""
     rows = Dim("rows", min=1, max=max_rows)
@@ -91,7 +91,7 @@ def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int, rows_: str 
     shapes: Dict[str, Dict[int, object]] = {
         "input_ids": {0: rows, 1: tokens}, "attention_mask": {0: rows, 1: tokens},
         "marker_pos": {0: rows, 1: markers}, "marker_mask": {0: rows, 1: markers}, "qtype": {0: rows}}
-    if rows_ == "packed":
+    if layout == "packed":
         packed = TOKEN_MULTIPLE * Dim("packed_16", min=1, max=max_rows * max_tokens // TOKEN_MULTIPLE)
         shapes.update({name: {1: packed} for name in packed_mod.INPUT_NAMES[:5]}, rows_index={0: rows, 1: tokens})
     return shapes
@@ -100,13 +100,13 @@ def dynamic_shapes(max_rows: int, max_tokens: int, max_markers: int, rows_: str 
 def export_model(module: ExplicitDtypeModel, max_rows: int, max_tokens: int, max_markers: int,
                  pad_id: int, device: str = "cpu", example: Optional[Tuple[Optional[int], Optional[int]]] = None
                  ) -> ExportedProgram:
-    rows = "packed" if isinstance(module, packed_mod.PackedModel) else "padded"
+    layout = "packed" if isinstance(module, packed_mod.PackedModel) else "padded"
     args = example_inputs(max_tokens, pad_id, device, max_rows, *(example or (None, None)))
-    if rows == "packed":
+    if layout == "packed":
         args = tuple(t.to(device) for t in packed_mod.pack(tuple(t.cpu() for t in args), pad_id, TOKEN_MULTIPLE))
     with torch.no_grad(), attention_backends():
         return torch.export.export(module.to(device), args, strict=False,
-                                   dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers, rows))
+                                   dynamic_shapes=dynamic_shapes(max_rows, max_tokens, max_markers, layout))
 
 
 def ranges_of(ep: ExportedProgram) -> Ranges:

@@ -155,8 +155,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
             out = torch.ops.laya_aot.segment_attention(q, k, v, s.seg, s.lo, s.hi, -1 if window is None else window,
                                                        scale)
         else:  # each segment as a padded row again: attention costs what the padded rows' does, not T x T
-            rows = [t[0][:, s.index].transpose(0, 1) for t in (q, k, v)]  # rows x heads x L x D
-            out = reference(*rows, s.keep, window, scale)[(s.seg[0].long() - 1).clamp(min=0), s.pos[0]][None]
+            laid_out = [t[0][:, s.index].transpose(0, 1) for t in (q, k, v)]  # rows x heads x L x D
+            out = reference(*laid_out, s.keep, window, scale)[(s.seg[0].long() - 1).clamp(min=0), s.pos[0]][None]
         return out, None
     keep = attention_mask if attention_mask is not None else \
         torch.ones(rows, length, dtype=torch.bool, device=query.device)

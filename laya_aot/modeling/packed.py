@@ -1,4 +1,4 @@
-"""Packed rows: a call's question rows back to back in one row of real tokens, for the encoder (issue 56 item 4).
+"""Packed rows: a call's question rows back to back in one row of real tokens, for the encoder.
 
 A padded call computes every row at the width of its longest row (and, for a CUDA graph, at a stepped shape): on
 a mixed stream about 13-15% of the encoder's cells are padding (`benchmarks/results/peer.md`). Packed, each row
