@@ -13,10 +13,12 @@ finished or not (`"complete": false` lists what is missing).
 
 Per checkpoint (`--shapes`, laya_aot.demo presets; default large-1024 and base-1024):
 - bundles: `laya-aot build target=sm_90`, AOTInductor only (`--build-args`), once with the defaults
-  (export.precision=faithful) and once with export.precision=laya (laya's own dtype policy);
+  (export.precision=faithful), once with export.precision=laya (laya's own dtype policy) and once with
+  export.rows=packed (each row its own tokens, back to back);
 - modes, each in a fresh process with private Inductor/Triton/laya-aot caches: `fp32` (laya eager with autocast off:
-  the reference decisions only), `eager` (laya as it serves), `aot` and `aot-laya` (laya_aot.load of each bundle),
-  `cuda` (laya_cuda.Engine, one predict per state), `cuda-batch` and `cuda-batch-wide` (laya_cuda.BatchEngine with its
+  the reference decisions only), `eager` (laya as it serves), `aot`, `aot-laya` and `aot-packed` (laya_aot.load of
+  each bundle), `cuda` (laya_cuda.Engine, one predict per state), `cuda-batch` and `cuda-batch-wide`
+  (laya_cuda.BatchEngine with its
   defaults and with 32 questions x 65,536 tokens, every state submitted at once; the calls with several states only).
   laya-cuda modes are skipped, with the reason, where `laya_cuda` does not import;
 - calls, median of --repeats after --warmups, each call synchronised (answers are on the host when it returns):
@@ -54,10 +56,10 @@ import gpu_bench  # beside this script: its fresh-cache environment, build step 
 import harness
 
 SHAPES = ("large-1024", "base-1024")
-TORCH_MODES = ("fp32", "eager", "aot", "aot-laya")
+TORCH_MODES = ("fp32", "eager", "aot", "aot-laya", "aot-packed")
 CUDA_MODES = ("cuda", "cuda-batch", "cuda-batch-wide")
 BATCH_ONLY = ("cuda-batch", "cuda-batch-wide")  # BatchEngine: the calls with several states (and the first answer)
-BUNDLES = {"aot": "", "aot-laya": "export.precision=laya"}
+BUNDLES = {"aot": "", "aot-laya": "export.precision=laya", "aot-packed": "export.rows=packed"}
 SINGLE_TOKENS = (128, 512, 1024)
 QUESTION_OVERHEAD = 24  # tokens of a row that are not the state's, about, for the demo tokenizer's one choice question
 
@@ -362,12 +364,13 @@ def decisions(modes: Dict[str, Dict[str, Any]], near_gap: float) -> Dict[str, An
 
 def markdown(res: Dict[str, Any]) -> str:
     lines = ["Device: %s; complete: %s" % (res.get("gpu", res["device"]), res["complete"]), ""]
-    cols = [m for m in ("eager", "aot", "aot-laya") + CUDA_MODES]
+    cols = [m for m in ("eager", "aot", "aot-laya", "aot-packed") + CUDA_MODES]
     for shape, s in res["shapes"].items():
         modes = s.get("modes", {})
         lines += ["## `%s`" % shape, "", "Median ms (stream: p50 / p95 ms); ratio: laya-aot (default) / laya-cuda's "
                   "fastest mode on that call.", "",
-                  "| call | " + " | ".join(cols) + " | aot / best laya-cuda |", "|---|" + "---|" * (len(cols) + 1)]
+                  "| call | " + " | ".join(cols) + " | aot / best laya-cuda | aot-packed / best laya-cuda |",
+                  "|---|" + "---|" * (len(cols) + 2)]
         names = list(next((m["calls_ms"] for m in modes.values() if m.get("calls_ms")), {}))
         for name in names + ["stream p50", "stream p95"]:
             cells, vals = [], {}
@@ -378,13 +381,14 @@ def markdown(res: Dict[str, Any]) -> str:
                 vals[m] = v
                 cells.append("%.2f" % v if isinstance(v, (int, float)) else (r.get("skipped") and "skipped" or "-"))
             peers = [vals[m] for m in CUDA_MODES if isinstance(vals.get(m), (int, float))]
-            ratio = "%.2fx" % (vals["aot"] / min(peers)) if peers and isinstance(vals.get("aot"), (int, float)) else "-"
-            lines.append("| %s | %s | %s |" % (name, " | ".join(cells), ratio))
+            ratios = ["%.2fx" % (vals[m] / min(peers)) if peers and isinstance(vals.get(m), (int, float)) else "-"
+                      for m in ("aot", "aot-packed")]
+            lines.append("| %s | %s | %s |" % (name, " | ".join(cells), " | ".join(ratios)))
         d = s.get("decisions", {})
         lines += ["", "Decisions equal to laya's fp32 forward (%s pool decisions; near ties: fp32's top two within "
                   "%s, %s of them):" % (d.get("pool"), d.get("near_gap"), d.get("near_ties")), "",
                   "| mode | overall | near ties |", "|---|---|---|"]
-        for m in ("eager", "aot", "aot-laya", "cuda"):
+        for m in ("eager", "aot", "aot-laya", "aot-packed", "cuda"):
             if m in d:
                 o, n = d[m]["overall"], d[m]["near"]
                 lines.append("| %s | %d / %d (%.1f%%) | %d / %d (%.1f%%) |" % (

@@ -58,7 +58,7 @@ def test_the_report_renders_partial_runs_and_names_what_was_skipped(peer):
         "starts": {"aot": [{"start_to_first_s": 1.0, "import_torch_s": 0.5}]},
         "decisions": {"pool": 4, "near_ties": 2, "near_gap": 0.05, "eager": {"overall": [3, 4], "near": [1, 2]}}}}}
     md = peer.markdown(res)
-    assert "| 1x1 choice, 20 words | 3.00 | 1.50 | - | 2.00 | skipped | - | 0.75x |" in md
+    assert "| 1x1 choice, 20 words | 3.00 | 1.50 | - | - | 2.00 | skipped | - | 0.75x | - |" in md
     assert "| stream p95 | 9.00 |" in md and "| eager | 3 / 4 (75.0%) | 1 / 2 (50.0%) |" in md
     assert "| aot | 2.50 | 1.00 (1) | 0.50 |" in md and "cuda-batch: laya-cuda runs on CUDA only" in md
 
