@@ -16,7 +16,7 @@ import torch
 from laya_aot.runtime import engine
 from tests.questions import assert_same_answers
 from tests.serve.test_serve import Server, _env
-from tests.serve.test_workers import _alive, _answers, _until
+from tests.serve.test_workers import _alike, _alive, _answers, _until
 
 
 def _fake_forward(ids, att, mpos, mmask, qtype):
@@ -127,12 +127,16 @@ def servers(demo_ckpt, demo_bundle, tmp_path_factory):
 
 
 def test_workers_over_one_engine_answer_laya_routes_as_one_process(servers):
+    """Bit for bit where the engine serves the one process's artifact. Two artifacts within the loader's tie may
+    serve the two servers (the one started second sees the first one's recorded start: `select.START_TIE`); both
+    verified against laya, their rounded numbers may then differ in the last digit."""
     one, two = _answers(servers["one"]), _answers(servers["engine"])
     assert [a.get("status") for a in one] == [200, 200, 200, 422, 400, 422, 200, 401, "ok"]
-    assert two == one
     aot = servers["engine"].aot()
     served = aot["bundles"]["demo"]
-    assert served["backend"].startswith(engine.REMOTE) and served["artifact"] == aot["bundles"]["demo"]["artifact"]
+    alone = servers["one"].aot()["bundles"]["demo"]["artifact"]
+    assert _alike(two, one, 0.0 if served["artifact"] == alone else 1e-3), (served["artifact"], alone, two, one)
+    assert served["backend"].startswith(engine.REMOTE)
     assert served["calls"].get("artifact_calls", 0) >= 1  # the engine's own count of its artifact calls
     own = served["calls"]["engine"]  # the engine's device thread: calls taken, and where its time went
     assert own["calls"] >= own["artifact_calls"] >= 1 and own["forward_s"] > 0 and own["idle_s"] > 0
