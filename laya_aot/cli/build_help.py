@@ -47,7 +47,7 @@ Keys (KEY=VALUE overrides one value):
                           the markers, the rows laya reads; every head layer's attention projected batch-first)
                           or full (laya's head as it is, every token)
   export.rows             padded (default: every row at the width of the call's longest) or packed (GPU targets:
-                          the encoder runs the call's rows back to back, their own tokens only; not yet measured)
+                          the encoder runs the call's rows back to back, their own tokens only; slower on an H100)
   export.example_rows, export.example_tokens
                           the example batch the export is traced at and AOTInductor tunes its kernels at
                           (default: 8 x 1024 on a GPU, capped by max_rows and max_tokens; 3 x 48 on the CPU)

@@ -46,8 +46,8 @@ class ExportConfig:
     head: str = "answer_rows"
     # "packed": the encoder runs a call's rows back to back, each its own tokens only (laya_aot/modeling/packed.py):
     # no cells for padding. The AOTInductor package takes the collated batch as every artifact does and packs it on
-    # the host; "padded": every row at the width of the call's longest, as laya computes it. Not yet measured on a
-    # GPU: padded stays the default until it is
+    # the host; "padded": every row at the width of the call's longest, as laya computes it, and faster: packed rows
+    # were slower on every call measured on an H100 (benchmarks/results/calls.md)
     rows: str = "padded"
     # the example batch torch.export traces with, rows x tokens; AOTInductor tunes its Triton kernels' launch
     # settings at these sizes. null = by device: on a GPU 8 x 1024 (capped by max_rows and max_tokens), measured on
