@@ -111,6 +111,10 @@ def stage_verify(ctx: BuildContext) -> str:
 
 
 def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: progress.Task) -> str:
+    """The stage's summary names each artifact's verdict and where the stage's time went (the reference, each
+    artifact, the timing): a GPU build's verification takes minutes, and the manifest keeps the summary."""
+    spent: Dict[str, float] = {}
+    t0 = time.perf_counter()
     model = ctx.agent.model.float().eval()
     ctx.smoke = smoke_record(model, ctx.ranges, ctx.vocab, ctx.pad_id)
     ref_batches = {shape: _reference_batch(ctx, shape) for shape in reference_shapes(ctx.device)}
@@ -118,18 +122,24 @@ def _verify_all(ctx: BuildContext, tol: Tolerance, todo: List[Artifact], line: p
     ctx.eager_latency_ms = {"x".join(map(str, shape)): round(latency_ms(
         lambda b=batch: _no_grad(model, b), repeats), 3) for shape, batch in ref_batches.items()}
     tensors = model_tensors(model)
+    spent["eager timing"], t0 = time.perf_counter() - t0, time.perf_counter()
     ref = verification.reference(model, ctx.ranges, ctx.vocab, ctx.pad_id, ctx.cfg.verify.seed, tol)
+    spent["fp32 reference"] = time.perf_counter() - t0
     gpu_agents: Dict[str, Any] = {}
     serving: Dict[str, Tuple[Any, Artifact]] = {}
     summary = []
     for art in todo:
         line.describe("verify: %s" % art.name)
+        t0 = time.perf_counter()
         summary.append(_verify_one(ctx, art, ref, tensors, gpu_agents, serving))
+        spent[art.name] = time.perf_counter() - t0
         line.advance()
     if serving:
         line.describe("verify: timing %s together" % ", ".join(serving))
+        t0 = time.perf_counter()
         _time_together(ctx, serving, ref_batches)
-    return ", ".join(summary)
+        spent["timing together"] = time.perf_counter() - t0
+    return "%s (%s)" % (", ".join(summary), ", ".join("%s %.1f s" % kv for kv in spent.items()))
 
 
 def _time_together(ctx: BuildContext, serving: Dict[str, Tuple[Any, Artifact]], ref_batches) -> None:

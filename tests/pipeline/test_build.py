@@ -62,6 +62,21 @@ def test_manifest_lists_every_stage_and_artifact(demo_bundle, demo_ckpt):
     assert not list(demo_bundle.parent.glob(".demo.partial-*"))
 
 
+def test_the_verify_stage_says_where_its_time_went(demo_bundle):
+    """A GPU build verifies for minutes: the stage's summary (kept in the manifest) names each artifact's verdict
+    and the seconds of the eager reference, of each artifact and of the timing together."""
+    import re
+
+    (verify,) = [s for s in read_manifest(demo_bundle)["stages"] if s["name"] == "verify"]
+    verdicts, phases = re.fullmatch(r"(.*) \((.*)\)", verify["summary"]).groups()
+    names = [a["name"] for a in read_manifest(demo_bundle)["artifacts"] if a["status"] == "verified"]
+    assert sorted(v.split()[0] for v in verdicts.split(", ")) == sorted(names)
+    spent = dict(re.fullmatch(r"(.+) (\d+\.\d) s", p).groups() for p in phases.split(", "))
+    assert list(spent)[:2] == ["eager timing", "fp32 reference"] and list(spent)[-1] == "timing together"
+    assert set(names) <= set(spent)
+    assert sum(map(float, spent.values())) <= verify["seconds"] + 0.1
+
+
 def test_export_ranges_declare_tokens_as_multiples_of_16(demo_bundle):
     r = Ranges.from_dict(read_manifest(demo_bundle)["ranges"])
     assert r.token_multiple == 16 and r.min_tokens % 16 == 0 and r.max_tokens == 256
