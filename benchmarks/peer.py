@@ -18,8 +18,8 @@ Per checkpoint (`--shapes`, laya_aot.demo presets; default large-1024 and base-1
 - modes, each in a fresh process with private Inductor/Triton/laya-aot caches: `fp32` (laya eager with autocast off:
   the reference decisions only), `eager` (laya as it serves), `aot`, `aot-laya` and `aot-packed` (laya_aot.load of
   each bundle), `cuda` (laya_cuda.Engine, one predict per state), `cuda-batch` and `cuda-batch-wide`
-  (laya_cuda.BatchEngine with its
-  defaults and with 32 questions x 65,536 tokens, every state submitted at once; the calls with several states only).
+  (laya_cuda.BatchEngine with its defaults and with 32 questions x 65,536 tokens, every state submitted at once; the
+  calls with several states only).
   laya-cuda modes are skipped, with the reason, where `laya_cuda` does not import;
 - calls, median of --repeats after --warmups, each call synchronised (answers are on the host when it returns):
   1 state x 1 choice question (20 words); 8 states x 3 questions (choice, noul, score; 120 words); 32 states x 3
