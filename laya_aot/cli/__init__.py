@@ -72,10 +72,10 @@ def _hydra_build(argv: List[str]) -> int:
 
     from ..config import register
     from ..pipeline.report import Reporter, summary_table
-    from .usage import implied_overrides
+    from .usage import with_implied
 
     register()
-    sys.argv = ["laya-aot build"] + argv + implied_overrides(argv)
+    sys.argv = ["laya-aot build"] + with_implied(argv)
     status = {"code": 0}
 
     @hydra.main(version_base="1.3", config_path="configs", config_name="build")

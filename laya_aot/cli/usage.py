@@ -152,8 +152,14 @@ def group_options(group: str, config_dirs: List[str]) -> List[str]:
 
 def _overrides(argv: List[str]) -> Iterator[Tuple[str, str, str]]:
     """(prefix, key, value) of each override; flags and their values are skipped."""
+    for _, prefix, key, value in _placed_overrides(argv):
+        yield prefix, key, value
+
+
+def _placed_overrides(argv: List[str]) -> Iterator[Tuple[int, str, str, str]]:
+    """(index in argv, prefix, key, value) of each override."""
     skip = False
-    for a in argv:
+    for i, a in enumerate(argv):
         if skip:
             skip = False
             continue
@@ -162,7 +168,7 @@ def _overrides(argv: List[str]) -> Iterator[Tuple[str, str, str]]:
             continue
         m = _OVERRIDE.match(a)
         if m:
-            yield m.group(1) or "", m.group(2), m.group(3)
+            yield i, m.group(1) or "", m.group(2), m.group(3)
 
 
 def _config_dirs(argv: List[str]) -> List[str]:
@@ -317,6 +323,17 @@ def implied_overrides(argv: List[str]) -> List[str]:
         return []
     name = path_name(path).replace("\\", "\\\\").replace("'", "\\'")
     return ["checkpoint.name='%s'" % name, "checkpoint.demo_shape=null"]
+
+
+def with_implied(argv: List[str]) -> List[str]:
+    """`argv` with `implied_overrides` placed right after the `checkpoint.path=` they spell out: Hydra reads its
+    overrides as one run of positional arguments, so appended after a flag (`checkpoint.path=DIR --cfg job`) they
+    would be arguments it does not know."""
+    implied = implied_overrides(argv)
+    at = [i for i, prefix, key, _ in _placed_overrides(argv) if key == "checkpoint.path" and not prefix]
+    if not implied or not at:
+        return list(argv)
+    return [*argv[:at[-1] + 1], *implied, *argv[at[-1] + 1:]]
 
 
 def _quoted_or_interpolated(value: str) -> bool:

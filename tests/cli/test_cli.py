@@ -119,6 +119,17 @@ def test_a_real_checkpoint_path_passes_and_the_config_names_it(demo_ckpt, tmp_pa
     assert p.returncode == 0, p.stderr
     assert "  name: my-laya\n  path: my-laya\n" in p.stdout and "demo_shape: null" in p.stdout, p.stdout
     assert "name: demo\n" not in p.stdout
+    # the path before Hydra's flags: the implied overrides stand beside it, not after the flags Hydra would then
+    # read them as arguments it does not know
+    p = _cli(["build", "checkpoint.path=my-laya", "--cfg", "job"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "  name: my-laya\n  path: my-laya\n" in p.stdout and "demo_shape: null" in p.stdout, p.stdout
+    from laya_aot.cli.usage import with_implied
+
+    assert with_implied(["--config-dir", "d", "checkpoint.path=/x", "export.max_rows=8", "-m"]) == [
+        "--config-dir", "d", "checkpoint.path=/x", "checkpoint.name='x'", "checkpoint.demo_shape=null",
+        "export.max_rows=8", "-m"]
+    assert with_implied(["export.max_rows=8", "--cfg", "job"]) == ["export.max_rows=8", "--cfg", "job"]
     # nothing implied where the command line chooses itself, sweeps paths, or has no path
     for argv in (["checkpoint=local", "checkpoint.path=/x"], ["checkpoint.path=/x", "checkpoint.name=mine"],
                  ["-m", "checkpoint.path=/x,/y"], ["checkpoint.path=${oc.env:CKPT}"], ["export.max_rows=8"]):
