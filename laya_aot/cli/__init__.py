@@ -33,7 +33,7 @@ USAGE = """usage: laya-aot [--version] COMMAND [--quiet] [ARGS]
   make-demo DIR [--shape S]      write a demo checkpoint (tiny, tiny-alt, base-512, large-1024, ...)
   serve                          laya's HTTP server, bundled checkpoints loaded from LAYA_AOT_BUNDLES
   merge OUT BUNDLE...            join partial bundles of one checkpoint (built on several machines)
-  pack BUNDLE FILE               write a bundle as one zstd tar (FILE.tar.zst), manifest first
+  pack BUNDLE FILE.tar.zst       write a bundle as one zstd tar, manifest first
   unpack FILE DIR                extract a pack, checking every file against its manifest
   fetch SPEC [--device D]        fetch what this machine can use: hf://ORG/REPO[/PATH][@REV], a pack, a dir of packs
 

@@ -60,7 +60,14 @@ def resolve(spec: str | os.PathLike, device: Optional[str] = None, checkpoint: O
     p = Path(spec)
     if packed(p):
         return fetch(p, device=device, checkpoint=checkpoint).path
+    if _is_file(p):
+        raise BundleError(_not_a_pack(p))
     return p  # a bundle directory, or something the manifest reader explains (absent, unreadable, ...)
+
+
+def _not_a_pack(p: Path) -> str:
+    return ("%s is a file, not a bundle directory or a pack: a pack's name ends in %s (`laya-aot pack` writes one); "
+            "rename it so if it is one, else pass the bundle's directory" % (p, PACK_SUFFIX))
 
 
 def packed(p: Path) -> bool:
@@ -125,6 +132,11 @@ def fetch(spec: str | os.PathLike, device: Optional[str] = None, out: Optional[P
         p = _choose_pack(p, device, checkpoint)
     if p.is_file() and p.name.endswith(PACK_SUFFIX):
         return _from_pack(p, device, out, overwrite)
+    if _is_file(p):
+        raise BundleError(_not_a_pack(p))
+    if not os.path.lexists(p):
+        raise BundleError("%s does not exist; pass a bundle directory, a pack (*%s), a directory of packs or an "
+                          "hf:// address" % (spec, PACK_SUFFIX))
     raise BundleError("%s is neither a bundle directory, a pack (*%s), a directory of packs nor an hf:// address"
                       % (spec, PACK_SUFFIX))
 

@@ -143,6 +143,10 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     import zstandard
 
     bundle, file = Path(bundle), Path(file)
+    if not file.name.endswith(PACK_SUFFIX):
+        raise BundleError("cannot pack %s into %s: a pack's name ends in %s (what `laya-aot fetch`, `laya_aot.load` "
+                          "and `laya-aot serve` know a pack by); pass %s%s" % (bundle, file, PACK_SUFFIX, file,
+                                                                             PACK_SUFFIX))
     if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
         raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
                           "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name,
@@ -482,7 +486,7 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
     file, out = Path(file), Path(out)
     staging.may_replace(out, "unpack", overwrite)
     if not file.is_file():
-        raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE`"
+        raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE.tar.zst`"
                           % file)
 
     def unwritable(e: OSError) -> BundleError:

@@ -135,6 +135,29 @@ def test_load_takes_a_pack_file_and_unpacks_it_once_into_the_cache(packed, demo_
     assert resolve(packed, device="cpu") == where
 
 
+def test_a_pack_is_named_as_a_pack_and_a_file_that_is_not_one_is_named_so(merged, packed, demo_ckpt, tmp_path,
+                                                                            capsys):
+    """`pack` writes only names that fetch, load and serve know a pack by; a pack under another name is refused
+    as a file that is not a pack (not as a bundle that "does not exist"), naming the rename."""
+    import laya_aot
+    from laya_aot.runtime.session import NoArtifactError
+
+    assert cli(["pack", str(merged), str(tmp_path / "demo2")]) != 0
+    assert "a pack's name ends in .tar.zst" in capsys.readouterr().err and not (tmp_path / "demo2").exists()
+    renamed = tmp_path / "demo2"
+    shutil.copyfile(packed, renamed)
+    with pytest.raises(NoArtifactError, match="is a file, not a bundle directory or a pack: a pack's name ends in "
+                                              r"\.tar\.zst") as e:
+        laya_aot.load(str(demo_ckpt), bundle=str(renamed), device="cpu", strict=True)
+    assert "does not exist" not in str(e.value)
+    with pytest.raises(BundleError, match="is a file, not a bundle directory or a pack"):
+        resolve(renamed)
+    with pytest.raises(BundleError, match="does not exist"):
+        from laya_aot.distribution.fetch import fetch
+
+        fetch(tmp_path / "nope.tar.zst")
+
+
 def read_member(file: Path, name: str) -> bytes:
     with zstandard.ZstdDecompressor().stream_reader(open(file, "rb")) as z, tarfile.open(fileobj=z, mode="r|") as t:
         for m in t:
