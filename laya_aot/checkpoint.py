@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
 from .files import PART_BYTES, cached_sha256, cached_sha256_parts
+from .manifest import MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,11 @@ def resolve(cfg: Any) -> Path:
 def locate(checkpoint: str) -> Path:
     """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache."""
     if os.path.isdir(checkpoint):
+        if not os.path.lexists(os.path.join(checkpoint, AGENT_CONFIG)):  # what laya's load asks first
+            fix = ("it is a laya-aot bundle: pass it as bundle= and the checkpoint it was built from as checkpoint"
+                   if os.path.lexists(os.path.join(checkpoint, MANIFEST)) else
+                   "pass the Laya checkpoint directory the bundle was built from (laya's save_checkpoint writes it)")
+            raise CheckpointNotFound("%s is not a Laya checkpoint: it has no %s; %s" % (checkpoint, AGENT_CONFIG, fix))
         return Path(checkpoint)
     if os.path.lexists(checkpoint):
         raise CheckpointNotFound("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "

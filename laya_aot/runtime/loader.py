@@ -25,6 +25,7 @@ from ..padding import CHUNK_TOKENS
 from .session import (
     DEFAULT_NEAR_TIES,
     EAGER_MODULE_MODES,
+    LoadArgumentTypeError,
     LoadConfig,
     LoadStats,
     NoArtifactError,
@@ -120,9 +121,10 @@ class LoadSession:
         from ..distribution.fetch import resolve_for_load
 
         if bundle is not None and not isinstance(bundle, (str, os.PathLike)):
-            raise TypeError("bundle=%s is not a path (its type is %s); pass bundle= a bundle directory (written by "
-                            "`laya-aot build`), a pack, a directory of packs or an hf:// address, as a str or "
-                            "os.PathLike" % (repr(bundle)[:60], type(bundle).__name__))
+            raise LoadArgumentTypeError(
+                "bundle=%s is not a path (its type is %s); pass bundle= a bundle directory (written by `laya-aot "
+                "build`), a pack, a directory of packs or an hf:// address, as a str or os.PathLike"
+                % (repr(bundle)[:60], type(bundle).__name__))
         ckpt = ckpt_mod.locate(str(checkpoint))
         pin = config.pin
         if bundle is None or not str(bundle):

@@ -29,13 +29,22 @@ EAGER_MODULE_MODES = ("lazy", "background", "now")
 PIN_ENV = "LAYA_AOT_BUNDLE_SHA256"
 
 
+class LoadArgumentError(LayaAotError, ValueError):
+    """A value `laya_aot.load` does not take (a mode, a kind, a pin, a count): the caller's mistake, named with the
+    values it takes."""
+
+
+class LoadArgumentTypeError(LayaAotError, TypeError):
+    """An argument of `laya_aot.load` of a type it does not take, or given twice (beside `config=`)."""
+
+
 def near_tie_mode(value: Any) -> str:
     """One of NEAR_TIE_MODES; True/False are "call"/"off" (the switch's first form: on or off)."""
     if value is True or value is False:
         return "call" if value else "off"
     if isinstance(value, str) and value in NEAR_TIE_MODES:
         return value
-    raise ValueError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
+    raise LoadArgumentError("near_ties=%r is not a near-tie mode; use %s (or True/False)"
                      % (value, ", ".join(repr(m) for m in NEAR_TIE_MODES)))
 
 
@@ -59,20 +68,26 @@ class LoadConfig:
     handover: bool = True
 
     def checked(self) -> "LoadConfig":
-        """The caller's mistakes (not the bundle's) as TypeError or ValueError; the config with `near_ties` as its
-        mode. `prefer` is checked against the kinds only when given (the kinds' registry imports torch)."""
+        """The caller's mistakes (not the bundle's) as a LoadArgumentError (a ValueError); the config with
+        `near_ties` as its mode. `prefer` is checked against the kinds only when given (the kinds' registry imports
+        torch)."""
         if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 0:
-            raise ValueError("chunk_tokens=%r is not a token count; use a whole number >= 0 (0: no token budget)"
+            raise LoadArgumentError("chunk_tokens=%r is not a token count; use a whole number >= 0 (0: no token budget)"
                              % (self.chunk_tokens,))
         if self.prefer is not None:
             from .. import kinds
 
             if self.prefer not in kinds.RUNTIME_ORDER:
-                raise ValueError("prefer=%r is not an artifact kind; use one of %s"
+                raise LoadArgumentError("prefer=%r is not an artifact kind; use one of %s"
                                  % (self.prefer, ", ".join(kinds.RUNTIME_ORDER)))
+        pin = self.bundle_sha256
+        if pin is not None and (not isinstance(pin, str) or not is_sha256(pin.strip().lower())):
+            raise LoadArgumentError("bundle_sha256=%r is not a sha256 (64 hex digits); `laya-aot inspect BUNDLE` "
+                                    "prints the bundle's" % (str(pin)[:80],))
         mode = near_tie_mode(self.near_ties)
         if self.eager_module not in EAGER_MODULE_MODES:
-            raise ValueError("eager_module=%r is not one of %s" % (self.eager_module, ", ".join(EAGER_MODULE_MODES)))
+            raise LoadArgumentError("eager_module=%r is not one of %s"
+                                    % (self.eager_module, ", ".join(EAGER_MODULE_MODES)))
         return dataclasses.replace(self, near_ties=mode)
 
     @property
@@ -89,12 +104,12 @@ def config_of(config: Optional[LoadConfig], **given: Any) -> LoadConfig:
     if config is None:
         return LoadConfig(**given)
     if not isinstance(config, LoadConfig):
-        raise TypeError("config=%r is not a laya_aot.LoadConfig" % (config,))
+        raise LoadArgumentTypeError("config=%r is not a laya_aot.LoadConfig" % (config,))
     defaults = LoadConfig()
     clash = sorted(k for k, v in given.items() if v != getattr(defaults, k))
     if clash:
-        raise TypeError("load() got config= and %s: pass them in the LoadConfig (dataclasses.replace(config, %s=...))"
-                        % (", ".join(clash), clash[0]))
+        raise LoadArgumentTypeError("load() got config= and %s: pass them in the LoadConfig "
+                                    "(dataclasses.replace(config, %s=...))" % (", ".join(clash), clash[0]))
     return config
 
 

@@ -473,9 +473,11 @@ def test_device_arguments_are_named(small, small_pack):
 
 
 def test_a_pin_that_is_not_a_string_is_named(small, demo_ckpt):
-    agent = _quiet_load(demo_ckpt, small, bundle_sha256=5)
-    why = dict(agent.backend_object.rejected)["bundle"]
-    assert "bundle_sha256" in why and "subscriptable" not in why
+    from laya_aot.runtime.session import LoadArgumentError
+
+    with pytest.raises(LoadArgumentError, match="bundle_sha256='5' is not a sha256") as e:
+        _quiet_load(demo_ckpt, small, bundle_sha256=5)
+    assert "subscriptable" not in str(e.value)
 
 
 # --- rows 14 and 15: checkpoint messages ---------------------------------------------------------------------

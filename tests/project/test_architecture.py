@@ -280,7 +280,8 @@ def test_every_public_error_is_a_laya_aot_error_and_keeps_its_builtin_base():
             continue
         cls = getattr(importlib.import_module(m), name)
         assert issubclass(cls, LayaAotError), "%s.%s is not under laya_aot.LayaAotError" % (m, name)
-        assert issubclass(cls, (RuntimeError, ValueError, IndexError)), "%s.%s lost its builtin base" % (m, name)
+        builtin = (RuntimeError, ValueError, TypeError, IndexError)
+        assert issubclass(cls, builtin), "%s.%s lost its builtin base" % (m, name)
     from laya_aot.checkpoint import CheckpointNotFound
     from laya_aot.runtime.backend import TokenIdError
 

@@ -47,6 +47,15 @@ def test_a_wrong_checkpoint_path_or_a_missing_bundle_is_answered_before_torch(de
     got = _strict_load_in_child(demo_ckpt, tmp_path / "no-such-bundle")
     assert got["heavy"] == [] and got["said"].startswith("NoArtifactError: "), got
     assert "does not exist or is not a directory" in got["said"] and "laya-aot build" in got["said"]
+    # the two swapped: a bundle (or any directory) where the checkpoint goes is named so, before laya loads
+    bundle = tmp_path / "a-bundle"
+    bundle.mkdir()
+    (bundle / "bundle.json").write_text("{}")
+    got = _strict_load_in_child(bundle, demo_ckpt)
+    assert got["heavy"] == [] and got["said"].startswith("CheckpointNotFound: "), got
+    assert "has no rl_agent_config.json; it is a laya-aot bundle: pass it as bundle=" in got["said"]
+    got = _strict_load_in_child(tmp_path, demo_ckpt)
+    assert got["heavy"] == [] and "is not a Laya checkpoint: it has no rl_agent_config.json" in got["said"], got
 
 
 @pytest.mark.slow
@@ -139,3 +148,21 @@ def test_load_config_is_loads_keywords_as_one_object(tmp_path):
         laya_aot.load(str(tmp_path), bundle=str(tmp_path), strict=True, prefer="onnx", config=given)
     with pytest.raises(ValueError, match="near_ties='sometimes' is not a near-tie mode"):
         laya_aot.load(str(tmp_path), bundle=str(tmp_path), config=LoadConfig(near_ties="sometimes"))
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"prefer": "tensorrt"}, "prefer='tensorrt' is not an artifact kind"),
+    ({"near_ties": "maybe"}, "near_ties='maybe' is not a near-tie mode"),
+    ({"chunk_tokens": -5}, "chunk_tokens=-5 is not a token count"),
+    ({"eager_module": "sometimes"}, "eager_module='sometimes' is not one of"),
+    ({"bundle_sha256": "c7e24794"}, r"bundle_sha256='c7e24794' is not a sha256 \(64 hex digits\)"),
+    ({"bundle_sha256": 12}, "bundle_sha256='12' is not a sha256"),
+    ({"bundle": 3}, "bundle=3 is not a path"),
+])
+def test_a_load_argument_it_does_not_take_is_one_laya_aot_error_at_once(tmp_path, kwargs, says):
+    """A caller's mistake in `load`'s arguments raises at once (no fallback to eager, no import of torch needed)
+    as a LayaAotError that keeps its builtin base, as every error laya-aot raises on purpose does."""
+    args = {"bundle": str(tmp_path), **kwargs}
+    with pytest.raises(laya_aot.LayaAotError, match=says) as e:
+        laya_aot.load(str(tmp_path), **args)
+    assert isinstance(e.value, TypeError if "bundle" in kwargs else ValueError)
