@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -20,7 +20,7 @@ from torch.export import Dim, ExportedProgram
 from ..manifest import Artifact, Needs, Precision
 from ..modeling import packed as packed_mod
 from ..modeling.head import attention_backends
-from ..modeling.model import ExplicitDtypeModel, gemm_extremes
+from ..modeling.model import ExplicitDtypeModel, check_choices, gemm_extremes
 from ..modeling.rotary import ROTARY
 from ..numerics import precision
 from ..numerics.dtypes import torch_dtype
@@ -156,6 +156,30 @@ class ExportedProgramRunner(Runner):
             return self._module(*batch)
 
 
+def export_device(target_device: str) -> str:
+    """Where the export traces: the GPU for a cuda target where one is visible, else the CPU."""
+    return "cuda" if target_device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+def check_settings(e: Any, target_device: str, max_tokens: Optional[int] = None) -> None:
+    """Every `export.*` setting, each by its owner's check, as one ValueError naming the setting: called as the build
+    starts (before the checkpoint loads, `max_tokens` not yet known where it is the context's) and by `build`."""
+    dev = export_device(target_device)
+    example_size(dev, e.max_rows, int(max_tokens or e.max_tokens or 2 * TOKEN_MULTIPLE), e.example_rows,
+                 e.example_tokens)
+    precision.check_policy(e.precision, e.fp16_headroom)
+    torch_dtype(e.action_head_dtype)
+    check_choices(e.attention, e.head)
+    if e.rotary not in ROTARY:
+        raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
+    if e.rows not in packed_mod.ROWS:
+        raise ValueError("export.rows=%r: one of %s" % (e.rows, ", ".join(packed_mod.ROWS)))
+    if e.rows == "packed" and dev not in packed_mod.DEVICES:
+        raise ValueError("export.rows=packed is for GPU targets, where one kernel visits only each segment's keys; on "
+                         "the %s a packed artifact answered slower than padded rows (2.2x on the tiny demo's mixed "
+                         "stream): use export.rows=padded" % dev)
+
+
 def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     """torch.export with explicit dtypes; the program is saved as the portable artifact and handed back
     (`Built.exported`) for the kinds compiled from it."""
@@ -165,15 +189,8 @@ def build(ctx: BuildContext, exported: Optional[Exported] = None) -> Built:
     if max_tokens > reach:
         raise ValueError("export.max_tokens=%d exceeds the checkpoint's context (%d tokens, %d as a multiple of %d); "
                          "lower it" % (max_tokens, ctx.info["max_len"], reach, TOKEN_MULTIPLE))
-    dev = "cuda" if ctx.device == "cuda" and torch.cuda.is_available() else "cpu"
-    if e.rotary not in ROTARY:
-        raise ValueError("export.rotary=%r: one of %s" % (e.rotary, ", ".join(ROTARY)))
-    if e.rows not in packed_mod.ROWS:
-        raise ValueError("export.rows=%r: one of %s" % (e.rows, ", ".join(packed_mod.ROWS)))
-    if e.rows == "packed" and dev not in packed_mod.DEVICES:
-        raise ValueError("export.rows=packed is for GPU targets, where one kernel visits only each segment's keys; on "
-                         "the %s a packed artifact answered slower than padded rows (2.2x on the tiny demo's mixed "
-                         "stream): use export.rows=padded" % dev)
+    dev = export_device(ctx.device)
+    check_settings(e, ctx.device, max_tokens)
     chosen = choose_precision(ctx, dev, max_tokens)
     model = packed_mod.PackedModel if e.rows == "packed" else ExplicitDtypeModel
     module = model(ctx.agent.model, torch_dtype(ctx.dtype), torch_dtype(e.action_head_dtype), dev,

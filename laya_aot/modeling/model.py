@@ -80,6 +80,14 @@ def _faithful(model: torch.nn.Module, gemm: torch.dtype) -> None:
                 m.laya_aot_dtype = gemm
 
 
+def check_choices(attention: str, head: str) -> None:
+    """export.attention and export.head: one ValueError naming the setting (the build checks them as it starts)."""
+    if attention not in attention_mod.ATTENTIONS:
+        raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
+    if head not in head_mod.HEADS:
+        raise ValueError("export.head=%r: one of %s" % (head, ", ".join(head_mod.HEADS)))
+
+
 class ExplicitDtypeModel(torch.nn.Module):
     """laya's DecisionModel under autocast in `dtype` (no autocast for fp32), fp32 outputs; with `gemm`, the
     faithful path instead: no autocast, matrix products in `gemm` (see the module's docstring)."""
@@ -88,10 +96,7 @@ class ExplicitDtypeModel(torch.nn.Module):
                  device_type: str = "cpu", attention: str = "stock", rope_table: int = 0, head: str = "full",
                  gemm: Optional[torch.dtype] = None):
         super().__init__()
-        if attention not in attention_mod.ATTENTIONS:
-            raise ValueError("export.attention=%r: one of %s" % (attention, ", ".join(attention_mod.ATTENTIONS)))
-        if head not in head_mod.HEADS:
-            raise ValueError("export.head=%r: one of %s" % (head, ", ".join(head_mod.HEADS)))
+        check_choices(attention, head)
         self.model = copy.deepcopy(model).eval().float()
         self.dtype, self.device_type = dtype, device_type
         # what the copy computes attention with: "triton" only on a GPU in 16 bits, for an encoder

@@ -27,6 +27,7 @@ from ..bundle_format import MAX_TOKENIZER_SNAPSHOT_BYTES, record_files, write_ma
 from ..errors import LayaAotError
 from ..files import make_readable, sha256_file, sha256_tree
 from ..kinds import BuildContext, Built, Kind, Skip, model_tensors
+from ..kinds.exported_program import check_settings as check_export_settings
 from ..manifest import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -399,6 +400,13 @@ def output_path(output_dir: Optional[str], checkpoint: str, target: str) -> str:
 
 def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
     """Run every stage and publish the bundle. Raises BuildError when nothing usable can be built."""
+    device = str(cfg.target.device)
+    if device not in ("cpu", "cuda"):
+        raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)
+    try:  # the settings first: a mistake in one is named before the checkpoint is made, read or loaded
+        check_export_settings(cfg.export, device)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
     try:
         ckpt = demo.resolve(cfg.checkpoint)  # a path, a hub id, or the demo checkpoint (made when absent)
         info = ckpt_mod.describe(ckpt, cfg.checkpoint)
@@ -411,9 +419,6 @@ def build(cfg: DictConfig, report: Report = lambda rec: None) -> BuildResult:
         raise BuildError(str(e)) from None
     except OSError as e:
         raise BuildError(_unwritable(out, e)) from None
-    device = str(cfg.target.device)
-    if device not in ("cpu", "cuda"):
-        raise BuildError("target.device=%r is not supported; use cpu or cuda" % device)
     try:
         dtypes = precision.build_dtypes(device, cfg.target.arch, {"amp_dtype": info["amp_dtype"]},
                                         list(cfg.target.dtypes or []))

@@ -101,11 +101,36 @@ def test_export_max_rows_out_of_range_is_named_not_example_rows(rows):
         example_size("cpu", 8, 8)
 
 
-@pytest.mark.slow  # a `laya-aot build` process: the load stage runs before the export refuses
+@pytest.mark.slow  # a `laya-aot build` process (Hydra and torch imports, then the refusal)
 def test_build_with_a_negative_max_rows_blames_max_rows(demo_ckpt, tmp_path):
     rc, text = _build("checkpoint.path=%s" % demo_ckpt, "output_dir=%s" % (tmp_path / "out"), "export.max_rows=-1")
     assert rc == 2 and "export.max_rows=-1 must be between 2 and" in text and "example_rows" not in text, text
     _clear(text)
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("export.precision=fast", "export.precision='fast': one of faithful, laya"),
+    ("export.fp16_headroom=0.5", "export.fp16_headroom=0.5"),
+    ("export.max_rows=-1", "export.max_rows=-1 must be between 2 and"),
+    ("export.max_tokens=40", "export.max_tokens=40 must be a multiple of 16"),
+    ("export.attention=flash", "export.attention='flash': one of triton, stock"),
+    ("export.head=half", "export.head='half': one of answer_rows, full"),
+    ("export.rotary=cached", "export.rotary='cached': one of"),
+    ("export.rows=ragged", "export.rows='ragged': one of padded, packed"),
+    ("export.rows=packed", "export.rows=packed is for GPU targets"),
+    ("export.action_head_dtype=fp8", "unknown dtype 'fp8'"),
+])
+def test_a_bad_export_setting_is_named_before_the_checkpoint_is_touched(tmp_path, setting, says):
+    """Every export setting is checked as the build starts: a checkpoint path that does not exist is not even
+    looked at (the demo checkpoint would be made, a user's loaded: seconds to minutes before the export stage)."""
+    from laya_aot.config import compose
+    from laya_aot.pipeline import BuildError, build
+
+    cfg = compose(["checkpoint.path=%s" % (tmp_path / "no-such-checkpoint"), "checkpoint.demo_shape=null",
+                   "output_dir=%s" % (tmp_path / "out"), setting])
+    with pytest.raises(BuildError, match=says.replace("(", r"\(")) as e:
+        build(cfg)
+    assert "no-such-checkpoint" not in str(e.value) and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("extra, says", [
