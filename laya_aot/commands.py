@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -207,9 +207,24 @@ def _bundle_parser(command: str, description: str, device: bool = True) -> argpa
     p = argparse.ArgumentParser(prog="laya-aot %s" % command, description=description)
     p.add_argument("bundle", help="the bundle directory (the one holding bundle.json)")
     if device:
-        p.add_argument("--device", default=None, type=device_arg,
+        p.add_argument("--device", default=None, type=visible_device_arg,
                        help="the agent's device: cpu, cuda or cuda:N (default: cuda when visible, else cpu)")
     return p
+
+
+def visible_device_arg(value: str) -> str:
+    """`device_arg`, and a device this process can see: what a command says or runs for a device it cannot see
+    would be about another machine (its GPU's facts are not known here)."""
+    v = device_arg(value)
+    if v.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(v.partition(":")[2] or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                "%s is not visible here (%s); run the command on the GPU machine, or leave --device out"
+                % (v, "no CUDA device" if count == 0 else "%d CUDA device%s" % (count, "s" * (count > 1))))
+    return v
 
 
 def device_arg(value: str) -> str:
@@ -248,11 +263,19 @@ def _inspect(a: argparse.Namespace) -> int:
                      "tie_margin": v.tie_margin() if v else None,
                      "decisions": dataclasses.asdict(v.decisions) if v and v.decisions else None,
                      "precision": dataclasses.asdict(e.precision) if e.precision else None,
+                     "latency_ms": e.latency_ms, "latency_spread_ms": e.latency_spread_ms,
+                     "needs_torch": e.needs.torch if e.needs else None,
                      "here": _usable_here(Path(a.bundle), e, here), "probe_here": _probe_here(e, here)})
+    torch_line = _torch_needed(m.artifacts, machine.torch)
+    serves = _would_serve(m.artifacts, rows, here, raw_sha)
     if a.json:
+        from rich.text import Text
+
         print(json.dumps({"bundle": a.bundle, "bundle_sha256": raw_sha, "checkpoint": m.checkpoint.name,
-                          "machine": machine.as_dict(),
-                          "device": device, "serving_dtype": serving, "artifacts": rows}, indent=2))
+                          "machine": machine.as_dict(), "device": device, "serving_dtype": serving,
+                          "artifacts": rows, "torch_needed": torch_line,
+                          "would_serve": {"artifact": serves.artifact, "why": Text.from_markup(serves.text).plain}},
+                         indent=2))
         return 0
     con = _console()
     title = ("%s (checkpoint %s, built %s; laya serves it in %s on %s here)"
@@ -272,15 +295,13 @@ def _inspect(a: argparse.Namespace) -> int:
               soft_wrap=True)
     con.print("bundle sha256 (pin it with laya_aot.load(..., bundle_sha256=...) or LAYA_AOT_BUNDLE_SHA256): %s"
               % raw_sha, soft_wrap=True)
-    torch_line = _torch_needed(m.artifacts, machine.torch)
     if torch_line:
         con.print(torch_line, soft_wrap=True)
     probed = {r["name"]: r["probe_here"] for r in rows if r["here"] == "usable" and r["probe_here"]}
     if probed:
         con.print("probe child (native artifacts, on a start here): %s" % ", ".join(
             "%s %s" % (name, _PROBE_WORDS[state]) for name, state in probed.items()), soft_wrap=True)
-    con.print("on this machine `load()` would serve: %s" % _would_serve(m.artifacts, rows, here, raw_sha),
-              soft_wrap=True)
+    con.print("on this machine `load()` would serve: %s" % serves.text, soft_wrap=True)
     return 0
 
 
@@ -296,10 +317,14 @@ def _torch_needed(artifacts: List[Artifact], here: str) -> Optional[str]:
             by_torch.setdefault(str(e.needs.torch).split("+")[0], []).append(e.name)
     if not by_torch:
         return None
-    return "torch: %s; this process has torch %s" % ("; ".join(
-        "%s need torch %s where they serve (`pip install torch==%s` before laya-aot)%s"
-        % (", ".join(names), version, version, "" if torch_tag(version) == torch_tag(here) else ", not this one")
-        for version, names in sorted(by_torch.items())), here)
+    def one(version: str, names: List[str]) -> str:
+        alone = len(names) == 1
+        return "%s %s torch %s where %s (`pip install torch==%s` before laya-aot)%s" % (
+            ", ".join(names), "needs" if alone else "need", version, "it serves" if alone else "they serve", version,
+            "" if torch_tag(version) == torch_tag(here) else ", not this one")
+
+    return "torch: %s; this process has torch %s" % (
+        "; ".join(one(version, names) for version, names in sorted(by_torch.items())), here)
 
 
 _PROBE_WORDS = {"cached": "none (probed here before)",
@@ -310,7 +335,12 @@ _PROBE_WORDS = {"cached": "none (probed here before)",
 TABLE_WIDTH = 170
 
 
-def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], here: Any, bundle_sha: str) -> str:
+class WouldServe(NamedTuple):
+    artifact: Optional[str]  # None: laya's eager forward
+    text: str  # which, and why (rich markup)
+
+
+def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], here: Any, bundle_sha: str) -> WouldServe:
     """The artifact `laya_aot.load` tries first here, in the loader's own start order (`select.select`), and why
     (from the manifest and the hashes; the probe, the load and the smoke check come at load time)."""
     from .runtime.select import select
@@ -319,8 +349,8 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], here: An
     order = select(artifacts, here, fits=lambda a: a.name in usable, bundle_sha256=bundle_sha)
     ranked, device = order.plan.order, here.device_type
     if not ranked:
-        return ("[bold]laya's eager forward[/] (no artifact of this bundle is usable here; the last column says "
-                "why)")
+        return WouldServe(None, "[bold]laya's eager forward[/] (no artifact of this bundle is usable here; each "
+                                "artifact's \"on this machine\" says why)")
     first = ranked[0]
     lat = order.latencies(first)
     where = "at build" if order.ranking == "build" else order.ranking
@@ -337,7 +367,8 @@ def _would_serve(artifacts: List[Artifact], rows: List[Dict[str, Any]], here: An
         best = order.plan.handover_to
         then = ("; once it answers, [bold]%s[/] takes over in the background (the best measured mix: %s)"
                 % (best.name, _latencies(order.latencies(best)) or "no figures"))
-    return "[bold]%s[/] (given the checkpoint it was built from; %s)%s%s" % (first.name, why, then, more)
+    return WouldServe(first.name, "[bold]%s[/] (given the checkpoint it was built from; %s)%s%s"
+                      % (first.name, why, then, more))
 
 
 def _latencies(per_shape: Dict[str, float]) -> str:

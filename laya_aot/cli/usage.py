@@ -17,7 +17,7 @@ import difflib
 import re
 import typing
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from ..distribution import PACK_SUFFIX
 
@@ -101,15 +101,19 @@ def _parent_hint(p: Path) -> str:
 
 
 def _positionals(argv: List[str]) -> List[str]:
-    out, skip = [], False
-    for a in argv:
+    return [a for _, a in _words(argv, _VALUE_FLAGS)]
+
+
+def _words(argv: List[str], value_flags: Set[str]) -> Iterator[Tuple[int, str]]:
+    """(index, word) of each argument that is neither a flag nor the value of one of `value_flags`."""
+    skip = False
+    for i, a in enumerate(argv):
         if skip:
             skip = False
-        elif a in _VALUE_FLAGS:
-            skip = True
-        elif not a.startswith("-"):
-            out.append(a)
-    return out
+        elif a.startswith("-"):
+            skip = a in value_flags
+        else:
+            yield i, a
 
 
 def _value_of(argv: List[str], flag: str) -> Optional[str]:
@@ -158,17 +162,16 @@ def _overrides(argv: List[str]) -> Iterator[Tuple[str, str, str]]:
 
 def _placed_overrides(argv: List[str]) -> Iterator[Tuple[int, str, str, str]]:
     """(index in argv, prefix, key, value) of each override."""
-    skip = False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a.startswith("-"):
-            skip = a in _HYDRA_VALUE_FLAGS
-            continue
+    for i, a in _hydra_words(argv):
         m = _OVERRIDE.match(a)
         if m:
             yield i, m.group(1) or "", m.group(2), m.group(3)
+
+
+def _hydra_words(argv: List[str]) -> Iterator[Tuple[int, str]]:
+    """(index, word) of each `laya-aot build` argument that is neither a flag nor a flag's value: Hydra's
+    overrides."""
+    return _words(argv, _HYDRA_VALUE_FLAGS)
 
 
 def _config_dirs(argv: List[str]) -> List[str]:
@@ -204,6 +207,12 @@ def _override_mistake(argv: List[str], keys: Dict[str, Any], dirs: List[str]) ->
     # another search path or primary config may add group options this check cannot list: Hydra judges those
     other_configs = any(a.startswith(("hydra.searchpath", "+hydra.searchpath", "--config-path", "-cp"))
                         for a in argv)
+    for _, word in _hydra_words(argv):
+        if not _OVERRIDE.match(word) and not word.startswith("~"):  # `~key` deletes a key: no value
+            near = _nearest(word, list(keys) + list(GROUPS))
+            fix = ("give it a value: `%s=...`" % word if near == word else "did you mean `%s=...`?" % near if near
+                   else "`laya-aot build --help` lists every key")
+            return "`%s`: an override is KEY=VALUE; %s" % (word, fix)
     for prefix, key, value in _overrides(argv):
         if prefix or key.startswith("hydra") or "/" in key:  # `+new=`, `~key`, hydra's own and nested groups
             continue

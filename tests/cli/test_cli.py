@@ -47,6 +47,9 @@ def place(tmp_path) -> Path:
     (["build", "export.max_row=32"], "did you mean `export.max_rows`?"),
     (["build", "target=sm90"], "did you mean `sm_90`?"),
     (["build", "export.max_rows=lots"], "export.max_rows takes a whole number"),
+    (["build", "export.max_rows", "--cfg", "job"], "`export.max_rows`: an override is KEY=VALUE; give it a value: "
+                                                  "`export.max_rows=...`"),
+    (["build", "export.max_row"], "an override is KEY=VALUE; did you mean `export.max_rows=...`?"),
     (["build", "checkpoint.path=afile"], "checkpoint.path=afile is a file; pass the checkpoint directory"),
     (["pack", "x.tar.zst", "bdir"], "did you mean `laya-aot pack bdir x.tar.zst`?"),
     (["unpack", "bdir", "x.tar.zst"], "did you mean `laya-aot unpack x.tar.zst bdir`?"),

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import another_torch, built_with_torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +73,9 @@ def test_demo_names_what_this_torch_refuses_with_the_fix(bundle_copy, demo_ckpt,
                                                                                   re.escape(version)), out), out
     assert inspect([str(bundle_copy)], time.perf_counter()) == 0
     out = capsys.readouterr().out
-    assert "torch: %s need torch %s where they serve (`pip install torch==%s` before laya-aot), not this one; " \
-        % (", ".join(names), version, version) in out, out
+    says = "needs torch %s where it serves" if len(names) == 1 else "need torch %s where they serve"
+    assert "torch: %s %s (`pip install torch==%s` before laya-aot), not this one; " \
+        % (", ".join(names), says % version, version) in out, out
 
 
 def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(demo_bundle, demo_ckpt, capsys):
@@ -94,7 +97,31 @@ def test_inspect_says_what_load_would_serve_here_and_lists_cleanly_when_piped(de
     assert agent.backend_object.artifact.name == served.group(1)
     assert inspect([str(demo_bundle), "--json"], time.perf_counter()) == 0
     facts = json.loads(capsys.readouterr().out)
-    assert set(facts) == {"bundle", "bundle_sha256", "checkpoint", "machine", "device", "serving_dtype", "artifacts"}
+    assert set(facts) == {"bundle", "bundle_sha256", "checkpoint", "machine", "device", "serving_dtype", "artifacts",
+                          "torch_needed", "would_serve"}
+    # the same facts as the text: what load() serves and why, each artifact's build latencies and torch
+    assert facts["would_serve"]["artifact"] == served.group(1) and "[bold]" not in facts["would_serve"]["why"]
+    assert "measured on cpu" in facts["would_serve"]["why"]
+    recorded = json.loads((demo_bundle / "bundle.json").read_text())["artifacts"]
+    assert [r["latency_ms"] for r in facts["artifacts"]] == [a.get("latency_ms", {}) for a in recorded]
+    assert [r["needs_torch"] for r in facts["artifacts"]] == [(a.get("needs") or {}).get("torch") for a in recorded]
+
+
+def test_inspect_refuses_a_device_this_machine_cannot_see(demo_bundle, capsys):
+    """A GPU's facts are not known on a machine without one: `inspect --device cuda` said laya serves in fp16 on
+    cuda here, and that eager would serve."""
+    import torch
+
+    from laya_aot.commands import inspect
+
+    if torch.cuda.is_available():
+        pytest.skip("a machine with a GPU sees cuda")
+
+    with pytest.raises(SystemExit) as e:
+        inspect([str(demo_bundle), "--device", "cuda"], time.perf_counter())
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "cuda is not visible here (no CUDA device); run the command on the GPU machine" in err, err
 
 
 def test_inspect_says_whether_a_start_here_runs_a_probe_child(demo_bundle, other_facts_bundle, demo_ckpt, tmp_path,
