@@ -143,15 +143,15 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
     import zstandard
 
     bundle, file = Path(bundle), Path(file)
-    if not file.name.endswith(PACK_SUFFIX):
-        raise BundleError("cannot pack %s into %s: a pack's name ends in %s (what `laya-aot fetch`, `laya_aot.load` "
-                          "and `laya-aot serve` know a pack by); pass %s%s" % (bundle, file, PACK_SUFFIX, file,
-                                                                             PACK_SUFFIX))
     if Path(os.path.realpath(file)).is_relative_to(os.path.realpath(bundle)):
         raise BundleError("cannot pack %s into %s: the pack would be written inside the bundle it packs; write it "
                           "outside, for example %s%s" % (bundle, file, bundle.resolve().parent / bundle.name,
                                                          PACK_SUFFIX))
     staging.may_replace(file, "pack", overwrite, ours=_not_a_pack, directory=False, noun="pack")
+    if not file.name.endswith(PACK_SUFFIX):
+        raise BundleError("cannot pack %s into %s: a pack's name ends in %s (what `laya-aot fetch`, `laya_aot.load` "
+                          "and `laya-aot serve` know a pack by); pass %s%s" % (bundle, file, PACK_SUFFIX, file,
+                                                                             PACK_SUFFIX))
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
     _remove_older_partials(file)
