@@ -245,21 +245,45 @@ def estimate_tokens(state: Any, questions: Mapping[str, Any], max_len: Optional[
 _KEY_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # json.dumps' encoder, made once
 
 
+_JSON_TYPES = (str, int, float, bool, type(None))
+
+
+def _plain_json(value: Any) -> bool:
+    """Whether `value` is made only of JSON's own types (str keys; exact types, no subclasses or tuples): then two
+    values with equal JSON are equal as laya reads them. Otherwise JSON would make `{1: ...}` and `{"1": ...}`,
+    `True` and `true`, or an enum and its value one key, which laya renders apart (`str(key)`)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            for k, x in v.items():
+                if type(k) is not str:
+                    return False
+                stack.append(x)
+        elif t is list:
+            stack.extend(v)
+        elif t not in _JSON_TYPES:
+            return False
+    return True
+
+
 def questions_key(questions: Any) -> Optional[str]:
-    """A key equal for equal question sets, order included as laya's grouping keys them (None: not JSON)."""
+    """A key equal for equal question sets, order included as laya's grouping keys them (None: not plain JSON; such
+    a request is answered alone)."""
+    if not _plain_json(questions):
+        return None
     try:
         return _KEY_JSON.encode(questions)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # NaN is JSON's: an infinite or circular value is not
         return None
 
 
-def _hashable(value: Any) -> Optional[Hashable]:
-    """`value` as a key part: itself when hashable, its JSON otherwise (None when neither)."""
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return questions_key(value)
+def _key_part(value: Any) -> Optional[Hashable]:
+    """A control as a key part: its type and JSON (`True` and `1`, `128.0` and `128` apart, as laya may treat
+    them apart; None: not plain JSON)."""
+    key = questions_key(value)
+    return None if key is None else (type(value).__name__, key)
 
 
 class AgentTarget:
@@ -279,7 +303,7 @@ class AgentTarget:
         key: Optional[Hashable] = None
         if isinstance(questions, dict) and state is not None and controls.keys() <= self._MERGED:
             qkey = questions_key(questions)
-            parts = tuple((k, _hashable(controls[k])) for k in sorted(controls)) if controls else ()
+            parts = tuple((k, _key_part(controls[k])) for k in sorted(controls)) if controls else ()
             if qkey is not None and all(v is not None for _, v in parts):
                 key = (qkey, parts)
         rows = len(questions) if isinstance(questions, dict) else 1
@@ -308,7 +332,7 @@ class RouterTarget:
 
     @staticmethod
     def _call_key(controls: Mapping[str, Any]) -> Optional[Hashable]:
-        parts = tuple((k, _hashable(controls[k])) for k in sorted(controls))
+        parts = tuple((k, _key_part(controls[k])) for k in sorted(controls))
         return None if any(v is None for _, v in parts) else parts
 
     def work(self, state: Any, questions: Dict[str, Any], controls: Dict[str, Any]) -> Work:

@@ -85,7 +85,9 @@ class HostPath:
         Within a call, laya hands the same question object for every state: the key is then looked up by that
         object (held by the call, so its id stays its own), not rendered again. laya never changes a question
         object during a call (`internal` is made once per call)."""
-        if tok is not self.tok:
+        if tok is not self.tok or type(head_max_len) is not int or (
+                option_order is not None and not all(type(i) is int for i in option_order)):
+            # a key must hold what build_head reads as it reads it: 128.0 equals 128 as a key, and laya raises for it
             return stock(tok, q, head_max_len, option_order=option_order)
         order = None if option_order is None else tuple(option_order)
         if call is not None:

@@ -89,6 +89,31 @@ def test_requests_merge_only_with_the_same_questions_and_controls():
     assert len(calls) == 4
 
 
+def test_requests_whose_questions_or_controls_laya_reads_apart_never_share_a_call():
+    """Equal as JSON is not equal as laya reads it: criteria keyed `True` render "True", keyed "true" render
+    "true"; `1` and `"1"` likewise; `min_confidence=True` and `1`, `head_max_len=128.0` and `128` compare equal but
+    laya takes one and refuses the other. Such requests must not be answered with their neighbour's questions."""
+    def q(criteria: Any) -> Dict[str, Any]:
+        return {"r": {"type": "choice", "instructions": "Refund asked?", "criteria": criteria}}
+
+    agent = Agent()
+    b = _held(agent)
+    futures = [b.submit("a", q({True: "x", False: "y"})), b.submit("b", q({"true": "x", "false": "y"})),
+               b.submit("c", q({1: "x", 2: "y"})), b.submit("d", q({"1": "x", "2": "y"})),
+               b.submit("e", q(("x", "y"))), b.submit("f", q(["x", "y"])),
+               b.submit("g", Q, min_confidence=True), b.submit("h", Q, min_confidence=1),
+               b.submit("i", Q, head_max_len=128.0), b.submit("j", Q, head_max_len=128),
+               b.submit("k", q({"true": "x", "false": "y"})), b.submit("l", q(["x", "y"]))]
+    agent.hold.set()
+    assert [f.result(5)["state"] for f in futures] == list("abcdefghijkl")
+    b.close()
+    merged = [states for kind, states, _ in agent.calls[1:] if kind == "predict_batch"]
+    assert sorted(merged) == [["b", "k"], ["f", "l"]], agent.calls    # only the truly equal ones
+    kw = {tuple(states): call_kw for _, states, call_kw in agent.calls[1:]}
+    assert kw[("g",)] == {"min_confidence": True} and kw[("h",)] == {"min_confidence": 1}
+    assert type(kw[("i",)]["head_max_len"]) is float and type(kw[("j",)]["head_max_len"]) is int
+
+
 def test_a_request_that_fails_fails_alone_and_its_neighbours_are_answered():
     agent = Agent()
     b = _held(agent)

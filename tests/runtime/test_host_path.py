@@ -179,6 +179,21 @@ def test_heads_are_keyed_by_everything_build_head_reads(demo_ckpt):
     assert path.stats == {"heads_built": len(variants), "heads_cached": len(variants)}
 
 
+def test_a_budget_laya_refuses_is_refused_after_an_equal_one_it_took(demo_ckpt):
+    """`head_max_len=128.0` equals 128 as a key, and laya raises for it: the cache must not answer it with the head
+    laya built for 128 (whether a call answered or raised depended on the calls before it)."""
+    stock, fast = _agent(demo_ckpt), _agent(demo_ckpt)
+    host_path.install(fast)
+    q = {"team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech"]}}
+    for agent in (stock, fast):
+        agent.system_one("I was charged twice", q)
+    with pytest.raises(TypeError) as want:
+        stock.system_one("I was charged twice", q, head_max_len=128.0)
+    with pytest.raises(TypeError) as got:
+        fast.system_one("I was charged twice", q, head_max_len=128.0)
+    assert str(got.value) == str(want.value)
+
+
 def test_the_head_cache_stays_bounded(demo_ckpt, monkeypatch):
     monkeypatch.setattr(host_path, "HEADS_KEPT", 3)
     agent = _agent(demo_ckpt)
