@@ -79,12 +79,14 @@ def merge(calls: Sequence[Tensors], pad_id: int) -> Tuple[Tensors, List[Tuple[in
     return tuple(torch.cat(p) for p in parts), spans
 
 
-def split(outputs: Sequence[Any], spans: Sequence[Tuple[int, int, int]], markers: int) -> List[Tensors]:
-    """Each call's outputs from a merged call's: its rows, and of an output per marker its own markers."""
+def split(outputs: Sequence[Any], spans: Sequence[Tuple[int, int, int]]) -> List[Tensors]:
+    """Each call's outputs from a merged call's: its rows of each, and of the forward's first output (the logits
+    per marker) its own markers. The second, the action logits, is one column per action, whatever their number:
+    an action count equal to the merged marker count is not a marker dimension."""
     out = []
     for first, rows, own in spans:
-        out.append(tuple((o[first:first + rows, :own] if o.dim() > 1 and o.shape[1] == markers and own < markers
-                          else o[first:first + rows]).clone() for o in outputs))
+        logits, *rest = outputs
+        out.append((logits[first:first + rows, :own].clone(), *(o[first:first + rows].clone() for o in rest)))
     return out
 
 
@@ -234,7 +236,7 @@ class Engine:
                 self.stats["forward_s"] += time.perf_counter() - t0
                 self.stats["artifact_calls"] += 1
                 self.stats["merged_calls"] += 1
-                for c, part in zip(batch, split(outs, spans, inputs[2].shape[1])):
+                for c, part in zip(batch, split(outs, spans)):
                     c.reply(("ok", pack(part)))
                 return
             except Exception:  # noqa: BLE001 - each call again by itself: one bad call fails alone

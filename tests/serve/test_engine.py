@@ -19,11 +19,12 @@ from tests.serve.test_serve import Server, _env
 from tests.serve.test_workers import _alike, _alive, _answers, _until
 
 
-def _fake_forward(ids, att, mpos, mmask, qtype):
-    """Outputs that depend on each row's own real tokens and markers only, like the model's."""
+def _fake_forward(ids, att, mpos, mmask, qtype, actions: int = 2):
+    """Outputs that depend on each row's own real tokens and markers only, like the model's (`actions` columns of
+    action logits)."""
     real = (ids * att).sum(1, keepdim=True).float()
     logits = torch.where(mmask, mpos.float() * 10 + real, torch.full_like(mpos, -1e4, dtype=torch.float))
-    act = torch.stack([real[:, 0], qtype.float()], 1)
+    act = torch.stack([real[:, 0] + i if i % 2 == 0 else qtype.float() - i for i in range(actions)], 1)
     return logits, act
 
 
@@ -38,13 +39,16 @@ def _call(rows: int, tokens: int, markers: int, seed: int):
     return ids, att, mpos, mmask, torch.randint(0, 3, (rows,), generator=g)
 
 
-def test_a_merged_call_gives_each_call_its_own_rows_and_markers():
+@pytest.mark.parametrize("actions", [2, 3, 6])
+def test_a_merged_call_gives_each_call_its_own_rows_and_markers(actions):
+    """6 actions: as many as the merged call's markers, which must not make the action logits a marker dimension
+    (a request's action probabilities changed with its neighbours)."""
     calls = [_call(2, 16, 4, 0), _call(3, 48, 2, 1), _call(1, 32, 6, 2)]
     inputs, spans = engine.merge(calls, pad_id=0)
     assert inputs[0].shape == (6, 48) and inputs[2].shape == (6, 6)
-    parts = engine.split(_fake_forward(*inputs), spans, inputs[2].shape[1])
+    parts = engine.split(_fake_forward(*inputs, actions=actions), spans)
     for call, part in zip(calls, parts):
-        alone = _fake_forward(*call)
+        alone = _fake_forward(*call, actions=actions)
         assert [p.shape for p in part] == [a.shape for a in alone]
         assert all(torch.equal(p, a) for p, a in zip(part, alone))
 
