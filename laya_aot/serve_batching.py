@@ -57,7 +57,8 @@ def limits_from_env(env: Mapping[str, str], error: Callable[[str], Exception]) -
             values[field_name] = float(raw) if field_name == "max_wait_ms" else int(raw)
             Limits(**{field_name: values[field_name]})
         except ValueError:
-            kind = "a number of milliseconds >= 0" if field_name == "max_wait_ms" else "a positive integer"
+            kind = ("a number of milliseconds from 0 to %g" % engine.MAX_WAIT_LIMIT_MS if field_name == "max_wait_ms"
+                    else "a positive integer")
             raise error("invalid %s %r: use %s (default %s)" % (setting, env.get(setting), kind, default)) from None
     raw = env.get(ENV_BUCKETS, "").strip().lower()
     if raw in ("0", "false", "no", "off"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from bisect import bisect_left
@@ -44,6 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64        # question rows (states x questions) in one merged call
 DEFAULT_MAX_TOKENS = 65536   # estimated tokens in one merged call (rows x estimated row length)
 DEFAULT_MAX_WAIT_MS = 0.0    # longest the first request of a call waits for neighbours (0: none)
+MAX_WAIT_LIMIT_MS = 60_000.0  # at most a minute: past the clock's range the worker's timed wait fails outright
 DEFAULT_MAX_QUEUE = 1024     # requests waiting; one more is refused with Overloaded
 CHARS_PER_TOKEN = 4          # the row-length estimate: a state's characters per token, plus the question's head
 HEAD_TOKENS = 48
@@ -82,8 +82,9 @@ class Limits:
         if not isinstance(self.length_buckets, bool):
             raise ValueError("length_buckets=%r: True or False is needed" % (self.length_buckets,))
         wait = self.max_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait) or wait < 0:
-            raise ValueError("max_wait_ms=%r: a finite number of milliseconds >= 0 is needed" % (wait,))
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_WAIT_LIMIT_MS:
+            raise ValueError("max_wait_ms=%r: a number of milliseconds from 0 to %g is needed"
+                             % (wait, MAX_WAIT_LIMIT_MS))
 
 
 class Histogram:

@@ -316,6 +316,8 @@ def test_the_longest_wait_gathers_neighbours_that_arrive_after_the_first():
 @pytest.mark.parametrize("bad, says", [
     (dict(max_rows=0), "max_rows=0: a positive integer"), (dict(max_queue=1.5), "max_queue=1.5"),
     (dict(max_wait_ms=-1), "max_wait_ms=-1"), (dict(max_wait_ms=float("inf")), "max_wait_ms=inf"),
+    (dict(max_wait_ms=1e13), "max_wait_ms=10000000000000.0: a number of milliseconds from 0 to 60000"),
+    (dict(max_wait_ms=float("nan")), "max_wait_ms=nan"),
     (dict(length_buckets=1), "length_buckets=1: True or False"),
 ])
 def test_bad_limits_are_one_clear_error(bad, says):
