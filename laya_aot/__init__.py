@@ -12,7 +12,7 @@ from ._version import __version__
 from .errors import LayaAotError
 
 if TYPE_CHECKING:  # type checkers and IDEs see the loader's own signature
-    from .runtime.batcher import Batcher
+    from .runtime.batcher import Batcher, Limits
     from .runtime.loader import load
     from .runtime.session import LoadConfig
 
@@ -31,16 +31,16 @@ def __getattr__(name: str) -> Any:
 
         globals()["LoadConfig"] = LoadConfig
         return LoadConfig
-    if name == "Batcher":  # the dynamic batcher (runtime/batcher.py): no torch until a Batcher is made
-        from .runtime.batcher import Batcher
+    if name in ("Batcher", "Limits"):  # the dynamic batcher and its limits (runtime/batcher.py): no torch
+        from .runtime import batcher
 
-        globals()["Batcher"] = Batcher
-        return Batcher
+        globals()[name] = getattr(batcher, name)
+        return globals()[name]
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | {"load", "Batcher", "LoadConfig"})
+    return sorted(set(globals()) | {"load", "Batcher", "Limits", "LoadConfig"})
 
 
-__all__ = ["Batcher", "LayaAotError", "LoadConfig", "load", "__version__"]
+__all__ = ["Batcher", "LayaAotError", "Limits", "LoadConfig", "load", "__version__"]

@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 22
 
 
+ENV_CACHE_DIR = "LAYA_AOT_CACHE_DIR"
+
+
 def cache_dir() -> Path:
     """Where laya-aot keeps per-machine state (digests, probe verdicts): $LAYA_AOT_CACHE_DIR or ~/.cache."""
-    root = os.environ.get("LAYA_AOT_CACHE_DIR") or os.path.join(
+    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "laya-aot")
     return Path(root)
 

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
 from .files import cache_dir, read_cache_json, write_json_atomic
@@ -82,10 +82,10 @@ class SettingError(LayaAotError, ValueError):
     """A setting (an environment variable) holds a value that cannot mean anything; the message names it."""
 
 
-def timeout_s() -> float:
-    """LAYA_AOT_PROBE_TIMEOUT (seconds, default TIMEOUT_S), read when a probe starts; a value that is not a
-    positive number of seconds is a SettingError naming it."""
-    raw = os.environ.get("LAYA_AOT_PROBE_TIMEOUT")
+def timeout_s(env: Optional[Mapping[str, str]] = None) -> float:
+    """LAYA_AOT_PROBE_TIMEOUT (seconds, default TIMEOUT_S), read when a probe starts (and by `laya-aot serve` as it
+    starts); a value that is not a positive number of seconds is a SettingError naming it."""
+    raw = (os.environ if env is None else env).get("LAYA_AOT_PROBE_TIMEOUT")
     if raw is None or not raw.strip():
         return TIMEOUT_S
     try:

@@ -242,7 +242,8 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
                                        "bundle; build it with `laya-aot build ... output_dir=%s`"
                                        % (ENV_BUNDLES, bundle, name, MANIFEST, bundle))
         bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=_checkpoint_dir(key, known[key]), packed=packed)
-    pins = _json_object(env, ENV_PINS, "model name to sha256")
+    pins = _json_object(env, ENV_PINS, "model name to sha256",
+                        """'{"support": "<the sha256 `laya-aot inspect` prints>"}'""")
     if pins:
         _require_load_parameter("bundle_sha256", ENV_PINS)
     for name, sha in pins.items():
@@ -255,14 +256,40 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
                                    "prints), got %r" % (ENV_PINS, name, sha))
         bundles[key] = dataclasses.replace(bundles[key], sha256=sha.strip().lower())
     single = env.get(ENV_PIN, "").strip()
+    if single and not re.fullmatch(r"[0-9a-fA-F]{64}", single):
+        raise ServeConfigError("invalid %s %r: a pin is 64 hex digits (the sha256 `laya-aot inspect` prints)"
+                               % (ENV_PIN, single[:80]))
     if single and len(bundles) > 1:  # laya_aot.load would hold every bundle of this server to one manifest
         raise ServeConfigError("%s pins one bundle, and this server loads %d (%s); pin each with %s='{\"%s\": "
                                "\"<sha256>\", ...}' and unset %s" % (ENV_PIN, len(bundles), ", ".join(sorted(bundles)),
                                                                    ENV_PINS, sorted(bundles)[0], ENV_PIN))
+    _check_load_settings(env)
     near_ties = _near_ties(env)
     batching = limits_from_env(env, ServeConfigError) if _flag(env, ENV_BATCH, default=True) else None
     return ServeConfig(bundles=bundles, strict=strict, near_ties=near_ties, batching=batching,
                        metrics=_flag(env, ENV_METRICS), lanes=lanes_from_env(env, ServeConfigError))
+
+
+def _check_load_settings(env: Mapping[str, str]) -> None:
+    """The settings each load reads later (the probe's switches and timeout, the unpack ratio, the cache
+    directory), checked by their owners' readers as the server starts: a bad value stops it with one line, where a
+    load would have fallen back to eager or read it as on."""
+    from . import probe
+    from .distribution.pack import max_ratio
+    from .files import ENV_CACHE_DIR
+    from .manifest import BundleError
+
+    for name in (probe.ENV_AHEAD, probe.ENV_SHIPPED):
+        _flag(env, name, default=True)
+    try:
+        probe.timeout_s(env)
+        max_ratio(env)
+    except (probe.SettingError, BundleError) as e:
+        raise ServeConfigError(str(e)) from None
+    cache = env.get(ENV_CACHE_DIR, "").strip()
+    if cache and os.path.exists(os.path.expanduser(cache)) and not os.path.isdir(os.path.expanduser(cache)):
+        raise ServeConfigError("invalid %s %r: it is a file; name a directory laya-aot may write its per-machine "
+                               "cache in (probe verdicts, digests), or unset it" % (ENV_CACHE_DIR, cache))
 
 
 def _require_load_parameter(name: str, setting: str) -> None:

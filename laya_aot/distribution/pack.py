@@ -19,7 +19,7 @@ import shutil
 import stat
 import tarfile
 from pathlib import Path, PurePosixPath
-from typing import IO, Dict, NamedTuple, Optional, Tuple
+from typing import IO, Dict, Mapping, NamedTuple, Optional, Tuple
 
 from .. import kinds, progress, staging
 from ..bundle_format import (
@@ -355,9 +355,10 @@ def _open(file: Path, max_headers: int = 4 * MAX_MEMBERS + 4):
     return reader, _TarStream(reader, file, max_headers, size)
 
 
-def _max_ratio() -> float:
-    """The bytes unpacking may write per byte of pack: ENV_MAX_RATIO where set, else MAX_RATIO."""
-    raw = os.environ.get(ENV_MAX_RATIO, "").strip()
+def max_ratio(env: Optional[Mapping[str, str]] = None) -> float:
+    """The bytes unpacking may write per byte of pack: ENV_MAX_RATIO where set, else MAX_RATIO (`laya-aot serve`
+    checks it as it starts)."""
+    raw = (os.environ if env is None else env).get(ENV_MAX_RATIO, "").strip()
     if not raw:
         return float(MAX_RATIO)
     try:
@@ -371,9 +372,9 @@ def _max_ratio() -> float:
 
 
 def unpack_limit(pack_bytes: int) -> int:
-    """The most bytes a pack of `pack_bytes` may declare unpacked: `_max_ratio()` times its size, at least
+    """The most bytes a pack of `pack_bytes` may declare unpacked: `max_ratio()` times its size, at least
     MIN_UNPACK_BYTES."""
-    return max(MIN_UNPACK_BYTES, int(_max_ratio() * pack_bytes))
+    return max(MIN_UNPACK_BYTES, int(max_ratio() * pack_bytes))
 
 
 def _damaged(file: Path, e: BaseException) -> BundleError:
@@ -419,7 +420,7 @@ def _read_manifest_member(tar: _TarStream, file: Path) -> Tuple[bytes, Bundle]:
         raise BundleError("pack %s refused: its manifest declares %d bytes unpacked from a %d-byte pack, more than "
                           "the %d allowed (%g bytes per byte of pack, at least %d); nothing was unpacked: re-create "
                           "the pack with `laya-aot pack`, or set %s higher if this bundle honestly compresses that "
-                          "well" % (file, total, tar.pack_bytes, limit, _max_ratio(), MIN_UNPACK_BYTES, ENV_MAX_RATIO))
+                          "well" % (file, total, tar.pack_bytes, limit, max_ratio(), MIN_UNPACK_BYTES, ENV_MAX_RATIO))
     tar.max_headers = min(tar.max_headers, (_EXTENSIONS_PER_MEMBER + 1) * (len(files) + 1))
     return raw, manifest
 

@@ -432,6 +432,32 @@ def test_strict_and_pins_are_checked(demo_ckpt, bundle_dir):
             config_from_env(pins)
 
 
+@pytest.mark.parametrize("setting, value, says", [
+    ("LAYA_AOT_PROBE_SHIPPED", "banana", "invalid LAYA_AOT_PROBE_SHIPPED 'banana': use 1 (on) or 0 (off)"),
+    ("LAYA_AOT_PROBE_AHEAD", "banana", "invalid LAYA_AOT_PROBE_AHEAD 'banana': use 1 (on) or 0 (off)"),
+    ("LAYA_AOT_PROBE_TIMEOUT", "soon", "LAYA_AOT_PROBE_TIMEOUT='soon' is not a number of seconds"),
+    ("LAYA_AOT_UNPACK_MAX_RATIO", "abc", "invalid LAYA_AOT_UNPACK_MAX_RATIO='abc': use a number >= 1"),
+    ("LAYA_AOT_CACHE_DIR", "FILE", "it is a file; name a directory laya-aot may write its per-machine cache in"),
+    ("LAYA_AOT_BUNDLE_SHA256", "c7e24794", "invalid LAYA_AOT_BUNDLE_SHA256 'c7e24794': a pin is 64 hex digits"),
+])
+def test_the_settings_a_load_reads_later_are_checked_as_the_server_starts(demo_ckpt, bundle_dir, tmp_path, setting,
+                                                                          value, says):
+    """Each used to start the server and then fall back to eager (the pin, the ratio), be read as on (the probe's
+    switches) or cache nothing with no word (a file as the cache directory)."""
+    from laya_aot.serve import ServeConfigError, config_from_env
+
+    if value == "FILE":
+        value = str(tmp_path / "a-file")
+        (tmp_path / "a-file").write_text("")
+    base = {"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}),
+            "LAYA_AOT_BUNDLES": json.dumps({"demo": str(bundle_dir)})}
+    with pytest.raises(ServeConfigError, match=re.escape(says)):
+        config_from_env(dict(base, **{setting: value}))
+    assert config_from_env(dict(base, **{setting: {"LAYA_AOT_PROBE_TIMEOUT": "30", "LAYA_AOT_UNPACK_MAX_RATIO": "80",
+                                                   "LAYA_AOT_CACHE_DIR": str(tmp_path / "cache"),
+                                                   "LAYA_AOT_BUNDLE_SHA256": "a" * 64}.get(setting, "0")}))
+
+
 def test_this_laya_has_what_serve_relies_on():
     from laya.router import Router
 
