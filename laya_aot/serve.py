@@ -482,6 +482,54 @@ AOT_ROUTE = "/v1/aot"
 _DENIED = b'{"detail":"invalid or missing bearer token"}'  # laya's 401 body on its other routes
 
 
+async def dropped_when_gone(app: Any, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+    """laya's app for one request, cancelled if its client disconnects before the answer starts: uvicorn does not
+    cancel a handler whose client went away (its `receive()` only answers `http.disconnect`), so a request queued
+    for the batcher would be computed for no one. Cancelled, laya's wait on the pool's future cancels the batcher's
+    future: a request not yet in a call is dropped (`refused: cancelled`); one whose call runs is computed with it
+    and its answer discarded. The body is laya's to read; only then does this watch the connection."""
+    import asyncio
+
+    body_read, gone = asyncio.Event(), asyncio.Event()
+    started = False
+    task = asyncio.current_task()
+
+    async def receive_body() -> Dict[str, Any]:
+        if body_read.is_set():  # what comes after the body is the disconnect, which the watcher takes
+            await gone.wait()
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+        elif not message.get("more_body", False):
+            body_read.set()
+        return message
+
+    async def sending(message: Dict[str, Any]) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    async def watch() -> None:
+        await body_read.wait()
+        if (await receive())["type"] == "http.disconnect":
+            gone.set()
+            if not started and task is not None:
+                task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await app(scope, receive_body, sending)
+    except asyncio.CancelledError:
+        if not gone.is_set() or started:
+            raise
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11: the cancel was this function's own
+        if uncancel is not None:
+            uncancel()
+    finally:
+        watcher.cancel()
+
+
 class AotRoute:
     """ASGI middleware answering `GET /v1/aot` (and, with LAYA_AOT_METRICS=1, `GET /metrics`); every other request
     goes to laya's app untouched, once the batcher has its place in it (`ServeBatching.ensure`).
@@ -511,6 +559,10 @@ class AotRoute:
         if scope["type"] == "http" and self.batching is not None:
             self.batching.ensure()
         route = self._route(scope)
+        batched = self.batching is not None and self.batching.enabled
+        if route is None and batched and scope["type"] == "http" and scope.get("method") == "POST":
+            await dropped_when_gone(self.app, scope, receive, send)
+            return
         if route is None:
             await self.app(scope, receive, send)
             return

@@ -278,6 +278,56 @@ def test_a_client_that_goes_away_mid_batch_leaves_the_others_answered(make_app):
     assert stats["requests"] == [{"model": "demo", "outcome": "ok", "count": 11}]   # 6 was answered, to no one
 
 
+def test_a_client_that_disconnects_before_its_call_is_dropped_not_computed(make_app):
+    """A server does not cancel a handler whose client disconnected (uvicorn: its `receive()` answers
+    `http.disconnect`, nothing more): the request waiting for its call is dropped all the same, counted as
+    cancelled, and nothing is sent to no one; a client that stays is answered."""
+    app = make_app()
+    hold = Hold(_router(app).load("demo"))
+    pool = laya_api.app_cells(app)["pool"]
+
+    async def gone_request(body: bytes, gone: asyncio.Event, sent: List[Any]) -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/systemone", "raw_path": b"/v1/systemone", "query_string": b"",
+                 "root_path": "", "client": ("127.0.0.1", 5000), "server": ("t", 80),
+                 "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode()),
+                             (b"authorization", AUTH["Authorization"].encode())]}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> Dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()   # as uvicorn's receive: nothing more until the connection closes
+            return {"type": "http.disconnect"}
+
+        async def send(message: Dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    async def drive():
+        async with _client(app) as c:
+            await c.post("/v1/systemone", json=_one(DEMO_STATES[0]))   # the batcher is in place
+            (entered, gate), = hold.arm(1)
+            first = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[0])))
+            await _until(entered.is_set, "the first call")
+            gone, sent = asyncio.Event(), []
+            left = asyncio.ensure_future(gone_request(json.dumps(_one(DEMO_STATES[1])).encode(), gone, sent))
+            stays = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[2])))
+            await _until(lambda: pool.cell_contents.batcher.queued() == 2, "the queue")
+            gone.set()
+            await asyncio.wait_for(left, 10)   # returns once dropped: no answer to write
+            gate.set()
+            return sent, await first, await stays
+
+    sent, first, stays = asyncio.run(drive())
+    assert sent == [] and first.status_code == 200 and stays.status_code == 200
+    stats = pool.cell_contents.batcher.stats.snapshot()
+    assert stats["refused"]["cancelled"] == 1 and hold.calls == [1, 1, 1], hold.calls   # never computed
+    assert stats["requests"] == [{"model": "demo", "outcome": "ok", "count": 3}]
+
+
 def test_an_idle_unload_waits_for_the_batch_in_flight(make_app):
     app = make_app(LAYA_IDLE_UNLOAD_SECONDS="0.2")
     router = _router(app)
