@@ -640,10 +640,10 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
         for spec in config.bundles.values():
             log.info("%r <- bundle %s (checkpoint %s)%s", spec.model, spec.bundle, spec.checkpoint,
                      ", strict" if config.strict else "")
-        router = laya_api.build_router(laya_api.aot_router_class(loads))
+        router = _laya_router(laya_api.aot_router_class(loads))
         _precheck_lazy(router, config)
     elif router is None:  # no bundle: laya's own Router, built as laya's create_app builds it
-        router = laya_api.build_router(None)
+        router = _laya_router(None)
     app = laya.serve.create_app(router=router)
     batching = ServeBatching(app, config.batching, metrics=config.metrics, lanes=config.lanes)
     if batching.enabled:
@@ -651,6 +651,17 @@ def create_app(router: Any = None, config: Optional[ServeConfig] = None) -> Any:
     app.add_middleware(AotRoute, router=router, loads=loads, batching=batching, board=serve_workers.board())
     loads.started = True
     return app
+
+
+def _laya_router(router_class: Optional[type]) -> Any:
+    """`laya_api.build_router`: laya reads its own LAYA_* settings there, and a ValueError is its refusal of one
+    (`LAYA_MODELS=nosuch`, `LAYA_DEVICE=banana`), whose message names it: one line, as laya-aot's own settings
+    (the traceback at debug level)."""
+    try:
+        return laya_api.build_router(router_class)
+    except ValueError as e:
+        log.debug("laya refused its settings", exc_info=True)
+        raise ServeConfigError("laya refused its settings: %s" % e) from e
 
 
 def _precheck_lazy(router: Any, config: ServeConfig) -> None:

@@ -196,10 +196,32 @@ class _EngineProcess:
             os.close(self.ready_fd)
 
 
+PORT_IN_USE = 3  # the status of one process (uvicorn's) whose port is taken
+
+
+def port_taken(host: str, port: int) -> Optional[str]:
+    """Why host:port cannot be this server's (None: it is free): bound without SO_REUSEPORT, a test bind fails where
+    any server listens, another laya-aot's workers included, whose SO_REUSEPORT group this server's workers would
+    otherwise join, each server answering part of the other's connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return "%s:%d is in use (%s): another server listens there; stop it or set LAYA_PORT" % (host, port,
+                                                                                                   e.strerror or e)
+    return None
+
+
 def supervise(count: int, host: str, port: int, engine: bool = False) -> int:
     """Start `count` workers (after the engine, with `engine`), let them serve once all have loaded, and stop them
     all when told to or when one exits. Returns the exit status: 0 when stopped by a signal, else the first
-    worker's (or the engine's) to exit."""
+    worker's (or the engine's) to exit; PORT_IN_USE, before anything starts, where another server has the port."""
+    taken = port_taken(host, port)
+    if taken is not None:
+        log.error(taken)
+        return PORT_IN_USE
     with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # figures (`Board`), the engine's socket
         return _supervise(count, host, port, directory, engine)
 

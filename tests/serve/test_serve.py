@@ -397,6 +397,11 @@ def test_a_bad_setting_stops_the_command_with_one_line(demo_ckpt):
     assert r.stderr.strip().splitlines() == [
         "laya-aot serve: invalid LAYA_AOT_BUNDLES: bundle directory /no/such of 'demo' does not exist; build it with "
         "`laya-aot build checkpoint.path=CHECKPOINT output_dir=/no/such`"]
+    # laya's own settings, refused by laya as it builds its Router: one line too (its message), not a traceback
+    r = _run_cli({"LAYA_EXTRA_MODELS": json.dumps({"demo": str(demo_ckpt)}), "LAYA_MODELS": "nosuch"}, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("laya-aot serve: laya refused its settings: unknown model "
+                                                        "'nosuch'; choose one of"), r.stderr
 
 
 def test_strict_and_pins_are_checked(demo_ckpt, bundle_dir):

@@ -194,3 +194,20 @@ def test_the_command_says_a_bad_workers_setting_once_before_starting_any(demo_ck
                        timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("laya-aot serve: invalid LAYA_AOT_WORK")
     assert r.stderr.count("LAYA_AOT_WORKERS") == 1
+
+
+def test_a_port_another_servers_workers_hold_is_refused_before_anything_starts():
+    """Workers bind with SO_REUSEPORT: a second server's workers would join the first's group on the same port and
+    each answer part of the other's connections. The supervisor's test bind (without it) finds the port taken."""
+    from laya_aot import serve_workers
+
+    held = serve_workers.listen("127.0.0.1", 0)   # as a worker of another server holds it
+    port = held.getsockname()[1]
+    try:
+        why = serve_workers.port_taken("127.0.0.1", port)
+        assert why is not None and "127.0.0.1:%d is in use" % port in why and "set LAYA_PORT" in why
+        assert serve_workers.supervise(2, "127.0.0.1", port) == serve_workers.PORT_IN_USE
+    finally:
+        held.close()
+    assert serve_workers.port_taken("127.0.0.1", port) is None
+
