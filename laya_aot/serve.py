@@ -29,7 +29,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from . import laya_internals as laya_api
 from . import serve_workers
 from .distribution import HF_SCHEME, PACK_SUFFIX
+from .distribution.pack import MAX_RATIO
 from .errors import LayaAotError
+from .probe import TIMEOUT_S
 from .runtime.batcher import Limits
 from .serve_batching import (
     DEFAULT_ENGINE_LANES,
@@ -88,11 +90,18 @@ LAYA_MAX_LOADED, LAYA_IDLE_UNLOAD_SECONDS, LAYA_DEVICE, ...), plus:
   LAYA_AOT_GIL_SWITCH_MS   Python's thread switch interval in every process of the server, in milliseconds
                            (default: Python's 5): how long a thread woken by an answer may wait for the running
                            one (docs/batching.md)
+  LAYA_AOT_BUNDLE_SHA256   one bundle's pin, as laya_aot.load(bundle_sha256=...) (one bundle only)
+  LAYA_AOT_CACHE_DIR       per-machine state: probe verdicts, digests, tokenizer snapshots, unpacked packs
+                           (default ~/.cache/laya-aot)
+  LAYA_AOT_PROBE_SHIPPED   0: a pinned bundle's shipped probe verdicts are not taken (default 1)
+  LAYA_AOT_PROBE_AHEAD     0: no probe child started ahead of a first start's load (default 1)
+  LAYA_AOT_PROBE_TIMEOUT   seconds a probe child may take (default %g)
+  LAYA_AOT_UNPACK_MAX_RATIO  bytes a pack may unpack to per byte of pack (default %d)
 
 Checkpoints without a bundle load exactly as in `laya serve`. GET /v1/aot (authorised as laya's /health
 detail is) says what serves each resident checkpoint and why each other artifact was not used, and what
 the batcher did (histograms of requests per call and of the wait).""" % ((_EXAMPLE,) + tuple(
-    default for _, default in LIMIT_SETTINGS.values()) + (DEFAULT_ENGINE_LANES,))
+    default for _, default in LIMIT_SETTINGS.values()) + (DEFAULT_ENGINE_LANES, TIMEOUT_S, MAX_RATIO))
 
 
 class ServeConfigError(LayaAotError, ValueError):
