@@ -80,13 +80,15 @@ def mismatch(built: Any, ckpt: str | os.PathLike) -> Optional[str]:
     # the record must hold together (its combined digest is its files' sha256s: what verdicts and packs are keyed
     # by), then every file must be the recorded one
     if combined_digest(recorded.files) == recorded.sha256 and set(here) == set(recorded.files) and all(
-            (cached_sha256_parts(p, size) == parts[rel]) if rel in parts else (cached_sha256(p) == recorded.files[rel])
+            (cached_sha256_parts(p, size, parts[rel]) == parts[rel]) if rel in parts
+            else (cached_sha256(p, recorded.files[rel]) == recorded.files[rel])
             for rel, p in here.items()):
         return None
-    digests = {rel: cached_sha256(p) for rel, p in here.items()}
+    digests = {rel: cached_sha256(p, recorded.files.get(rel)) for rel, p in here.items()}
     differ = sorted(k for k in set(recorded.files) | set(digests) if recorded.files.get(k) != digests.get(k))
     if not differ:  # every sha256 matches the record; a recorded parts digest did not, or the record's own digest
-        differ = (sorted(rel for rel in parts if rel in here and cached_sha256_parts(here[rel], size) != parts[rel])
+        differ = (sorted(rel for rel in parts
+                         if rel in here and cached_sha256_parts(here[rel], size, parts[rel]) != parts[rel])
                   or ["the recorded combined digest, which is not its files'"])
     return ("it was built from another checkpoint than %s (fingerprint %s..., this one %s...; differing: %s)"
             % (ckpt, recorded.sha256[:12], combined_digest(digests)[:12], ", ".join(differ[:5]) or "?"))
@@ -105,7 +107,7 @@ def differing_small_files(ckpt: str | os.PathLike, recorded: Dict[str, str], lim
     for rel, digest in recorded.items():
         p = ckpt / rel
         try:
-            if p.stat().st_size < limit_bytes and cached_sha256(p) != digest:
+            if p.stat().st_size < limit_bytes and cached_sha256(p, digest) != digest:
                 differ.append(rel)
         except OSError:
             differ.append(rel)

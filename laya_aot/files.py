@@ -148,7 +148,8 @@ def _not_used(path: str | os.PathLike, why: str) -> None:
     log.info("laya-aot: cache entry %s not used: %s; recomputed", path, why)
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike, expect: Optional[str] = None) -> str:
+    """A file's sha256, read now (`expect`, which `cached_sha256` takes, changes nothing here)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
@@ -259,19 +260,33 @@ def _spare_cores(keep: int = 2, most: int = 8) -> int:
     return max(1, min(most, cores - keep))
 
 
-def cached_sha256(path: Path) -> str:
+def cached_sha256(path: Path, expect: Optional[str] = None) -> str:
     """sha256 of a file, reusing an earlier digest when the file provably did not change. Threads asking for
     the same file take turns: the second reads the digest the first stored (a start's head start and its
-    loader both check the checkpoint's fingerprint; a large one takes a second to hash)."""
-    return _cached(path, "sha256", sha256_file)
+    loader both check the checkpoint's fingerprint; a large one takes a second to hash).
+
+    A digest entry saves a hash; it never refuses a file nor vouches for one anybody could change: a cached digest
+    other than `expect` (the one the caller compares with) is computed again and the entry rewritten (an entry
+    damaged or edited refused an intact file on every start), and a file inside laya-aot's own cache (an unpacked
+    pack) is always hashed (whoever can write it can write its entry too)."""
+    return _cached(path, "sha256", sha256_file, expect)
 
 
-def cached_sha256_parts(path: Path, part_bytes: int = PART_BYTES) -> str:
+def cached_sha256_parts(path: Path, part_bytes: int = PART_BYTES, expect: Optional[str] = None) -> str:
     """`sha256_parts` of a file, cached and shared between threads as `cached_sha256` is."""
-    return _cached(path, "sha256-parts-%d" % part_bytes, lambda p: sha256_parts(p, part_bytes))
+    return _cached(path, "sha256-parts-%d" % part_bytes, lambda p: sha256_parts(p, part_bytes), expect)
 
 
-def _cached(path: Path, name: str, digest_of: Callable[[Path], str]) -> str:
+def _in_cache(path: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        return False
+
+
+def _cached(path: Path, name: str, digest_of: Callable[[Path], str], expect: Optional[str] = None) -> str:
+    if _in_cache(path):
+        return digest_of(path)
     key = hashlib.sha256(_stat_key(path).encode()).hexdigest()
     with _DIGESTING_GUARD:
         lock = _DIGESTING.setdefault(key + name, threading.Lock())
@@ -279,8 +294,9 @@ def _cached(path: Path, name: str, digest_of: Callable[[Path], str]) -> str:
         store = cache_dir() / "digests" / (key + (".json" if name == "sha256" else ".%s.json" % name))
         where = str(path.resolve())
         cached = read_cache_json(store, {name: sha256_hex, "path": str}, _DIGEST_ENTRY_BYTES)
-        if cached is not None and cached["path"] == where:  # the path: an entry copied from another file's is not
-            return cached[name]                               # this one's
+        # the path: an entry copied from another file's is not this one's; `expect`: a differing one is checked
+        if cached is not None and cached["path"] == where and (expect is None or cached[name] == expect):
+            return cached[name]
         digest = digest_of(path)
         try:
             store.parent.mkdir(parents=True, exist_ok=True)

@@ -331,7 +331,7 @@ def _changed(ckpt: Path) -> Optional[str]:
         if rel not in wanted:
             return "it holds %s, which make-demo did not write" % rel
         size, digest = wanted[rel]
-        if present[rel].stat().st_size != size or cached_sha256(present[rel]) != digest:
+        if present[rel].stat().st_size != size or cached_sha256(present[rel], digest) != digest:
             return "%s changed since make-demo wrote it" % rel
     return None
 

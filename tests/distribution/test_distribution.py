@@ -158,6 +158,43 @@ def test_a_pack_is_named_as_a_pack_and_a_file_that_is_not_one_is_named_so(merged
         fetch(tmp_path / "nope.tar.zst")
 
 
+def test_a_pinned_pack_unpacked_in_the_cache_is_the_pins_even_against_a_forged_digest(packed, merged, demo_ckpt):
+    """The unpacked pack lives in the cache: a file changed there (same size) beside a digest entry naming the
+    manifest's sha256 for it used to serve the changed weights under the pin, without a word. Its files are hashed
+    on every start: the change is found, the pack unpacked again, and the answers are the bundle's."""
+    import hashlib
+
+    import laya_aot
+    from laya_aot import files
+    from laya_aot.bundle_format import bundle_sha256
+    from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+
+    pin = bundle_sha256(merged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clean = laya_aot.load(str(demo_ckpt), bundle=str(packed), device="cpu", strict=True, bundle_sha256=pin,
+                              prefer="onnx")
+    want = clean.predict_batch(DEMO_STATES, DEMO_QUESTIONS)
+    where = resolve(packed, device="cpu")
+    model = next(where.rglob("*.onnx"))
+    raw = bytearray(model.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 4096] = bytes(b ^ 0x55 for b in raw[middle:middle + 4096])
+    model.write_bytes(bytes(raw))
+    recorded = next(rec for a in read_bundle(where, kinds.BY_NAME).artifacts for rel, rec in a.files.items()
+                    if (where / rel) == model)
+    key = hashlib.sha256(files._stat_key(model).encode()).hexdigest()
+    (files.cache_dir() / "digests" / (key + ".json")).write_text(json.dumps({"path": str(model.resolve()),
+                                                                          "sha256": recorded.sha256}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = laya_aot.load(str(demo_ckpt), bundle=str(packed), device="cpu", strict=True, bundle_sha256=pin,
+                              prefer="onnx")
+    assert again.backend == "aot:onnx"
+    assert again.predict_batch(DEMO_STATES, DEMO_QUESTIONS) == want
+    assert files.sha256_file(resolve(packed, device="cpu") / model.relative_to(where)) == recorded.sha256
+
+
 def read_member(file: Path, name: str) -> bytes:
     with zstandard.ZstdDecompressor().stream_reader(open(file, "rb")) as z, tarfile.open(fileobj=z, mode="r|") as t:
         for m in t:

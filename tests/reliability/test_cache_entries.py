@@ -109,6 +109,28 @@ def test_a_damaged_digest_entry_is_recomputed(cache, tmp_path):
             assert got == (want, want_parts), done
 
 
+def test_a_digest_entry_saves_a_hash_but_never_refuses_a_file_nor_vouches_for_one_in_the_cache(cache, tmp_path):
+    """A well-formed entry naming another digest (one hex digit changed) refused an intact bundle or checkpoint on
+    every start, with the wrong fix; and an unpacked pack's files, which live in the cache, were vouched for by
+    entries anyone who can write them can write too."""
+    data = tmp_path / "weights.bin"
+    data.write_bytes(os.urandom(1 << 16))
+    want = files.sha256_file(data)
+    assert files.cached_sha256(data) == want
+    entry, = (cache / "digests").iterdir()
+    forged = "0" * 64
+    entry.write_text(json.dumps({"path": str(data.resolve()), "sha256": forged}))
+    assert files.cached_sha256(data, want) == want                   # the comparison's digest: computed again
+    assert json.loads(entry.read_text())["sha256"] == want           # and the entry rewritten
+    inside = cache / "packs" / "0123" / "model.onnx"
+    inside.parent.mkdir(parents=True)
+    inside.write_bytes(b"the unpacked file")
+    true = files.sha256_file(inside)
+    key = __import__("hashlib").sha256(files._stat_key(inside).encode()).hexdigest()
+    (cache / "digests" / (key + ".json")).write_text(json.dumps({"path": str(inside.resolve()), "sha256": forged}))
+    assert files.cached_sha256(inside) == true and files.cached_sha256(inside, forged) == true
+
+
 # ------------------------------------------------------------------------------------------------ probe verdicts
 def _verdict(art, reason=None):
     return {"artifact": art.name, "sha256": art.sha256, "reason": reason, "graphs": None, "seconds": 1.0,
