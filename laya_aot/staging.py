@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import os
@@ -171,7 +172,13 @@ def writing(out: Path) -> Iterator[None]:
     out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / (".%s.lock" % out.name)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.ELOOP):
+                raise
+            raise OutputRefused(_refused_lock(path, "a directory" if e.errno == errno.EISDIR else "a symbolic link",
+                                              out)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -187,7 +194,11 @@ def writing(out: Path) -> Iterator[None]:
             held = os.fstat(fd)
             current = os.stat(path, follow_symlinks=False)
             if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
-                break
+                foreign = _not_a_lock(fd, held)
+                if foreign is None:
+                    break
+                os.close(fd)
+                raise OutputRefused(_refused_lock(path, foreign, out))
         except FileNotFoundError:
             pass
         os.close(fd)
@@ -199,6 +210,24 @@ def writing(out: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)  # while still held: a waiting opener then finds another file and tries again
         os.close(fd)
+
+
+def _refused_lock(path: Path, what: str, out: Path) -> str:
+    return ("%s is %s, and laya-aot locks %s with a file of that name, which it empties and removes: nothing was "
+            "touched; rename or remove it, or write to another output" % (path, what, out))
+
+
+def _not_a_lock(fd: int, st: os.stat_result) -> Optional[str]:
+    """What the file at a lock's name is, where it cannot be a lock `writing` made (None: it can: new and empty, or a
+    killed command's, holding its process id): a user's file, a hard link to one (emptying it would empty the
+    other name's file), anything but a regular file."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_nlink != 1:
+        return "a file with %d names (hard links)" % st.st_nlink
+    if st.st_size > 20 or not (os.pread(fd, 20, 0).strip() or b"0").isdigit():
+        return "a file that is not a laya-aot lock (it holds more than a process id)"
+    return None
 
 
 def new_staging(out: Path) -> Path:

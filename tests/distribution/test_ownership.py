@@ -453,3 +453,28 @@ def test_a_second_writer_of_an_output_is_refused_while_the_first_writes(tmp_path
     r = _writer(out)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (out / "f").read_text() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("what", ["a user's file", "a hard link to a user's file", "a directory"])
+def test_a_users_file_at_the_locks_name_is_never_emptied_nor_removed(tmp_path, what):
+    """`writing` locks `out` with `.out.lock`, which it empties, fills with its process id and removes: a user's
+    file of that name was deleted, and one hard-linked to another file emptied that file. Now only a lock it could
+    have made (new, or a killed command's holding a process id) is used; anything else is refused untouched."""
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    thesis = tmp_path / "thesis.txt"
+    thesis.write_text("my thesis")
+    if what == "a user's file":
+        lock.write_text("my notes")
+    elif what == "a hard link to a user's file":
+        os.link(thesis, lock)
+    else:
+        lock.mkdir()
+    with pytest.raises(staging.OutputRefused, match=r"\.out\.lock is .*nothing was touched; rename or remove it"):
+        with staging.staged(out) as tmp:
+            (tmp / "f").write_text("never")
+    assert thesis.read_text() == "my thesis" and not out.exists() and os.path.lexists(lock)
+    if what == "a user's file":
+        assert lock.read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".out.lock", "thesis.txt"])
+
