@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,6 +25,7 @@ from ..manifest import MANIFEST, BundleError, FileRecord
 from . import HF_SCHEME, PACK_SUFFIX
 
 log = logging.getLogger(__name__)
+UNPACK_WAIT_S = 300.0  # how long a load waits for another process unpacking the same pack into the cache
 
 
 
@@ -156,15 +158,35 @@ def _from_pack(file: Path, device: Optional[str], out: Optional[Path], overwrite
             if os.path.lexists(target):
                 log.info("laya-aot: the unpacked copy of %s in the cache is not used (%s); unpacking it again",
                          file, why)
-            unpack(file, target, overwrite=True)  # the cache's own directory, keyed by the pack's sha256
+            _unpack_shared(file, target, raw, ok)
     files = [r for a in manifest.artifacts if a.built for r in a.files.values()]
     return Fetched(target, str(file), [a.name for a in ok], skipped, len(files), sum(r.size for r in files))
+
+
+def _unpack_shared(file: Path, target: Path, raw: bytes, usable: List[Any]) -> None:
+    """`file` unpacked into the cache's `target` (keyed by the pack's sha256), where another process may be unpacking
+    it at the same moment (the workers of one server, starting together): while that one holds the output, wait for
+    it (at most UNPACK_WAIT_S) and take what it unpacked; a busy output made every other worker serve eager."""
+    from .pack import unpack
+
+    deadline = time.monotonic() + UNPACK_WAIT_S
+    while True:
+        try:
+            unpack(file, target, overwrite=True)
+            return
+        except staging.OutputBusy:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+        if _unpacked_problem(target, raw, usable) is None:  # the other process's unpacking, whole and checked
+            return
 
 
 def _unpacked_problem(target: Path, raw: bytes, usable: List[Any]) -> Optional[str]:
     """Why the cache's directory `target` is not the pack whose manifest bytes are `raw` (None: it is): its
     bundle.json must be those bytes (a regular file, bounded: `files.read_cache_bytes`) and the files of the
-    artifacts usable here at their sizes and sha256 (digests cached per file, so a warm start reads no file)."""
+    artifacts usable here at their sizes and sha256 (hashed on every start: files in the cache are never taken on a
+    digest entry's word, `files.cached_sha256`)."""
     if read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) != raw:
         return "its %s is not the pack's" % MANIFEST
     return check_files(target, {rel: rec for a in usable for rel, rec in a.files.items()}, cached_sha256)

@@ -195,6 +195,32 @@ def test_a_pinned_pack_unpacked_in_the_cache_is_the_pins_even_against_a_forged_d
     assert files.sha256_file(resolve(packed, device="cpu") / model.relative_to(where)) == recorded.sha256
 
 
+def test_a_load_waits_for_another_process_unpacking_the_same_pack(packed, demo_ckpt, tmp_path, monkeypatch):
+    """The workers of one server start together on one pack: the one that finds the cache's copy being written
+    waits for it instead of serving laya's eager forward (strict: failing) because the output was busy."""
+    import laya_aot
+    from laya_aot import files, staging
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    target = files.cache_dir() / "packs" / files.sha256_file(packed)[:32]
+    held, release = threading.Event(), threading.Event()
+
+    def other_process_unpacking() -> None:
+        with staging.writing(target):
+            held.set()
+            release.wait(30)
+
+    other = threading.Thread(target=other_process_unpacking)
+    other.start()
+    assert held.wait(30)
+    threading.Timer(1.5, release.set).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agent = laya_aot.load(str(demo_ckpt), bundle=str(packed), device="cpu", strict=True)
+    other.join(30)
+    assert release.is_set() and agent.backend == "aot:onnx"
+
+
 def read_member(file: Path, name: str) -> bytes:
     with zstandard.ZstdDecompressor().stream_reader(open(file, "rb")) as z, tarfile.open(fileobj=z, mode="r|") as t:
         for m in t:
