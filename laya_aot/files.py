@@ -214,6 +214,9 @@ def _stat_key(path: Path) -> str:
 _DIGEST_ENTRY_BYTES = 64 << 10  # a digest entry: a path and a sha256
 _DIGESTING: Dict[str, threading.Lock] = {}  # one lock per file and digest being computed (`_cached`)
 _DIGESTING_GUARD = threading.Lock()
+# digests of files inside the cache, hashed by this process (an unpack's check and the artifact's check of one
+# start read each file once)
+_HASHED_HERE: Dict[Tuple[str, str], str] = {}
 # the piece of a file each thread of `sha256_parts` hashes (what a build records; a check uses the recorded size)
 PART_BYTES = 32 << 20
 
@@ -285,8 +288,12 @@ def _in_cache(path: Path) -> bool:
 
 
 def _cached(path: Path, name: str, digest_of: Callable[[Path], str], expect: Optional[str] = None) -> str:
-    if _in_cache(path):
-        return digest_of(path)
+    if _in_cache(path):  # kept in this process only: a write changes the ctime, hence the key
+        seen = (_stat_key(path), name)
+        digest = _HASHED_HERE.get(seen)
+        if digest is None:
+            digest = _HASHED_HERE[seen] = digest_of(path)
+        return digest
     key = hashlib.sha256(_stat_key(path).encode()).hexdigest()
     with _DIGESTING_GUARD:
         lock = _DIGESTING.setdefault(key + name, threading.Lock())
