@@ -46,6 +46,11 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _TOKEN_BYTES = 8  # 16 hex digits in the name: unique beside one output, short enough for long output names
 _LEFTOVER = re.compile(r"\.(partial|old)-([0-9a-f]{%d})" % (2 * _TOKEN_BYTES))
+# The file a `pack` of an older laya-aot wrote (`.FILE.partial-PID`). Never removed: a user's copy of a pack under
+# that name cannot be told from a killed pack's leftover by its content, so it is only named.
+_OLDER_PACK = re.compile(r"\.partial-[0-9]+")
+_OLDER_PACK_REASON = ("it is a file named as an older laya-aot's `pack` named the file it was writing, and a user's "
+                      "copy of a pack may be named so too")
 
 
 def start_ticks(pid: int) -> Optional[int]:
@@ -97,11 +102,21 @@ def _read_marker(directory: Path) -> Optional[Dict[str, Any]]:
     return data if isinstance(data, dict) else None
 
 
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def stale_reason(path: Path, out_name: str) -> Optional[str]:
     """Why `path`, named like a leftover of output `out_name` (`.NAME.partial-*`, `.NAME.old-*`), must stay
     (None: a killed command of this user left it, and removing it loses nothing of anyone's)."""
-    kind = _LEFTOVER.fullmatch(path.name[len(out_name) + 1:]) if path.name.startswith(".%s." % out_name) else None
+    beside = path.name.startswith(".%s." % out_name)
+    kind = _LEFTOVER.fullmatch(path.name[len(out_name) + 1:]) if beside else None
     if kind is None:
+        if beside and _OLDER_PACK.fullmatch(path.name[len(out_name) + 1:]) and _regular(path):
+            return _OLDER_PACK_REASON
         return "its name is not one laya-aot gives (.%s.partial-<16 hex digits>)" % out_name
     try:
         st = os.lstat(path)
@@ -139,8 +154,9 @@ def clean_stale(out: Path) -> None:
         elif "still running" in why:
             log.debug("leaving %s: %s", p, why)
         else:
-            log.warning("leaving %s in place: it is named like laya-aot's leftovers but %s; remove it yourself if "
-                        "it is not needed", p, why)
+            log.warning("leaving %s in place: it is named like laya-aot's leftovers but %s; %s", p, why,
+                        "if it is an interrupted pack's leftover, you may remove it" if why == _OLDER_PACK_REASON
+                        else "remove it yourself if it is not needed")
 
 
 def _remove(directory: Path) -> None:

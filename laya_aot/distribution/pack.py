@@ -14,9 +14,7 @@ import io
 import logging
 import math
 import os
-import re
 import shutil
-import stat
 import tarfile
 from pathlib import Path, PurePosixPath
 from typing import IO, Dict, Mapping, NamedTuple, Optional, Tuple
@@ -105,38 +103,6 @@ def _not_a_pack(file: Path) -> Optional[str]:
     return None
 
 
-_OLDER_PARTIAL = re.compile(r"\.partial-([0-9]+)")
-
-
-def _remove_older_partials(file: Path) -> None:
-    """Remove the `.FILE.partial-PID` files a killed `pack` of an older laya-aot left (today's leave a marked
-    staging directory, `staging.staged_file`): each only when provably one, this user's regular file whose writer
-    is gone and whose first member is a laya-aot manifest; anything else named so stays."""
-    prefix = ".%s" % file.name
-    try:
-        names = [n for n in os.listdir(file.parent) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        m = _OLDER_PARTIAL.fullmatch(name[len(prefix):])
-        p = file.parent / name
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue
-        if m is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or int(m.group(1)) >= 1 << 31 \
-                or staging.process_alive(int(m.group(1))):
-            continue
-        try:
-            read_pack_manifest(p)
-        except BundleError:
-            log.warning("leaving %s in place: it is named like a killed pack's leftover but does not start as a "
-                        "pack does; remove it yourself if it is not needed", p)
-            continue
-        log.info("removing %s, left by an interrupted `laya-aot pack`", p)
-        p.unlink(missing_ok=True)
-
-
 def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = False) -> PackInfo:
     """Write `bundle` (checked against its manifest) to `file` as a zstd tar, atomically. `file` is never
     inside the bundle and never a directory; an existing file that is not a pack needs `overwrite`."""
@@ -154,7 +120,6 @@ def pack(bundle: str | os.PathLike, file: str | os.PathLike, overwrite: bool = F
                                                                              PACK_SUFFIX))
     raw, _, files = _manifest_for_pack(bundle)
     file.parent.mkdir(parents=True, exist_ok=True)
-    _remove_older_partials(file)
     with staging.staged_file(file) as tmp, open(tmp, "wb") as f, \
             progress.task("pack %s" % bundle, total=sum(r.size for r in files.values()), unit="bytes") as line:
         with zstandard.ZstdCompressor(level=LEVEL).stream_writer(f, closefd=False) as z:

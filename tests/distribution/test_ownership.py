@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -379,9 +380,24 @@ def test_a_killed_pack_leaves_what_the_next_pack_removes(small_bundle, tmp_path)
     huge.write_bytes(whole)
     info = pack(small_bundle, file)
     assert read_pack_manifest(info.path).artifacts
-    assert not partial[0].exists() and not older.exists() and mine.read_text() == "my notes" and huge.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.tar.zst.partial-1", huge.name, "demo.tar.zst",
-                                                          "whole.tar.zst"]
+    assert not partial[0].exists() and older.exists() and mine.read_text() == "my notes" and huge.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".demo.tar.zst.partial-1", older.name, huge.name,
+                                                                 "demo.tar.zst", "whole.tar.zst"])
+
+
+def test_pack_leaves_a_users_pack_named_like_an_older_leftover_and_names_it(small_pack, small_bundle, tmp_path,
+                                                                            caplog):
+    """A user's copy of a pack under `.FILE.partial-PID` (PID gone) cannot be told from an older laya-aot's
+    leftover by its content: it stays, byte for byte, and one warning names it."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    copy = tmp_path / (".demo.tar.zst.partial-%d" % proc.pid)
+    shutil.copyfile(small_pack, copy)
+    with caplog.at_level(logging.WARNING, logger="laya_aot.distribution.pack"):
+        pack(small_bundle, tmp_path / "demo.tar.zst")
+    assert copy.read_bytes() == small_pack.read_bytes()
+    named = [r for r in caplog.records if r.levelno == logging.WARNING and str(copy) in r.getMessage()]
+    assert len(named) == 1 and "you may remove it" in named[0].getMessage()
 
 
 def test_a_pack_interrupted_in_this_process_leaves_nothing(small_bundle, tmp_path, monkeypatch):
