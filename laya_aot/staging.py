@@ -439,11 +439,13 @@ def complete_bundle(out: Path) -> Optional[str]:
 
 
 def may_replace(out: str | os.PathLike, command: str, overwrite: bool = False, ours: Proof = complete_bundle,
-                fix: str = "--overwrite", directory: bool = True, noun: str = "bundle") -> None:
+                fix: str = "--overwrite", directory: bool = True, noun: str = "bundle", cache: bool = False) -> None:
     """Raise OutputRefused unless `command` may replace `out`: absent, an empty directory, or proven its own
     work by `ours`; with `overwrite` anything of the right sort (a directory for a directory's command, a
-    file for a file's). Every command that writes an output asks this, and nothing else decides it. An
-    OSError (a directory it may not read) propagates: the caller words it as a path it cannot write."""
+    file for a file's), and so with `cache`, where `out` is an entry of laya-aot's cache that laya-aot makes
+    again (the log then says so: no user asked for --overwrite). Every command that writes an output asks this,
+    and nothing else decides it. An OSError (a directory it may not read) propagates: the caller words it as a
+    path it cannot write."""
     out = Path(out)
     what = "directory" if directory else "file"
     try:
@@ -468,6 +470,9 @@ def may_replace(out: str | os.PathLike, command: str, overwrite: bool = False, o
                                 % (out, e.strerror or e)) from None
         if why is None:
             return
+    if cache:
+        log.warning("%s: replacing the cache entry %s (%s) with a fresh copy", command, out, why)
+        return
     if overwrite:
         log.warning("%s: replacing %s (%s), as %s asks", command, out, why, fix)
         return

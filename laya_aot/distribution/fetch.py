@@ -172,7 +172,7 @@ def _unpack_shared(file: Path, target: Path, raw: bytes, usable: List[Any]) -> N
     deadline = time.monotonic() + UNPACK_WAIT_S
     while True:
         try:
-            unpack(file, target, overwrite=True)
+            unpack(file, target, cache=True)
             return
         except staging.OutputBusy:
             if time.monotonic() > deadline:
@@ -257,7 +257,7 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
             line.advance(wanted[rel].size)
     folder = "%s--%s" % tuple(repo.split("/"))
     target = out or cache_dir() / "hub" / folder / commit / (sub.replace("/", "--") or "_")
-    _link_bundle(target, raw, local, wanted, spec, overwrite or out is None)  # the cache's own: made again
+    _link_bundle(target, raw, local, wanted, spec, overwrite, cache=out is None)  # the cache's own: made again
     log.info("fetched %s: %s (%d files, %d downloaded)", spec, ", ".join(a.name for a in ok) or "nothing usable",
              len(wanted), downloaded)
     return Fetched(target, spec, [a.name for a in ok], skipped, len(wanted), sum(r.size for r in wanted.values()),
@@ -265,12 +265,13 @@ def _from_hub(spec: str, device: Optional[str], out: Optional[Path], overwrite: 
 
 
 def _link_bundle(target: Path, raw: bytes, local: Dict[str, Path], wanted: Dict[str, FileRecord], spec: str,
-                 overwrite: bool = False) -> None:
-    """A bundle directory at `target` of the manifest's bytes and the fetched files (hard links, or copies)."""
+                 overwrite: bool = False, cache: bool = False) -> None:
+    """A bundle directory at `target` (`cache`: laya-aot's cache entry, replaced whatever it holds) of the
+    manifest's bytes and the fetched files (hard links, or copies)."""
     if (read_cache_bytes(target / MANIFEST, MAX_MANIFEST_BYTES) == raw
             and check_files(target, wanted, cached_sha256) is None):
         return  # fetched before (another device's variant may be missing: then it is made again below)
-    staging.may_replace(target, "fetch", overwrite)
+    staging.may_replace(target, "fetch", overwrite, cache=cache)
     with staging.staged(target) as tmp:
         for rel, src in local.items():
             dst = tmp / rel

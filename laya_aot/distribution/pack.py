@@ -445,12 +445,13 @@ def _extract(src: _TarStream, dst: Path, size: int) -> str:
     return h.hexdigest()
 
 
-def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Bundle:
-    """Extract pack `file` into directory `out` (absent, empty, or a bundle it replaces: `staging.may_replace`);
-    refuse anything the manifest does not name exactly, leaving nothing behind. Every header is bounded
-    before what it declares is read (MAX_* above), so a hostile archive costs seconds and little memory."""
+def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False, *, cache: bool = False) -> Bundle:
+    """Extract pack `file` into directory `out` (absent, empty, or a bundle it replaces: `staging.may_replace`;
+    `cache`: `out` is laya-aot's cache entry for the pack, replaced whatever it holds); refuse anything the
+    manifest does not name exactly, leaving nothing behind. Every header is bounded before what it declares is
+    read (MAX_* above), so a hostile archive costs seconds and little memory."""
     file, out = Path(file), Path(out)
-    staging.may_replace(out, "unpack", overwrite)
+    staging.may_replace(out, "unpack", overwrite, cache=cache)
     if not file.is_file():
         raise BundleError("pack %s does not exist or is not a file; make one with `laya-aot pack BUNDLE FILE.tar.zst`"
                           % file)

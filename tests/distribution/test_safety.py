@@ -184,6 +184,31 @@ def test_a_bundle_this_project_wrote_is_replaced_without_overwrite(small, small_
     assert "model.onnx is" in (staging.complete_bundle(out) or "")
 
 
+def test_a_loads_unpack_into_the_cache_says_the_cache_entry_is_replaced_not_overwrite(small_pack, tmp_path,
+                                                                                       monkeypatch, caplog):
+    """No user passed --overwrite when a load (or `fetch` without --out) replaces the cache's copy of a pack: the
+    log says a cache entry is replaced; --overwrite is named only where the user gave it."""
+    import logging
+
+    from laya_aot.distribution.fetch import resolve
+
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "packs" / sha256_file(small_pack)[:32]
+    entry.mkdir(parents=True)
+    (entry / "stray.txt").write_text("not a bundle")
+    with caplog.at_level(logging.INFO, logger="laya_aot"):
+        got = resolve(small_pack, device="cpu")
+    assert got == entry and staging.complete_bundle(entry) is None
+    said = [r.getMessage() for r in caplog.records if str(entry) in r.getMessage()]
+    assert not [m for m in said if "--overwrite" in m], said
+    assert [m for m in said if "replacing the cache entry" in m], said
+    caplog.clear()
+    out = _user_dir(tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="laya_aot"):
+        unpack(small_pack, out, overwrite=True)
+    assert [r for r in caplog.records if "as --overwrite asks" in r.getMessage() and str(out) in r.getMessage()]
+
+
 def test_may_replace_is_the_only_owner_of_the_decision():
     """The copies of the check that lived in bundle_files, stages and demo are gone."""
     root = Path(laya_aot.__file__).parent
