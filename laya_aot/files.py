@@ -193,6 +193,64 @@ def write_json_atomic(path: str | os.PathLike, data: Dict[str, Any]) -> None:
     write_bytes_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
+# what stops a cache entry being written (the entry's path, a file on its way, or the cache directory), each warned
+# about once per process (`cache_unwritable`)
+_UNWRITABLE: set = set()
+_UNWRITABLE_GUARD = threading.Lock()
+
+
+def write_cache_entry(path: str | os.PathLike, data: bytes, redo: str = "every start does its work again") -> bool:
+    """Store a cache entry (its directories made, written atomically: `write_bytes_atomic`); False where it cannot
+    be. The cache only saves work, so the caller goes on without it; `cache_unwritable` says why, once."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, data)
+        return True
+    except OSError as e:
+        cache_unwritable(path, e, redo)
+        return False
+
+
+def write_cache_json(path: str | os.PathLike, data: Dict[str, Any],
+                     redo: str = "every start does its work again") -> bool:
+    """`write_cache_entry` of a JSON object."""
+    return write_cache_entry(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"), redo)
+
+
+def cache_unwritable(path: str | os.PathLike, e: OSError, redo: str = "every start does its work again") -> None:
+    """Warn that cache entry `path` cannot be written (`e`), naming the cause and the fix: an entry that can never be
+    replaced costs its work on every start, which nothing above INFO said. Once per process for what stops it (the
+    entry, a file in a directory's place, the cache directory), so a read-only cache is one warning, not one per
+    entry."""
+    blocker, cause, fix = _what_blocks(Path(path), e)
+    with _UNWRITABLE_GUARD:
+        if blocker in _UNWRITABLE:
+            log.debug("cache entry %s not written: %s", path, cause)
+            return
+        _UNWRITABLE.add(blocker)
+    log.warning("laya-aot: cannot write the cache entry %s: %s, so %s; %s, or set %s to a writable directory",
+                path, cause, redo, fix, ENV_CACHE_DIR)
+
+
+def _what_blocks(path: Path, e: OSError) -> Tuple[str, str, str]:
+    """What stops `path` being written, why and what to do (`cache_unwritable`)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return str(path), "a directory is in its place", "remove it (rm -r %s)" % path
+    except OSError:
+        pass
+    for parent in reversed(path.parents):  # from the top: the first thing on the way that is not a directory
+        try:
+            if not stat.S_ISDIR(os.stat(parent).st_mode):
+                return str(parent), "%s is a file, not a directory" % parent, "remove %s" % parent
+        except OSError:
+            break
+    root = cache_dir()
+    return str(root), "the cache at %s is not writable (%s)" % (root, e.strerror or e), \
+        "make it writable for this user"
+
+
 def make_readable(root: str | os.PathLike) -> None:
     """Give a tree written by this process normal permissions: directories 0755, files 0644 (0755 when
     executable). Some writers (mkstemp, mkdtemp, safetensors) leave 0600/0700, and a bundle built by one
@@ -305,9 +363,5 @@ def _cached(path: Path, name: str, digest_of: Callable[[Path], str], expect: Opt
         if cached is not None and cached["path"] == where and (expect is None or cached[name] == expect):
             return cached[name]
         digest = digest_of(path)
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(store, {"path": where, name: digest})
-        except OSError as e:  # a read-only home must not stop a load
-            log.debug("could not cache digest of %s: %s", path, e)
+        write_cache_json(store, {"path": where, name: digest}, "every start hashes %s again" % path.name)
         return digest

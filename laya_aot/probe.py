@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .errors import LayaAotError
-from .files import cache_dir, read_cache_json, write_json_atomic
+from .files import cache_dir, read_cache_json, write_cache_json
 from .manifest import Artifact
 from .variant import Machine
 
@@ -384,15 +384,12 @@ def _collect(pending: Pending, stats: Dict[str, Any]) -> Optional[str]:
     if isinstance(result.get("timeline"), dict):  # where the child's time went (interpreter start excluded)
         stats["probe_timeline"] = result["timeline"]
     entry = pending.entry
-    try:
-        pending.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(pending.path, {"artifact": entry.name, "sha256": entry.sha256, "reason": reason,
-                                         "graphs": graphs,
-                                         "seconds": round(seconds, 3), "machine": pending.machine.as_dict(),
-                                         "device": pending.device,
-                                         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    except OSError as e:  # a read-only cache must not stop a load; the probe just runs again next time
-        log.debug("could not cache probe verdict: %s", e)
+    # a cache that cannot be written must not stop a load; the probe just runs again next time
+    write_cache_json(pending.path, {"artifact": entry.name, "sha256": entry.sha256, "reason": reason,
+                                    "graphs": graphs, "seconds": round(seconds, 3),
+                                    "machine": pending.machine.as_dict(), "device": pending.device,
+                                    "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                     "every start runs %s in a probe child again" % entry.name)
     return reason
 
 

@@ -32,7 +32,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from .files import cache_dir, cached_sha256, parse_cache_json, read_cache_json, sha256_tree, write_bytes_atomic
+from .files import cache_dir, cached_sha256, parse_cache_json, read_cache_json, sha256_tree, write_cache_entry
 
 log = logging.getLogger(__name__)
 
@@ -432,14 +432,10 @@ def _checked(tok_dir: str, stored: Dict[str, Any], source: Any, load_real: Calla
 
 
 def _write(k: str, text: str) -> Optional[Path]:
-    try:
-        path = _path(k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, text.encode("utf-8"))
-        return path
-    except OSError as e:
-        log.info("laya-aot: tokenizer snapshot not stored: %s", e)
-        return None
+    """Store a snapshot; None where the cache cannot take it (`files.write_cache_entry` warns once, naming why)."""
+    path = _path(k)
+    return path if write_cache_entry(path, text.encode("utf-8"), "every start imports transformers to read the "
+                                     "tokenizer") else None
 
 
 def load(tok_dir: str, load_real: Callable[[], Any]) -> Optional[SnapshotTokenizer]:

@@ -13,16 +13,13 @@ measured mix is within the tie.
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-from ..files import finite_number, read_cache_json, write_json_atomic
+from ..files import finite_number, read_cache_json, write_cache_json
 from ..manifest import Artifact
 from ..variant import Machine
-
-log = logging.getLogger(__name__)
 
 
 def _path(art: Artifact, machine: Machine, device: str) -> Path:
@@ -34,13 +31,9 @@ def _path(art: Artifact, machine: Machine, device: str) -> Path:
 def record(art: Artifact, machine: Machine, device: str, seconds: float) -> None:
     """Remember that starting `art` on this machine and device took `seconds` (best effort: a cache that cannot be
     written only loses the figure)."""
-    try:
-        path = _path(art, machine, device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"artifact": art.name, "start_s": round(float(seconds), 3),
-                                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    except OSError as e:
-        log.debug("could not record the start cost of %s: %s", art.name, e)
+    write_cache_json(_path(art, machine, device), {"artifact": art.name, "start_s": round(float(seconds), 3),
+                                                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                     "no start of %s is compared with another's" % art.name)
 
 
 def record_start(art: Artifact, machine: Machine, device: str, seconds: float, probe: Optional[str]) -> None:

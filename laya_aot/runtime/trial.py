@@ -151,19 +151,16 @@ def _cached_verdict(path: Path, art: Artifact) -> Optional[VerifyResult]:
 
 def _store_verdict(path: Path, art: Artifact, res: VerifyResult) -> None:
     """Cache a verdict of this machine's (best effort: a cache that cannot be written only costs a re-run)."""
-    from ..files import write_json_atomic
+    from ..files import write_cache_json
 
     eager = res.eager_in_dtype
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"artifact": art.name, "reason": res.reason, "tolerance": res.tolerance,
-                                 "rule": res.rule, "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
-                                 "decisions": dataclasses.asdict(res.decisions) if res.decisions else None,
-                                 "figures": {"max_abs_option_prob": res.max_abs_option_prob,
-                                             "max_abs_action_prob": res.max_abs_action_prob,
-                                             "argmax_agreement": res.argmax_agreement}})
-    except OSError:
-        pass
+    write_cache_json(path, {"artifact": art.name, "reason": res.reason, "tolerance": res.tolerance,
+                            "rule": res.rule, "eager_in_dtype": dataclasses.asdict(eager) if eager else None,
+                            "decisions": dataclasses.asdict(res.decisions) if res.decisions else None,
+                            "figures": {"max_abs_option_prob": res.max_abs_option_prob,
+                                        "max_abs_action_prob": res.max_abs_action_prob,
+                                        "argmax_agreement": res.argmax_agreement}},
+                     "every start verifies %s again" % art.name)
 
 
 def _graphs_wanted(asked: bool, art: Artifact, device: torch.device, probed: bool,

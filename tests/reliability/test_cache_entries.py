@@ -7,8 +7,10 @@ themselves are in test_cache_fuzz.py."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
+import logging
 import os
 import random
 import threading
@@ -315,3 +317,61 @@ def test_a_bundles_snapshot_is_seeded_only_when_it_matches_the_files(demo_ckpt, 
     assert not ts._path(k).exists()
     assert ts.seed(tok_dir, k, "[]").startswith("it is not a tokenizer snapshot")
     assert ts.seed(tok_dir, k, text) is None and ts._path(k).read_text() == text
+
+
+# --------------------------------------------------------------------------------- entries that cannot be written
+def _warnings_naming(caplog, path: Path) -> list:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and str(path) in r.getMessage()]
+
+
+def test_an_entry_that_can_never_be_written_is_one_warning_naming_it_and_the_fix(demo_ckpt, cache, tmp_path, caplog,
+                                                                                 monkeypatch):
+    """A directory where a digest or a tokenizer snapshot goes was a miss on every start, its work done again, with
+    nothing said above INFO: now one warning per process names the entry, the cause and the fix, and the answer
+    is still the right one."""
+    from transformers import PreTrainedTokenizerFast
+
+    from laya_aot import tokenizer_snapshot as ts
+
+    monkeypatch.setattr(files, "_UNWRITABLE", set(), raising=False)  # a fresh process
+    data = tmp_path / "weights.bin"
+    data.write_bytes(os.urandom(1 << 16))
+    want = files.sha256_file(data)
+    digest = cache / "digests" / (hashlib.sha256(files._stat_key(data).encode()).hexdigest() + ".json")
+    digest.mkdir(parents=True)
+    tok_dir = str(demo_ckpt / "tokenizer")
+    real = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    snapshot = ts._path(ts.key(tok_dir))
+    snapshot.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="laya_aot"):
+        for _ in range(3):  # three starts' worth in one process
+            assert files.cached_sha256(data) == want
+            assert ts.store(tok_dir, real) is None
+    for entry in (digest, snapshot):
+        named = _warnings_naming(caplog, entry)
+        assert len(named) == 1, named
+        assert "a directory is in its place" in named[0] and "rm -r" in named[0], named[0]
+        assert "LAYA_AOT_CACHE_DIR" in named[0], named[0]
+
+
+def test_a_cache_root_that_is_a_file_is_one_warning_and_answers_stay_right(demo_ckpt, tmp_path, caplog, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    from laya_aot import tokenizer_snapshot as ts
+
+    monkeypatch.setattr(files, "_UNWRITABLE", set(), raising=False)  # a fresh process
+    root = tmp_path / "cache"
+    root.write_text("not a directory")
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(root))
+    data = tmp_path / "weights.bin"
+    data.write_bytes(os.urandom(1 << 16))
+    tok_dir = str(demo_ckpt / "tokenizer")
+    real = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    with caplog.at_level(logging.WARNING, logger="laya_aot"):
+        for _ in range(3):
+            assert files.cached_sha256(data) == files.sha256_file(data)
+            assert ts.store(tok_dir, real) is None
+    named = _warnings_naming(caplog, root)
+    assert len(named) == 1, named
+    assert "%s is a file, not a directory" % root in named[0] and "LAYA_AOT_CACHE_DIR" in named[0], named[0]
+    assert root.read_text() == "not a directory"
