@@ -22,7 +22,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,8 @@ def write_json_atomic(path: str | os.PathLike, data: Dict[str, Any]) -> None:
     write_bytes_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
-# what stops a cache entry being written (the entry's path, a file on its way, or the cache directory), each warned
-# about once per process (`cache_unwritable`)
+# what stops a cache entry being written (the entry's path, a file on its way, or the cache directory) and the work
+# that costs, each pair warned about once per process (`cache_unwritable`)
 _UNWRITABLE: set = set()
 _UNWRITABLE_GUARD = threading.Lock()
 
@@ -220,15 +220,15 @@ def write_cache_json(path: str | os.PathLike, data: Dict[str, Any],
 
 def cache_unwritable(path: str | os.PathLike, e: OSError, redo: str = "every start does its work again") -> None:
     """Warn that cache entry `path` cannot be written (`e`), naming the cause and the fix: an entry that can never be
-    replaced costs its work on every start, which nothing above INFO said. Once per process for what stops it (the
-    entry, a file in a directory's place, the cache directory), so a read-only cache is one warning, not one per
-    entry."""
+    replaced costs its work (`redo`) on every start, which nothing above INFO said. Once per process for what stops
+    it (the entry, a file in a directory's place, the cache directory) and `redo`, so a read-only cache is one
+    warning per sort of work, not one per entry."""
     blocker, cause, fix = _what_blocks(Path(path), e)
     with _UNWRITABLE_GUARD:
-        if blocker in _UNWRITABLE:
+        if (blocker, redo) in _UNWRITABLE:
             log.debug("cache entry %s not written: %s", path, cause)
             return
-        _UNWRITABLE.add(blocker)
+        _UNWRITABLE.add((blocker, redo))
     log.warning("laya-aot: cannot write the cache entry %s: %s, so %s; %s, or set %s to a writable directory",
                 path, cause, redo, fix, ENV_CACHE_DIR)
 
@@ -247,7 +247,8 @@ def _what_blocks(path: Path, e: OSError) -> Tuple[str, str, str]:
         except OSError:
             break
     root = cache_dir()
-    return str(root), "the cache at %s is not writable (%s)" % (root, e.strerror or e), \
+    where = ": %s" % e.filename if e.filename and e.strerror else ""
+    return str(root), "the cache at %s is not writable (%s%s)" % (root, e.strerror or e, where), \
         "make it writable for this user"
 
 
@@ -338,9 +339,21 @@ def cached_sha256_parts(path: Path, part_bytes: int = PART_BYTES, expect: Option
     return _cached(path, "sha256-parts-%d" % part_bytes, lambda p: sha256_parts(p, part_bytes), expect)
 
 
+# directories whose files are hashed as the cache's are (`hash_always`)
+_HASH_ALWAYS: List[Path] = []
+
+
+def hash_always(root: str | os.PathLike) -> None:
+    """Hash the files under `root` on every check, as the cache's are (`cached_sha256`): a directory of this
+    process's own holding what would have been in the cache (`staging.private_dir`), which a digest entry must
+    not vouch for either."""
+    _HASH_ALWAYS.append(Path(root).resolve())
+
+
 def _in_cache(path: Path) -> bool:
     try:
-        return path.resolve().is_relative_to(cache_dir().resolve())
+        where = path.resolve()
+        return where.is_relative_to(cache_dir().resolve()) or any(where.is_relative_to(d) for d in _HASH_ALWAYS)
     except OSError:
         return False
 
@@ -363,5 +376,5 @@ def _cached(path: Path, name: str, digest_of: Callable[[Path], str], expect: Opt
         if cached is not None and cached["path"] == where and (expect is None or cached[name] == expect):
             return cached[name]
         digest = digest_of(path)
-        write_cache_json(store, {"path": where, name: digest}, "every start hashes %s again" % path.name)
+        write_cache_json(store, {"path": where, name: digest}, "every start hashes the files it checks again")
         return digest

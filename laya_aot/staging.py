@@ -18,6 +18,7 @@ named like a leftover without a valid marker, another user's, or a running comma
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -29,11 +30,12 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
 from .bundle_format import check_files, files_of, manifest_files, read_manifest
-from .files import cached_sha256
+from .files import cached_sha256, hash_always
 from .manifest import MANIFEST, Bundle, BundleError, FileRecord
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,21 @@ def new_staging(out: Path) -> Path:
     return tmp
 
 
+def private_dir(prefix: str = "laya-aot-") -> Path:
+    """A new directory of this process's own (`tempfile.mkdtemp`, 0700), removed when the process exits: where a
+    load unpacks a pack the cache cannot take (`distribution.fetch`). Its files are hashed on every check, as the
+    cache's are (`files.hash_always`)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix)).resolve()
+    atexit.register(_remove_private, root, os.getpid())
+    hash_always(root)
+    return root
+
+
+def _remove_private(root: Path, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child's exit leaves its parent's directory alone
+        shutil.rmtree(root, ignore_errors=True)
+
+
 Same = Callable[[Path], bool]  # whether what is at a path is already this result (a concurrent writer's)
 
 
@@ -387,6 +404,15 @@ class OutputRefused(BundleError):
 
 class OutputBusy(OutputRefused):
     """Another running command is writing the output (`writing`); nothing was touched."""
+
+
+class OutputUnwritable(BundleError):
+    """The output's directory cannot be made or written (`cause`, what `staged` met); nothing was written. A load
+    whose cache is so goes on in a directory of its own (`distribution.fetch`)."""
+
+    def __init__(self, message: str, cause: OSError):
+        super().__init__(message)
+        self.cause = cause
 
 
 Proof = Callable[[Path], Optional[str]]  # why a path is not something this project wrote (None: it is)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import kinds, progress, staging
 from ..bundle_format import MAX_MANIFEST_BYTES, check_files, parse_bundle, read_bundle
-from ..files import cache_dir, cached_sha256, read_cache_bytes
+from ..files import cache_dir, cache_unwritable, cached_sha256, read_cache_bytes
 from ..kinds.usable import usable_here
 from ..manifest import MANIFEST, BundleError, FileRecord
 from . import HF_SCHEME, PACK_SUFFIX
@@ -158,7 +158,10 @@ def _from_pack(file: Path, device: Optional[str], out: Optional[Path], overwrite
             if os.path.lexists(target):
                 log.info("laya-aot: the unpacked copy of %s in the cache is not used (%s); unpacking it again",
                          file, why)
-            _unpack_shared(file, target, raw, ok)
+            try:
+                _unpack_shared(file, target, raw, ok)
+            except staging.OutputUnwritable as e:
+                target = _unpack_private(file, target, raw, ok, e.cause)
     files = [r for a in manifest.artifacts if a.built for r in a.files.values()]
     return Fetched(target, str(file), [a.name for a in ok], skipped, len(files), sum(r.size for r in files))
 
@@ -180,6 +183,27 @@ def _unpack_shared(file: Path, target: Path, raw: bytes, usable: List[Any]) -> N
         time.sleep(0.2)
         if _unpacked_problem(target, raw, usable) is None:  # the other process's unpacking, whole and checked
             return
+
+
+# packs unpacked outside the cache by this process (the cache could not take them), by the cache entry each stands for
+_PRIVATE: Dict[Path, Path] = {}
+
+
+def _unpack_private(file: Path, entry: Path, raw: bytes, usable: List[Any], cause: OSError) -> Path:
+    """`file` unpacked by the same `unpack` into a directory of this process's own (`staging.private_dir`, removed
+    at exit) where the cache's `entry` cannot be written (`cause`): a read-only cache served laya's eager forward.
+    Its files are hashed as the cache's are, so a pin is checked as before; one warning says every start unpacks
+    again, and the fix."""
+    from .pack import unpack
+
+    cache_unwritable(entry, cause, "every start unpacks %s again (into a temporary directory)" % file.name)
+    done = _PRIVATE.get(entry)
+    if done is not None and _unpacked_problem(done, raw, usable) is None:
+        return done
+    target = staging.private_dir("laya-aot-pack-") / entry.name
+    unpack(file, target)
+    _PRIVATE[entry] = target
+    return target
 
 
 def _unpacked_problem(target: Path, raw: bytes, usable: List[Any]) -> Optional[str]:

@@ -457,7 +457,8 @@ def unpack(file: str | os.PathLike, out: str | os.PathLike, overwrite: bool = Fa
                           % file)
 
     def unwritable(e: OSError) -> BundleError:
-        return BundleError("cannot write %s (%s); choose a directory you can write to" % (out, e.strerror or e))
+        return staging.OutputUnwritable("cannot write %s (%s); choose a directory you can write to"
+                                        % (out, e.strerror or e), e)
 
     with staging.staged(out, unwritable) as tmp:
         try:

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tarfile
 import time
@@ -207,6 +208,61 @@ def test_a_loads_unpack_into_the_cache_says_the_cache_entry_is_replaced_not_over
     with caplog.at_level(logging.WARNING, logger="laya_aot"):
         unpack(small_pack, out, overwrite=True)
     assert [r for r in caplog.records if "as --overwrite asks" in r.getMessage() and str(out) in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", ["packs is a file", "read-only"])
+def test_a_pack_loads_from_a_private_directory_when_the_cache_cannot_be_written(small, small_pack, demo_ckpt,
+                                                                                tmp_path, monkeypatch, caplog, how):
+    """A read-only cache (or a file where its `packs` goes) made a pack's load serve laya's eager forward: the pack
+    is unpacked into a temporary directory of the process's own instead, checked as the cache's copy is (a pin
+    included), with one warning naming the cache, why, and the fix."""
+    import logging
+
+    from laya_aot import files
+    from laya_aot.bundle_format import bundle_sha256
+    from laya_aot.distribution import fetch as fetch_mod
+    from laya_aot.errors import LayaAotError
+
+    if how == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes through a read-only mode; the `packs is a file` case stops root too")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LAYA_AOT_CACHE_DIR", str(cache))
+    monkeypatch.setattr(files, "_UNWRITABLE", set(), raising=False)  # as in a fresh process
+    monkeypatch.setattr(fetch_mod, "_PRIVATE", {}, raising=False)
+    if how == "read-only":
+        cache.chmod(0o555)
+    else:
+        (cache / "packs").write_text("mine")
+    try:
+        with caplog.at_level(logging.WARNING, logger="laya_aot"):
+            agent = _quiet_load(demo_ckpt, small_pack, strict=True, bundle_sha256=bundle_sha256(small))
+            where = fetch_mod.resolve(small_pack, device="cpu")
+        with pytest.raises(LayaAotError, match="pin"):
+            _quiet_load(demo_ckpt, small_pack, strict=True, bundle_sha256="0" * 64)
+    finally:
+        cache.chmod(0o755)
+    assert agent.backend.startswith("aot:")
+    assert not where.is_relative_to(cache) and staging.complete_bundle(where) is None
+    named = [r.getMessage() for r in caplog.records if "every start unpacks" in r.getMessage()]
+    assert len(named) == 1, named
+    assert str(cache) in named[0] and "LAYA_AOT_CACHE_DIR" in named[0], named[0]
+    if how == "packs is a file":
+        assert (cache / "packs").read_text() == "mine" and "is a file, not a directory" in named[0]
+    else:
+        assert "not writable" in named[0]
+
+
+def test_a_private_unpacking_is_removed_when_the_process_exits(small_pack, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "packs").write_text("mine")
+    code = "from laya_aot.distribution.fetch import resolve; import sys; print(resolve(sys.argv[1], device='cpu'))"
+    out = subprocess.run([sys.executable, "-c", code, str(small_pack)], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, LAYA_AOT_CACHE_DIR=str(cache),
+                                  PYTHONPATH=os.pathsep.join(sys.path))).stdout
+    where = Path(out.strip().splitlines()[-1])
+    assert where.name and not where.is_relative_to(cache) and not where.parent.exists()
 
 
 def test_may_replace_is_the_only_owner_of_the_decision():
