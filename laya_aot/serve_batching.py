@@ -191,7 +191,7 @@ class ServeBatching:
     lifespan restarts, which resets them), and what `GET /v1/aot` and `/metrics` say about it."""
 
     def __init__(self, app: Any, limits: Optional[Limits], metrics: bool = False, lanes: int = 1):
-        self.limits = limits
+        self.limits = None if limits is None else Limits.check(limits)  # the batcher is made at the first request
         self.metrics = metrics
         self.lanes = lanes
         self.stats = Stats()

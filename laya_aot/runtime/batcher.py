@@ -86,6 +86,22 @@ class Limits:
             raise ValueError("max_wait_ms=%r: a number of milliseconds from 0 to %g is needed"
                              % (wait, MAX_WAIT_LIMIT_MS))
 
+    @classmethod
+    def check(cls, limits: Any, argument: str = "limits") -> "Limits":
+        """`limits` as a Batcher takes them (None: the defaults). Anything but a Limits (a dict of its fields) is
+        refused here, naming the argument and the call that makes one: accepted, it failed only at the first
+        `submit`, far from the mistake."""
+        if limits is None:
+            return cls()
+        if isinstance(limits, cls):
+            return limits
+        if isinstance(limits, Mapping):
+            fix = "laya_aot.Limits(%s)" % ", ".join("%s=%r" % (k, v) for k, v in limits.items())
+        else:
+            fix = "laya_aot.Limits(max_rows=..., max_tokens=..., max_wait_ms=..., max_queue=...)"
+        raise TypeError("%s=%s is not a Limits (its type is %s); pass %s"
+                        % (argument, repr(limits)[:80], type(limits).__name__, fix))
+
 
 class Histogram:
     """Counts of observations at or below each bound (the last bucket: above every bound), their sum and count."""
@@ -420,8 +436,8 @@ class Batcher:
                  lanes: int = 1):
         if type(lanes) is not int or lanes < 1:
             raise ValueError("lanes=%r: a positive integer is needed" % (lanes,))
+        self.limits = Limits.check(limits)
         self.target = target_for(target)
-        self.limits = limits or Limits()
         self.stats = stats if stats is not None else Stats()
         self._wrap = wrap or (lambda call: call())
         self._cv = threading.Condition()

@@ -454,3 +454,15 @@ def test_one_lane_runs_one_call_at_a_time():
     assert agent.most == 1
     with pytest.raises(ValueError, match="lanes=0"):
         Batcher(agent, lanes=0)
+
+
+def test_limits_given_as_a_dict_are_refused_at_construction_naming_the_fix():
+    """A dict of limits was accepted and only the first submit failed (AttributeError: no max_queue)."""
+    with pytest.raises(TypeError, match=r"limits=\{'max_rows': 4\} is not a Limits .*laya_aot\.Limits\(max_rows=4\)"):
+        Batcher(Agent(), {"max_rows": 4})
+    with pytest.raises(TypeError, match="is not a Limits"):
+        Batcher(Agent(), 4)
+    b = Batcher(Agent(), Limits(max_rows=4))
+    assert b.limits.max_rows == 4 and Batcher(Agent()).limits == Limits()
+    b.close()
+
