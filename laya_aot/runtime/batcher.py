@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from bisect import bisect_left
 from collections import deque
 from concurrent.futures import Future
@@ -418,12 +419,196 @@ class _Batch:
     tokens: int = 0
 
 
+class _Core:
+    """A Batcher's queue, lock, target and worker threads: all its workers hold. They hold no reference to the
+    Batcher itself, so a Batcher dropped without `close()` is collected, and its finalizer closes this: the workers
+    answer what was accepted, as `close()` has them, then exit and release the target."""
+
+    def __init__(self, target: Any, limits: Limits, wrap: Callable[[Callable[[], Any]], Any], stats: Stats):
+        self.target = target
+        self.limits = limits
+        self.stats = stats
+        self.wrap = wrap
+        self.cv = threading.Condition()
+        self.queue: Deque[_Entry] = deque()
+        self.closed = False
+        self.running = 0          # calls and jobs running now (at most the lanes)
+        self.exclusive = False    # a job is running: no call beside it
+        self.threads: List[threading.Thread] = []
+
+    def start(self, name: str, lanes: int) -> None:
+        self.threads = [threading.Thread(target=self.worker, name="%s-%d" % (name, i) if lanes > 1 else name,
+                                         daemon=True) for i in range(lanes)]
+        for thread in self.threads:
+            thread.start()
+
+    def put(self, entry: _Entry, count: bool = True) -> Future:
+        with self.cv:
+            if self.closed:
+                raise BatcherClosed("the batcher is closed")
+            if count and len(self.queue) >= self.limits.max_queue:
+                self.stats.count("refused", "overloaded")
+                raise Overloaded("the batcher's queue is full (%d requests waiting; max_queue=%d)"
+                                 % (len(self.queue), self.limits.max_queue))
+            self.queue.append(entry)
+            self.cv.notify()
+        return entry.future
+
+    def close(self, wait: bool = True, cancel: bool = False) -> None:
+        with self.cv:
+            self.closed = True
+            if cancel:
+                while self.queue:
+                    entry = self.queue.popleft()
+                    if entry.future.cancel():
+                        self.stats.count("refused", "cancelled")
+            self.cv.notify_all()
+        if wait and threading.current_thread() not in self.threads:
+            for thread in self.threads:
+                thread.join()
+
+    # ------------------------------------------------------------------ the worker
+    def take(self) -> Optional[_Batch]:
+        """The next call's entries (under the lock): the oldest entry and, if it may share a call, the queued entries
+        with its key (of the first GROUPED) in its length group (`length_groups`, unless `Limits.length_buckets` is
+        off), oldest first, while the call stays within the limits; the others keep their places. None once closed
+        and drained."""
+        limits = self.limits
+        while True:  # again after any wait: another lane may have taken the head meanwhile
+            self.cv.wait_for(lambda: (self.queue and not self.exclusive) or (self.closed and not self.queue))
+            if not self.queue:
+                return None
+            head = self.queue[0]
+            if head.job is not None:  # a job runs with no call beside it: after those running, before any other
+                if self.running:
+                    self.cv.wait()
+                    continue
+                self.exclusive = True
+                return _Batch([self.queue.popleft()])
+            if head.work is None or head.work.key is None:
+                return _Batch([self.queue.popleft()])
+            key = head.work.key
+            if limits.max_wait_ms <= 0 or self.closed:
+                break
+            rows = sum(e.work.rows for e in self.queue if e.job is None and e.work is not None and e.work.key == key)
+            left = head.submitted + limits.max_wait_ms / 1000.0 - time.perf_counter()
+            if rows >= limits.max_rows or left <= 0:  # neighbours waited for, up to the wait or a full call
+                break
+            self.cv.wait(left)
+        kind = [e for e in self.queue if e.job is None and e.work is not None and e.work.key == key][:GROUPED]
+        if limits.length_buckets and len(kind) > 1:
+            groups = length_groups([e.work.row_tokens for e in kind])  # type: ignore[union-attr]
+            kind = [e for e, g in zip(kind, groups) if g == groups[0]]  # kind[0] is the head
+        batch = _Batch()
+        for entry in kind:
+            work = entry.work
+            if batch.entries and (batch.rows + work.rows > limits.max_rows  # type: ignore[union-attr]
+                                  or batch.tokens + work.tokens > limits.max_tokens):  # type: ignore[union-attr]
+                break  # the call is full: later requests keep their places behind this one
+            batch.entries.append(entry)
+            batch.rows += work.rows  # type: ignore[union-attr]
+            batch.tokens += work.tokens  # type: ignore[union-attr]
+        taken = {id(e) for e in batch.entries}
+        self.queue = deque(e for e in self.queue if id(e) not in taken)
+        return batch
+
+    def worker(self) -> None:
+        while True:
+            with self.cv:
+                batch = self.take()
+                if batch is None:
+                    return
+                self.running += 1
+            try:
+                self.run(batch)
+            except BaseException as e:  # noqa: BLE001 - the worker must outlive anything a call raises
+                log.exception("laya-aot batcher: a call failed outside its requests")
+                for entry in batch.entries:  # none of its requests waits for ever
+                    if not entry.future.done():
+                        entry.future.set_exception(RuntimeError("the batcher's call failed: %r" % (e,)))
+            finally:
+                with self.cv:
+                    self.running -= 1
+                    self.exclusive = False
+                    self.cv.notify_all()  # a job waiting for the calls to end, or lanes waiting for a job
+
+    def run(self, batch: _Batch) -> None:
+        now = time.perf_counter()
+        live = []
+        for entry in batch.entries:
+            if entry.future.set_running_or_notify_cancel():
+                entry.started = now
+                live.append(entry)
+            else:
+                self.stats.count("refused", "cancelled")
+        if not live:
+            return
+        if live[0].job is not None:
+            self.stats.count("calls", "jobs")
+            self.settle(live[0], live[0].job)
+            return
+        self.stats.waited(*[(now - entry.submitted) * 1000.0 for entry in live])
+        self.answer(live)
+
+    def answer(self, entries: List[_Entry]) -> None:
+        """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
+        rows = sum(e.work.rows for e in entries)  # type: ignore[union-attr]
+        if len(entries) == 1:
+            entry = entries[0]
+            self.stats.call(1, rows, merged=False)
+            self.settle(entry, lambda: self.wrap(entry.work.alone))  # type: ignore[union-attr]
+            return
+        self.stats.call(len(entries), rows, merged=True)
+        try:
+            results = self.wrap(lambda: self.target.run([e.work for e in entries]))
+        except Exception as e:  # noqa: BLE001 - one request's error must not fail its neighbours
+            self.stats.count("calls", "split_after_error")
+            log.info("laya-aot batcher: a merged call of %d requests raised %s: %s; running it again in halves",
+                     len(entries), type(e).__name__, e)
+            mid = len(entries) // 2
+            self.answer(entries[:mid])
+            self.answer(entries[mid:])
+            return
+        now = time.perf_counter()
+        self.stats.answered_many([(e.work.model, True, (now - e.submitted) * 1000.0)  # type: ignore[union-attr]
+                                  for e in entries])
+        for entry, result in zip(entries, results):
+            entry.future.set_result(result)
+
+    def settle(self, entry: _Entry, call: Callable[[], Any]) -> None:
+        try:
+            result = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, as the call's own error
+            self.done(entry, error=e)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            self.done(entry, result=result)
+
+    def done(self, entry: _Entry, result: Any = None, error: Optional[BaseException] = None) -> None:
+        if entry.work is not None:
+            self.stats.answered(entry.work.model, error is None, (time.perf_counter() - entry.submitted) * 1000.0)
+        if error is None:
+            entry.future.set_result(result)
+        else:
+            entry.future.set_exception(error)
+
+
+def _call(call: Callable[[], Any]) -> Any:
+    return call()
+
+
 class Batcher:
     """A thread-safe dynamic batcher over one laya Agent or Router (see the module docstring).
 
         batcher = Batcher(laya_aot.load(checkpoint, bundle=bundle))
         future = batcher.submit(state, questions)        # from any thread; future.result() is system_one's answer
         batcher.close()                                  # answers what was accepted, then stops
+
+    `close()` (or `with Batcher(...) as batcher:`) is the way to end it: it returns once its worker has answered
+    what was accepted. A batcher dropped without it is not leaked (its workers hold no reference to it): once
+    collected, its workers answer what was accepted and exit, releasing the agent, but only when the garbage
+    collector gets to it.
 
     `wrap(call)` runs each call on the worker (laya's server passes the function that marks its last request);
     `stats` may be shared between batchers (one server's, across restarts of its app). `lanes`: calls run at once
@@ -439,16 +624,11 @@ class Batcher:
         self.limits = Limits.check(limits)
         self.target = target_for(target)
         self.stats = stats if stats is not None else Stats()
-        self._wrap = wrap or (lambda call: call())
-        self._cv = threading.Condition()
-        self._queue: Deque[_Entry] = deque()
-        self._closed = False
-        self._running = 0          # calls and jobs running now (at most `lanes`)
-        self._exclusive = False    # a job is running: no call beside it
-        self._threads = [threading.Thread(target=self._worker, name="%s-%d" % (name, i) if lanes > 1 else name,
-                                          daemon=True) for i in range(lanes)]
-        for thread in self._threads:
-            thread.start()
+        self._core = _Core(self.target, self.limits, wrap or _call, self.stats)
+        self._core.start(name, lanes)
+        self._threads = self._core.threads
+        # closes the core once this batcher is collected; the core never refers back to it
+        weakref.finalize(self, self._core.close, False)
 
     # ------------------------------------------------------------------ submitting
     def submit(self, state: Any, questions: Dict[str, Any], **controls: Any) -> Future:
@@ -464,182 +644,36 @@ class Batcher:
         return self.submit_work(self.target.work_many(requests, dict(controls)))
 
     def submit_work(self, work: Work) -> Future:
-        return self._put(_Entry(work=work, future=Future(), submitted=time.perf_counter()))
+        return self._core.put(_Entry(work=work, future=Future(), submitted=time.perf_counter()))
 
     def submit_job(self, job: Callable[[], Any]) -> Future:
         """`job()` on the worker between calls, never beside one (laya's server's idle unload runs so)."""
-        return self._put(_Entry(work=None, future=Future(), submitted=time.perf_counter(), job=job), count=False)
-
-    def _put(self, entry: _Entry, count: bool = True) -> Future:
-        with self._cv:
-            if self._closed:
-                raise BatcherClosed("the batcher is closed")
-            if count and len(self._queue) >= self.limits.max_queue:
-                self.stats.count("refused", "overloaded")
-                raise Overloaded("the batcher's queue is full (%d requests waiting; max_queue=%d)"
-                                 % (len(self._queue), self.limits.max_queue))
-            self._queue.append(entry)
-            self._cv.notify()
-        return entry.future
+        return self._core.put(_Entry(work=None, future=Future(), submitted=time.perf_counter(), job=job),
+                              count=False)
 
     def queued(self) -> int:
-        with self._cv:
-            return len(self._queue)
+        with self._core.cv:
+            return len(self._core.queue)
 
     def full(self) -> bool:
-        with self._cv:
-            return len(self._queue) >= self.limits.max_queue
+        with self._core.cv:
+            return len(self._core.queue) >= self.limits.max_queue
 
     def busy(self) -> bool:
         """Whether a call or job is running, or one is waiting to."""
-        with self._cv:
-            return self._running > 0 or bool(self._queue)
+        with self._core.cv:
+            return self._core.running > 0 or bool(self._core.queue)
 
     def close(self, wait: bool = True, cancel: bool = False) -> None:
-        """Take no more requests; answer those accepted (or, with `cancel`, cancel those not started)."""
-        with self._cv:
-            self._closed = True
-            if cancel:
-                while self._queue:
-                    entry = self._queue.popleft()
-                    if entry.future.cancel():
-                        self.stats.count("refused", "cancelled")
-            self._cv.notify_all()
-        if wait and threading.current_thread() not in self._threads:
-            for thread in self._threads:
-                thread.join()
+        """Take no more requests; answer those accepted (or, with `cancel`, cancel those not started). With `wait`,
+        return once the workers have (unless called from one of them, as a done-callback may be)."""
+        self._core.close(wait, cancel)
 
     def __enter__(self) -> "Batcher":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ the worker
-    def _take(self) -> Optional[_Batch]:
-        """The next call's entries (under the lock): the oldest entry and, if it may share a call, the queued entries
-        with its key (of the first GROUPED) in its length group (`length_groups`, unless `Limits.length_buckets` is
-        off), oldest first, while the call stays within the limits; the others keep their places. None once closed
-        and drained."""
-        limits = self.limits
-        while True:  # again after any wait: another lane may have taken the head meanwhile
-            self._cv.wait_for(lambda: (self._queue and not self._exclusive) or (self._closed and not self._queue))
-            if not self._queue:
-                return None
-            head = self._queue[0]
-            if head.job is not None:  # a job runs with no call beside it: after those running, before any other
-                if self._running:
-                    self._cv.wait()
-                    continue
-                self._exclusive = True
-                return _Batch([self._queue.popleft()])
-            if head.work is None or head.work.key is None:
-                return _Batch([self._queue.popleft()])
-            key = head.work.key
-            if limits.max_wait_ms <= 0 or self._closed:
-                break
-            rows = sum(e.work.rows for e in self._queue if e.job is None and e.work is not None and e.work.key == key)
-            left = head.submitted + limits.max_wait_ms / 1000.0 - time.perf_counter()
-            if rows >= limits.max_rows or left <= 0:  # neighbours waited for, up to the wait or a full call
-                break
-            self._cv.wait(left)
-        kind = [e for e in self._queue if e.job is None and e.work is not None and e.work.key == key][:GROUPED]
-        if limits.length_buckets and len(kind) > 1:
-            groups = length_groups([e.work.row_tokens for e in kind])  # type: ignore[union-attr]
-            kind = [e for e, g in zip(kind, groups) if g == groups[0]]  # kind[0] is the head
-        batch = _Batch()
-        for entry in kind:
-            work = entry.work
-            if batch.entries and (batch.rows + work.rows > limits.max_rows  # type: ignore[union-attr]
-                                  or batch.tokens + work.tokens > limits.max_tokens):  # type: ignore[union-attr]
-                break  # the call is full: later requests keep their places behind this one
-            batch.entries.append(entry)
-            batch.rows += work.rows  # type: ignore[union-attr]
-            batch.tokens += work.tokens  # type: ignore[union-attr]
-        taken = {id(e) for e in batch.entries}
-        self._queue = deque(e for e in self._queue if id(e) not in taken)
-        return batch
-
-    def _worker(self) -> None:
-        while True:
-            with self._cv:
-                batch = self._take()
-                if batch is None:
-                    return
-                self._running += 1
-            try:
-                self._run(batch)
-            except BaseException as e:  # noqa: BLE001 - the worker must outlive anything a call raises
-                log.exception("laya-aot batcher: a call failed outside its requests")
-                for entry in batch.entries:  # none of its requests waits for ever
-                    if not entry.future.done():
-                        entry.future.set_exception(RuntimeError("the batcher's call failed: %r" % (e,)))
-            finally:
-                with self._cv:
-                    self._running -= 1
-                    self._exclusive = False
-                    self._cv.notify_all()  # a job waiting for the calls to end, or lanes waiting for a job
-
-    def _run(self, batch: _Batch) -> None:
-        now = time.perf_counter()
-        live = []
-        for entry in batch.entries:
-            if entry.future.set_running_or_notify_cancel():
-                entry.started = now
-                live.append(entry)
-            else:
-                self.stats.count("refused", "cancelled")
-        if not live:
-            return
-        if live[0].job is not None:
-            self.stats.count("calls", "jobs")
-            self._settle(live[0], live[0].job)
-            return
-        self.stats.waited(*[(now - entry.submitted) * 1000.0 for entry in live])
-        self._answer(live)
-
-    def _answer(self, entries: List[_Entry]) -> None:
-        """Run `entries` in one call (alone: laya's own call); after an error, each half again (see module)."""
-        rows = sum(e.work.rows for e in entries)  # type: ignore[union-attr]
-        if len(entries) == 1:
-            entry = entries[0]
-            self.stats.call(1, rows, merged=False)
-            self._settle(entry, lambda: self._wrap(entry.work.alone))  # type: ignore[union-attr]
-            return
-        self.stats.call(len(entries), rows, merged=True)
-        try:
-            results = self._wrap(lambda: self.target.run([e.work for e in entries]))
-        except Exception as e:  # noqa: BLE001 - one request's error must not fail its neighbours
-            self.stats.count("calls", "split_after_error")
-            log.info("laya-aot batcher: a merged call of %d requests raised %s: %s; running it again in halves",
-                     len(entries), type(e).__name__, e)
-            mid = len(entries) // 2
-            self._answer(entries[:mid])
-            self._answer(entries[mid:])
-            return
-        now = time.perf_counter()
-        self.stats.answered_many([(e.work.model, True, (now - e.submitted) * 1000.0)  # type: ignore[union-attr]
-                                  for e in entries])
-        for entry, result in zip(entries, results):
-            entry.future.set_result(result)
-
-    def _settle(self, entry: _Entry, call: Callable[[], Any]) -> None:
-        try:
-            result = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, as the call's own error
-            self._done(entry, error=e)
-            if not isinstance(e, Exception):
-                raise
-        else:
-            self._done(entry, result=result)
-
-    def _done(self, entry: _Entry, result: Any = None, error: Optional[BaseException] = None) -> None:
-        if entry.work is not None:
-            self.stats.answered(entry.work.model, error is None, (time.perf_counter() - entry.submitted) * 1000.0)
-        if error is None:
-            entry.future.set_result(result)
-        else:
-            entry.future.set_exception(error)
 
 
 __all__ = ["AgentTarget", "Batcher", "BatcherClosed", "Histogram", "Limits", "Overloaded", "RouterTarget", "Stats",

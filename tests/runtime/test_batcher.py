@@ -466,3 +466,26 @@ def test_limits_given_as_a_dict_are_refused_at_construction_naming_the_fix():
     assert b.limits.max_rows == 4 and Batcher(Agent()).limits == Limits()
     b.close()
 
+
+def test_a_batcher_dropped_without_close_is_collected_and_its_worker_exits_after_answering():
+    """The worker held the Batcher: one never closed kept its thread, and the agent, for the process's life. Its
+    workers now hold only what they run, so the dropped batcher is collected and they finish what was accepted, as
+    close() would have, then exit."""
+    import gc
+    import weakref
+
+    agent = _Gate(1)
+    b = Batcher(agent, name="dropped-batcher", lanes=2)
+    assert b.submit("a", Q).result(5)["state"] == "a"
+    agent.barrier = threading.Barrier(2, timeout=5)  # the next call waits for the test's thread
+    pending = b.submit("b", Q)
+    threads, ref = list(b._threads), weakref.ref(b)
+    del b
+    gc.collect()
+    assert ref() is None
+    agent.barrier.wait()
+    assert pending.result(5)["state"] == "b"
+    for thread in threads:
+        thread.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("dropped-batcher")]
