@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -250,15 +251,39 @@ def _convert_chunk(raw: memoryview, start: int, spans: list, device: Any, out: D
 _LAYOUT = "a Laya checkpoint directory (rl_agent_config.json, model.safetensors, tokenizer/, encoder/)"
 
 
-def check_layout(ckpt: Path) -> None:
+# a Hugging Face Hub repo id as laya's Router names a checkpoint: owner/name, each part of word characters, '.' and
+# '-', neither starting nor ending with '.' or '-' (the Hub's own rule; it also refuses '--' and '..')
+_HUB_ID = re.compile(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?")
+_HUB_ID_MAX = 96
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether `value` is a Hub repo id a Laya checkpoint goes by (`owner/name`: exactly one slash, no leading dot).
+    Anything else (absolute, ~, ./, ../, two slashes, or a bare name: the Hub's legacy ids, which no Laya checkpoint
+    uses) that is not on disk is a mistyped directory, never looked up in the Hub cache."""
+    return (len(value) <= _HUB_ID_MAX and _HUB_ID.fullmatch(value) is not None
+            and "--" not in value and ".." not in value)
+
+
+def not_found(value: Any, fix: str) -> CheckpointNotFound:
+    """The one message for a checkpoint directory that is not there: the value as given, and what to change."""
+    return CheckpointNotFound("checkpoint directory %s does not exist; %s" % (value, fix))
+
+
+def _fix(setting: Optional[str]) -> str:
+    """What to change, in the caller's terms: the setting the value came from, or the build's checkpoint.path."""
+    return "fix %s" % setting if setting else "pass checkpoint.path=DIR with %s" % _LAYOUT
+
+
+def check_layout(ckpt: Path, setting: Optional[str] = None) -> None:
     """Refuse a path that is not a Laya checkpoint, naming what is wrong: absent, a file, missing files, or
-    weights whose safetensors header does not describe the file (truncated or damaged)."""
+    weights whose safetensors header does not describe the file (truncated or damaged). `setting`: what the path
+    came from, named as the fix (None: the build's checkpoint.path)."""
     if not ckpt.exists():
-        raise CheckpointError("checkpoint directory %s does not exist; pass checkpoint.path=DIR with %s"
-                              % (ckpt, _LAYOUT))
+        raise not_found(ckpt, _fix(setting))
     if not ckpt.is_dir():
-        raise CheckpointError("checkpoint %s is a file, not a directory; pass checkpoint.path=DIR with %s (the "
-                              "directory that holds the file, if it is one of them)" % (ckpt, _LAYOUT))
+        raise CheckpointError("checkpoint %s is a file, not a directory; %s (the directory that holds the file, if "
+                              "it is one of them)" % (ckpt, _fix(setting)))
     missing = [n for n in (AGENT_CONFIG, "model.safetensors", TOKENIZER_DIR, ENCODER_CONFIG)
                if not (ckpt / n).exists()]
     if missing:
@@ -336,8 +361,9 @@ def resolve(cfg: Any) -> Path:
                           "or use the demo (checkpoint=demo)")
 
 
-def locate(checkpoint: str) -> Path:
-    """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache."""
+def locate(checkpoint: str, setting: str = "laya_aot.load's checkpoint argument") -> Path:
+    """The directory `laya_aot.load` was handed: a local path, or a hub id already in the local HF cache.
+    `setting`: where the value came from, named as the fix."""
     if os.path.isdir(checkpoint):
         if not os.path.lexists(os.path.join(checkpoint, AGENT_CONFIG)):  # what laya's load asks first
             fix = ("it is a laya-aot bundle: pass it as bundle= and the checkpoint it was built from as checkpoint"
@@ -348,26 +374,42 @@ def locate(checkpoint: str) -> Path:
     if os.path.lexists(checkpoint):
         raise CheckpointNotFound("checkpoint %s is a file, not a directory; pass the Laya checkpoint directory the "
                                 "bundle was built from" % checkpoint)
-    if checkpoint.count("/") == 1 and not checkpoint.startswith((".", "/", "~")):
-        return from_hf_cache(checkpoint, None)
-    raise CheckpointNotFound("checkpoint %s does not exist; pass the Laya checkpoint directory the bundle was "
-                            "built from" % checkpoint)
+    return find(checkpoint, None, setting)
 
 
-def from_hf_cache(hub_id: str, subfolder: Optional[str]) -> Path:
-    """A shipped checkpoint from the local Hugging Face cache; nothing is downloaded."""
+def find(source: str, subfolder: Optional[str], setting: str) -> Path:
+    """The checkpoint directory a value names (`laya_aot.load`'s argument, a LAYA_EXTRA_MODELS entry): a local
+    directory, or a Hub repo id (`is_hub_id`) already in the local HF cache. Anything else that is not there is a
+    directory that does not exist, named with `setting` as the fix: read as a repo id, a mistyped path was refused
+    by the Hub's id check and answered with advice to download it."""
+    local = Path(os.path.expanduser(source))
+    if local.is_dir():
+        ckpt = local / subfolder if subfolder else local
+        check_layout(ckpt, setting)
+        return ckpt
+    if local.exists():
+        check_layout(local, setting)  # a file: named as one
+    if not is_hub_id(source):
+        raise not_found(source, _fix(setting))
+    return from_hf_cache(source, subfolder, setting)
+
+
+def from_hf_cache(hub_id: str, subfolder: Optional[str], setting: Optional[str] = None) -> Path:
+    """A shipped checkpoint from the local Hugging Face cache; nothing is downloaded. `setting`: where the repo id
+    came from (None: the build's checkpoint.hub_id, whose alternative is checkpoint.path)."""
     try:
         from huggingface_hub import snapshot_download
 
         root = Path(snapshot_download(hub_id, local_files_only=True))
     except Exception as e:
+        where, instead = (("neither a directory here nor", "set %s to the checkpoint directory" % setting)
+                          if setting else ("not", "pass checkpoint.path=DIR pointing at the checkpoint directory"))
         raise CheckpointError(
-            "checkpoint %s%s is not in the local Hugging Face cache and laya-aot never downloads weights "
-            "(%s: %s). On a machine with network run `huggingface-cli download %s` once, or pass "
-            "checkpoint.path=DIR pointing at the checkpoint directory"
-            % (hub_id, "/" + subfolder if subfolder else "", type(e).__name__, e, hub_id)) from e
+            "checkpoint %s%s is %s in the local Hugging Face cache, and laya-aot never downloads weights "
+            "(%s: %s). On a machine with network run `huggingface-cli download %s` once, or %s"
+            % (hub_id, "/" + subfolder if subfolder else "", where, type(e).__name__, e, hub_id, instead)) from e
     ckpt = root / subfolder if subfolder else root
-    check_layout(ckpt)
+    check_layout(ckpt, setting)
     return ckpt
 
 

@@ -149,33 +149,34 @@ def _json_object(env: Mapping[str, str], name: str, shape: str, example: str = _
     return data
 
 
-def _known_checkpoints(env: Mapping[str, str]) -> Dict[str, Any]:
-    """The names laya's Router will know (built-ins and LAYA_EXTRA_MODELS) -> their source, as the Router keys them.
+def _known_checkpoints(env: Mapping[str, str]) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """The names laya's Router will know (built-ins and LAYA_EXTRA_MODELS) -> their source, as the Router keys them,
+    and each name -> the setting its source is changed by (`LAYA_EXTRA_MODELS['name']`, as written there).
 
     A LAYA_EXTRA_MODELS that is not a JSON object is refused here, by its name (laya would refuse it too; read as
     empty, it made every bundle's model look unknown)."""
     from laya.router import DEFAULT_MODELS, canonical_name
 
     known: Dict[str, Any] = dict(DEFAULT_MODELS)
+    settings = {name: "LAYA_EXTRA_MODELS[%r]" % name for name in known}
     extra = _json_object(env, "LAYA_EXTRA_MODELS", "checkpoint name to checkpoint directory or Hub repo",
                          """'{"support": "/path/to/checkpoint"}'""")
     for name, source in extra.items():
         known[canonical_name(name)] = tuple(source) if isinstance(source, list) else source
-    return known
+        settings[canonical_name(name)] = "LAYA_EXTRA_MODELS[%r]" % name
+    return known, settings
 
 
-def _checkpoint_dir(model: str, source: Any) -> Path:
-    """The local directory a bundled checkpoint is read from: its LAYA_EXTRA_MODELS path, or the HF cache."""
-    from .checkpoint import CheckpointError, check_layout, from_hf_cache
+def _checkpoint_dir(model: str, source: Any, setting: str) -> Path:
+    """The local directory a bundled checkpoint is read from: its LAYA_EXTRA_MODELS path, or the HF cache.
+    `setting` names where the source came from, as the fix (`checkpoint.find`)."""
+    from .checkpoint import CheckpointError, CheckpointNotFound, find
 
     repo, sub = (list(source) + [None])[:2] if isinstance(source, (list, tuple)) else (source, None)
-    local = Path(os.path.expanduser(str(repo)))
     try:
-        if local.is_dir():
-            ckpt = local / sub if sub else local
-            check_layout(ckpt)
-            return ckpt
-        return from_hf_cache(str(repo), sub)
+        return find(str(repo), sub, setting)
+    except CheckpointNotFound as e:  # names the setting to fix already
+        raise ServeConfigError(str(e)) from None
     except CheckpointError as e:
         raise ServeConfigError("model %r has a bundle but its checkpoint cannot be read: %s" % (model, e)) from None
 
@@ -218,7 +219,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
     env = os.environ if env is None else env
     strict = _flag(env, ENV_STRICT)
     raw = _json_object(env, ENV_BUNDLES, "model name to bundle directory")
-    known = _known_checkpoints(env)
+    known, settings = _known_checkpoints(env)
     bundles: Dict[str, BundleSpec] = {}
     for name, bundle in raw.items():
         key = canonical_name(name)
@@ -250,7 +251,8 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> ServeConfig:
                 raise ServeConfigError("invalid %s: %s (the bundle of %r) has no %s, so it is not a finished "
                                        "bundle; build it with `laya-aot build ... output_dir=%s`"
                                        % (ENV_BUNDLES, bundle, name, MANIFEST, bundle))
-        bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=_checkpoint_dir(key, known[key]), packed=packed)
+        checkpoint = _checkpoint_dir(key, known[key], settings[key])
+        bundles[key] = BundleSpec(model=key, bundle=bundle, checkpoint=checkpoint, packed=packed)
     pins = _json_object(env, ENV_PINS, "model name to sha256",
                         """'{"support": "<the sha256 `laya-aot inspect` prints>"}'""")
     if pins:

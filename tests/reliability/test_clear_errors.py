@@ -185,3 +185,34 @@ def test_merge_of_a_pack_says_to_unpack_it(small_bundle, tmp_path):
     _one_line(text)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]
 
+
+
+@pytest.mark.parametrize("source", ["/nonexistent/ckpt", "./nonexistent/ckpt", "~/nonexistent-ckpt", "a/b/c"])
+def test_a_mistyped_checkpoint_path_is_a_missing_directory_not_a_hub_repo(source, tmp_path):
+    """A path that does not exist was read as a Hub repo id: the Hub's id check refused it and the advice was to
+    download it and to set the build's checkpoint.path. It is one line naming the directory and the setting."""
+    from laya_aot.checkpoint import CheckpointNotFound, locate
+    from laya_aot.serve import ServeConfigError, config_from_env
+
+    (tmp_path / MANIFEST).write_text("{}")
+    with pytest.raises(ServeConfigError) as e:
+        config_from_env({"LAYA_EXTRA_MODELS": json.dumps({"demo": source}),
+                         "LAYA_AOT_BUNDLES": json.dumps({"demo": str(tmp_path)})})
+    assert str(e.value) == "checkpoint directory %s does not exist; fix LAYA_EXTRA_MODELS['demo']" % source
+    with pytest.raises(CheckpointNotFound) as e:
+        locate(source)
+    assert str(e.value) == "checkpoint directory %s does not exist; fix laya_aot.load's checkpoint argument" % source
+
+
+def test_an_owner_name_checkpoint_is_still_a_hub_repo_with_advice_for_serve(tmp_path):
+    """`owner/name` that is no directory here is a Hub repo id; the advice is serve's setting, not the build's."""
+    from laya_aot.serve import ServeConfigError, config_from_env
+
+    (tmp_path / MANIFEST).write_text("{}")
+    with pytest.raises(ServeConfigError) as e:
+        config_from_env({"LAYA_EXTRA_MODELS": json.dumps({"demo": "someone/ckpt"}),
+                         "LAYA_AOT_BUNDLES": json.dumps({"demo": str(tmp_path)})})
+    said = str(e.value)
+    assert "someone/ckpt is neither a directory here nor in the local Hugging Face cache" in said, said
+    assert "huggingface-cli download someone/ckpt" in said and "set LAYA_EXTRA_MODELS['demo']" in said, said
+    assert "checkpoint.path" not in said and "HFValidationError" not in said, said
