@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
@@ -130,6 +130,36 @@ class _Router:
         return self._predict_batch if name == "predict_batch" else value
 
 
+class _SideRequest:
+    """The batcher futures one batch request or tournament waits on from its side thread. The future laya awaits
+    for it is cancelled when its client is gone (`serve.dropped_when_gone`, as for a single request); that cancels
+    these too, so its calls not yet started are dropped, and the rounds it has not asked for yet are refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cancelled = False
+        self.futures: List[Future] = []
+
+    def add(self, future: Future) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self.futures.append(future)
+                return
+        future.cancel()
+
+    def discard(self, future: Future) -> None:
+        with self._lock:
+            if future in self.futures:
+                self.futures.remove(future)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            futures, self.futures = self.futures, []
+        for future in futures:
+            future.cancel()  # a call that has started is computed with its neighbours and its answer discarded
+
+
 class LayaPool:
     """What laya's app submits its inferences and its idle unload to, in place of its one-thread pool."""
 
@@ -142,6 +172,7 @@ class LayaPool:
         self.proxy = _Router(self.router, self)
         self.threads = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="laya-infer-side")
         self.closed = False
+        self._side = threading.local()  # `.request`: the _SideRequest of the side thread's request
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         if fn is self.run_inference and len(args) == 1 and not kwargs:
@@ -169,15 +200,54 @@ class LayaPool:
         if self.batcher.full():
             self.batcher.stats.count("refused", "overloaded")
             return _failed(laya_api.overloaded_error())
-        return self.threads.submit(self.run_inference, swapped)
+        return self._on_side_thread(swapped)
+
+    def _on_side_thread(self, run: Callable[[], Any]) -> Future:
+        """laya's `run` on a side thread, behind a future that stays pending until it is answered: cancelling it
+        (laya's await cancelled, its client gone) cancels the batcher futures `run` waits on (`_SideRequest`),
+        where a running thread's own future cannot be cancelled and the work would be computed for no one."""
+        outer: Future = Future()
+        request = _SideRequest()
+        outer.add_done_callback(lambda f: request.cancel() if f.cancelled() else None)
+
+        def side() -> None:
+            if request.cancelled:
+                return
+            self._side.request = request
+            try:
+                result = self.run_inference(run)
+            except BaseException as e:  # noqa: BLE001 - handed to laya's await, as the pool's would be
+                if outer.set_running_or_notify_cancel():
+                    outer.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                if outer.set_running_or_notify_cancel():
+                    outer.set_result(result)
+            finally:
+                self._side.request = None
+
+        inner = self.threads.submit(side)
+        inner.add_done_callback(lambda f: outer.cancel() if f.cancelled() else None)  # dropped by a shutdown
+        return outer
 
     def wait(self, work: Work) -> Any:
-        """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there)."""
+        """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there; a request
+        whose client is gone: CancelledError, before or instead of its call)."""
+        request: Optional[_SideRequest] = getattr(self._side, "request", None)
+        if request is not None and request.cancelled:
+            raise CancelledError()
         try:
             future = self.batcher.submit_work(work)
         except Overloaded:
             raise laya_api.overloaded_error() from None
-        return future.result()
+        if request is None:
+            return future.result()
+        request.add(future)
+        try:
+            return future.result()
+        finally:
+            request.discard(future)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """laya's app shutting down: what was accepted is answered (or cancelled, as laya asks), then both stop."""
