@@ -773,7 +773,10 @@ def main(argv: List[str], start: float) -> int:
                         ENV_ENGINE, serve_workers.ENV_WORKERS)
         if workers > 1:  # the settings' mistakes said once, here, before any worker starts
             config_from_env()
-        else:
+        else:  # one process: a taken port said before the models load (a worker's supervisor checked it)
+            refused = None if serve_workers.this_worker() else serve_workers.refuse_taken_port(host, port)
+            if refused is not None:
+                return refused
             app = create_app()
     except (ServeConfigError, NoArtifactError, laya_api.LayaIncompatible) as e:
         # the loader's own messages start "laya-aot: " (a warning's prefix): said once, as this command's

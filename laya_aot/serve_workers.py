@@ -214,14 +214,23 @@ def port_taken(host: str, port: int) -> Optional[str]:
     return None
 
 
+def refuse_taken_port(host: str, port: int) -> Optional[int]:
+    """PORT_IN_USE, said in one line, where another server has host:port (None: free): checked before anything loads,
+    by one process as by the supervisor, where uvicorn's own bind would fail only after every model had loaded."""
+    taken = port_taken(host, port)
+    if taken is None:
+        return None
+    log.error(taken)
+    return PORT_IN_USE
+
+
 def supervise(count: int, host: str, port: int, engine: bool = False) -> int:
     """Start `count` workers (after the engine, with `engine`), let them serve once all have loaded, and stop them
     all when told to or when one exits. Returns the exit status: 0 when stopped by a signal, else the first
     worker's (or the engine's) to exit; PORT_IN_USE, before anything starts, where another server has the port."""
-    taken = port_taken(host, port)
-    if taken is not None:
-        log.error(taken)
-        return PORT_IN_USE
+    refused = refuse_taken_port(host, port)
+    if refused is not None:
+        return refused
     with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # figures (`Board`), the engine's socket
         return _supervise(count, host, port, directory, engine)
 
@@ -376,5 +385,5 @@ def board() -> Optional[Board]:
     return Board(me[0], me[1], Path(directory))
 
 
-__all__ = ["Board", "ENV_WORKERS", "board", "count_from_env", "listen", "report", "run_worker", "supervise",
-           "this_worker"]
+__all__ = ["Board", "ENV_WORKERS", "board", "count_from_env", "listen", "refuse_taken_port", "report", "run_worker",
+           "supervise", "this_worker"]
