@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from . import laya_internals as laya_api
 from .runtime import batcher as engine
 from .runtime.batcher import Batcher, BatcherClosed, Limits, Overloaded, RouterTarget, Stats, Work
-from .runtime.engine import ENV_ENGINE_ADDRESS
+from .runtime.engine import ENV_ENGINE_ADDRESS, EngineGone
 from .serve_workers import number_from_env
 
 log = logging.getLogger("laya_aot.serve")
@@ -100,6 +100,33 @@ def _escape(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+class _Once:
+    """Whether something was said already in this process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.said = False
+
+    def first(self) -> bool:
+        with self._lock:
+            first, self.said = not self.said, True
+        return first
+
+
+ENGINE_GONE = _Once()
+
+
+def engine_gone(error: EngineGone) -> Exception:
+    """laya's 503 for a request whose engine process is gone (the supervisor is stopping the server: a client may
+    retry), said once per process with its cause, then at debug level: each request in flight raises it, and laya's
+    own handler would log each as a 500 "inference failed" with its traceback."""
+    if ENGINE_GONE.first():
+        log.error("laya-aot serve: %s; requests are answered 503 until this server stops", error)
+    else:
+        log.debug("laya-aot serve: %s (a request answered 503)", error)
+    return laya_api.overloaded_error()
+
+
 def _failed(error: BaseException) -> Future:
     future: Future = Future()
     future.set_exception(error)
@@ -167,12 +194,19 @@ class LayaPool:
         self.router = cells["router"].cell_contents
         self.run_inference = cells["run_inference"].cell_contents
         self.target = RouterTarget(self.router)
-        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats,
+        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self._call, stats=stats,
                                lanes=lanes)
         self.proxy = _Router(self.router, self)
         self.threads = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="laya-infer-side")
         self.closed = False
         self._side = threading.local()  # `.request`: the _SideRequest of the side thread's request
+
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """laya's `_run_inference(call)` for one batcher call; an engine gone is laya's 503 (`engine_gone`)."""
+        try:
+            return self.run_inference(call)
+        except EngineGone as e:
+            raise engine_gone(e) from None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         if fn is self.run_inference and len(args) == 1 and not kwargs:
@@ -196,7 +230,7 @@ class LayaPool:
                 return _failed(e)
         swapped = laya_api.with_router(run, self.router, self.proxy)
         if swapped is None:  # work laya-aot does not know: laya's own way, alone on the worker
-            return self._job(functools.partial(self.run_inference, run))
+            return self._job(functools.partial(self._call, run))
         if self.batcher.full():
             self.batcher.stats.count("refused", "overloaded")
             return _failed(laya_api.overloaded_error())

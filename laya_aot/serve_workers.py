@@ -259,8 +259,8 @@ def _supervise(count: int, host: str, port: int, directory: str, engine: bool = 
                 gone = [w for w in helpers + workers if w.proc.poll() is not None]
                 if gone:
                     status = max(1, gone[0].proc.returncode)  # killed by a signal (negative): 1
-                    log.error("laya-aot serve %s %s exited with status %s; stopping the others",
-                              "engine" if gone[0] in helpers else "worker", gone[0].index, gone[0].proc.returncode)
+                    log.error("laya-aot serve %s exited with status %s; stopping the others", _name(gone[0]),
+                              gone[0].proc.returncode)
                     break
                 stop.wait(0.2)
     finally:
@@ -269,6 +269,11 @@ def _supervise(count: int, host: str, port: int, directory: str, engine: bool = 
         for s, handler in old.items():
             signal.signal(s, handler)
     return status
+
+
+def _name(process: Any) -> str:
+    """'engine', or 'worker N': a supervised process as the log names it."""
+    return "engine" if isinstance(process, _EngineProcess) else "worker %s" % process.index
 
 
 def _start(workers: List[_Worker], stop: threading.Event) -> int:
@@ -309,7 +314,7 @@ def _stop(workers: List[_Worker]) -> None:
         try:
             w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("laya-aot serve worker %s did not stop within %.0f s: killed", w.index, STOP_S)
+            log.warning("laya-aot serve %s did not stop within %.0f s: killed", _name(w), STOP_S)
             w.proc.kill()
             w.proc.wait()
 

@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from laya_aot import laya_internals as laya_api
+from laya_aot import serve_batching
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+from laya_aot.runtime.engine import EngineGone
 from tests.questions import assert_same_answers
 
 KEY = "batch-key"
@@ -48,7 +50,8 @@ def _router(app: Any) -> Any:
 
 class Hold:
     """The resident agent's predict_batch (every call of laya's, system_one's included), wrapped: it raises for a
-    state "CRASH", and the calls `arm(n)` names wait inside until the test opens them (bounded)."""
+    state "CRASH" (as a forward that crashed) and "ENGINE-GONE" (as a worker's whose engine process died), and the
+    calls `arm(n)` names wait inside until the test opens them (bounded)."""
 
     def __init__(self, agent: Any):
         self.stock = agent.predict_batch
@@ -64,6 +67,8 @@ class Hold:
                 assert gate.wait(30), "the test never opened call %d" % i
             if "CRASH" in states:
                 raise RuntimeError("the forward crashed (a stand-in for a CUDA error)")
+            if "ENGINE-GONE" in states:
+                raise EngineGone("the engine process is gone (EOFError)")
             return self.stock(states, questions, *a, **k)
 
         agent.predict_batch = predict_batch
@@ -239,6 +244,31 @@ def test_a_request_that_crashes_inference_or_fails_validation_fails_alone(make_a
     assert crashed.status_code == 500 and crashed.json() == {"detail": "inference failed"}   # laya's own 500
     assert invalid.status_code == bad_alone.status_code == 422 and invalid.json() == bad_alone.json()
     assert max(hold.calls) >= 12, hold.calls   # the neighbours did share a call before it was split
+
+
+def test_requests_in_flight_when_the_engine_dies_get_layas_503_and_one_log_line(make_app, monkeypatch, caplog):
+    """The engine process gone (the supervisor is stopping the server) is not the request's fault: each request in
+    flight gets laya's 503 with Retry-After, as a full queue does, not a 500 "inference failed" with a traceback
+    each; the cause is logged once per process."""
+    monkeypatch.setattr(serve_batching, "ENGINE_GONE", serve_batching._Once())
+    app = make_app()
+    Hold(_router(app).load("demo"))
+
+    async def drive():
+        async with _client(app) as c:
+            singles = [c.post("/v1/systemone", json=_one("ENGINE-GONE")) for _ in range(6)]
+            batches = [c.post("/v1/systemone/batch", json={"model": "demo", "states": ["ENGINE-GONE", "x"],
+                                                           "questions": DEMO_QUESTIONS}) for _ in range(2)]
+            return await asyncio.gather(*singles, *batches)
+
+    with caplog.at_level("DEBUG"):
+        got = asyncio.run(drive())
+    laya_503 = _laya_overload()
+    for r in got:
+        assert r.status_code == 503 and r.content == laya_503.content and r.headers["retry-after"] == "1", r.content
+    errors = [rec for rec in caplog.records if rec.levelname in ("ERROR", "CRITICAL")]
+    assert len(errors) == 1 and "the engine process is gone" in errors[0].getMessage(), errors
+    assert not any("inference failed" in rec.getMessage() for rec in caplog.records)
 
 
 def test_a_client_that_goes_away_mid_batch_leaves_the_others_answered(make_app):
