@@ -489,6 +489,8 @@ class BundleLoads:
 
 AOT_ROUTE = "/v1/aot"
 _DENIED = b'{"detail":"invalid or missing bearer token"}'  # laya's 401 body on its other routes
+_METHODS = ("GET", "HEAD")  # what AotRoute's routes answer; any other method: 405, FastAPI's body and Allow
+_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 
 
 WATCH_AFTER_S = 0.01  # a request answered sooner has no watcher: a task for each request cost 30-60 us of its host time
@@ -571,7 +573,8 @@ class AotRoute:
             board.start(self._own_figures)
 
     def _route(self, scope) -> Optional[str]:
-        if scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD"):
+        """Which of this middleware's routes the request's path names, whatever its method (None: laya's)."""
+        if scope["type"] != "http":
             return None
         path = scope.get("path", "")
         for route in self.routes:
@@ -589,6 +592,12 @@ class AotRoute:
             return
         if route is None:
             await self.app(scope, receive, send)
+            return
+        if scope.get("method") not in _METHODS:  # as FastAPI answers a method laya's route does not take
+            await send({"type": "http.response.start", "status": 405,
+                        "headers": [(b"allow", ", ".join(_METHODS).encode()), (b"content-type", b"application/json"),
+                                    (b"content-length", str(len(_NOT_ALLOWED)).encode())]})
+            await send({"type": "http.response.body", "body": _NOT_ALLOWED})
             return
         path = scope["path"]
         health_path = path[:-len(route)] + "/health"  # under laya's LAYA_ROOT_PATH as this request is

@@ -141,6 +141,26 @@ def test_metrics_are_off_by_default_and_laya_answers_the_path(make_app):
     assert asyncio.run(drive()).status_code == 404   # laya's own answer: the route is not laya's
 
 
+def test_another_method_on_v1_aot_or_metrics_is_405_as_on_layas_routes(make_app):
+    """laya's routes answer a method they do not take with FastAPI's 405 and an Allow header; /v1/aot and /metrics,
+    answered by laya-aot's middleware, do the same (they answered 404, as if there were no such route)."""
+    app = make_app(LAYA_AOT_METRICS="1")
+
+    async def drive():
+        async with _client(app) as c:
+            laya_405 = await c.post("/health")
+            got = {(m, p): await c.request(m, p) for m in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+                   for p in ("/v1/aot", "/metrics")}
+            return laya_405, got, (await c.get("/v1/aot")).status_code, (await c.head("/metrics")).status_code
+
+    laya_405, got, get_aot, head_metrics = asyncio.run(drive())
+    assert laya_405.status_code == 405 and laya_405.headers["allow"] == "GET"
+    for key, r in got.items():
+        assert r.status_code == 405 and r.content == laya_405.content, (key, r.status_code, r.content)
+        assert r.headers["allow"] == "GET, HEAD" and r.headers["content-type"] == laya_405.headers["content-type"]
+    assert get_aot == head_metrics == 200
+
+
 def test_batching_off_serves_one_request_at_a_time_as_laya(make_app):
     app = make_app(LAYA_AOT_BATCH="0")
 
