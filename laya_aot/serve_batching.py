@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
@@ -166,6 +167,7 @@ class _SideRequest:
         self._lock = threading.Lock()
         self.cancelled = False
         self.futures: List[Future] = []
+        self.model: Optional[str] = None  # the model of its first call: None while it has made none
 
     def add(self, future: Future) -> None:
         with self._lock:
@@ -243,6 +245,7 @@ class LayaPool:
         outer: Future = Future()
         request = _SideRequest()
         outer.add_done_callback(lambda f: request.cancel() if f.cancelled() else None)
+        submitted = time.perf_counter()
 
         def side() -> None:
             if request.cancelled:
@@ -251,11 +254,13 @@ class LayaPool:
             try:
                 result = self.run_inference(run)
             except BaseException as e:  # noqa: BLE001 - handed to laya's await, as the pool's would be
+                self._answered(request, submitted, ok=False, cancelled=isinstance(e, CancelledError))
                 if outer.set_running_or_notify_cancel():
                     outer.set_exception(e)
                 if not isinstance(e, Exception):
                     raise
             else:
+                self._answered(request, submitted, ok=True)
                 if outer.set_running_or_notify_cancel():
                     outer.set_result(result)
             finally:
@@ -265,12 +270,20 @@ class LayaPool:
         inner.add_done_callback(lambda f: outer.cancel() if f.cancelled() else None)  # dropped by a shutdown
         return outer
 
+    def _answered(self, request: _SideRequest, submitted: float, ok: bool, cancelled: bool = False) -> None:
+        """A side request counted once in the statistics' requests and latency (its calls are not: `Work.counted`),
+        as a single request is; one that made no call, or was dropped with its client, is not."""
+        if request.model is not None and not cancelled:
+            self.batcher.stats.answered(request.model, ok, (time.perf_counter() - submitted) * 1000.0)
+
     def wait(self, work: Work) -> Any:
         """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there; a request
         whose client is gone: CancelledError, before or instead of its call)."""
         request: Optional[_SideRequest] = getattr(self._side, "request", None)
         if request is not None and request.cancelled:
             raise CancelledError()
+        if request is not None:
+            work.counted = False
         try:
             future = self.batcher.submit_work(work)
         except Overloaded:
@@ -278,6 +291,8 @@ class LayaPool:
         if request is None:
             return future.result()
         request.add(future)
+        if request.model is None:
+            request.model = work.model
         try:
             return future.result()
         finally:
@@ -359,8 +374,8 @@ class ServeBatching:
             return "{%s}" % ",".join('%s="%s"' % (k, _escape(v)) for k, v in kv.items())
 
         snap = engine.merge_snapshots([f["batching"] for f in figures])
-        family("laya_aot_requests_total", "counter", "Requests answered through the batcher, by model asked for "
-               "(auto: routed) and outcome.")
+        family("laya_aot_requests_total", "counter", "HTTP requests answered through the batcher (one per request, "
+               "whatever calls it took), by model asked for (auto: routed) and outcome.")
         for row in snap["requests"]:
             out.append("laya_aot_requests_total%s %d" % (labels(model=row["model"], outcome=row["outcome"]),
                                                         row["count"]))
@@ -379,8 +394,8 @@ class ServeBatching:
                 ("laya_aot_batch_rows", "batch_rows", 1.0, "Question rows (states x questions) per call."),
                 ("laya_aot_queue_wait_seconds", "queue_wait_ms", 1e-3, "Time from a request's arrival in the "
                  "queue to the start of its call."),
-                ("laya_aot_request_latency_seconds", "latency_ms", 1e-3, "Time from a request's arrival in the "
-                 "queue to its answer.")):
+                ("laya_aot_request_latency_seconds", "latency_ms", 1e-3, "Time from a request's arrival at the "
+                 "batcher to its answer (all its calls).")):
             family(name, "histogram", help_text)
             hist = snap[key]
             running = 0

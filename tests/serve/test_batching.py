@@ -161,6 +161,29 @@ def test_another_method_on_v1_aot_or_metrics_is_405_as_on_layas_routes(make_app)
     assert get_aot == head_metrics == 200
 
 
+def test_metrics_count_each_http_request_once_whatever_rounds_it_took(make_app):
+    """A tournament (LAYA_TOURNAMENT_GROUP) answers a request in several calls, one per elimination round: the
+    request counts once in `laya_aot_requests_total` and the latency histogram, as any request does."""
+    app = make_app(LAYA_AOT_METRICS="1", LAYA_TOURNAMENT_GROUP="2")   # the 3-option choice: two rounds
+
+    async def drive():
+        async with _client(app) as c:
+            singles = [c.post("/v1/systemone", json=_one(s)) for s in DEMO_STATES]
+            batch = c.post("/v1/systemone/batch", json={"model": "demo", "states": DEMO_STATES,
+                                                        "questions": DEMO_QUESTIONS})
+            got = await asyncio.gather(*singles, batch)
+            return got, (await c.get("/v1/aot")).json()["batching"], (await c.get("/metrics")).text
+
+    got, batching, text = asyncio.run(drive())
+    assert {r.status_code for r in got} == {200}
+    assert "x_tournament" in got[0].json()["answers"]["team"]   # narrowed in rounds
+    n = len(DEMO_STATES) + 1
+    assert batching["batch_requests"]["sum"] > n, batching   # the rounds' calls
+    assert batching["requests"] == [{"model": "demo", "outcome": "ok", "count": n}]
+    assert batching["latency_ms"]["count"] == n
+    assert 'laya_aot_requests_total{model="demo",outcome="ok"} %d\n' % n in text
+
+
 def test_batching_off_serves_one_request_at_a_time_as_laya(make_app):
     app = make_app(LAYA_AOT_BATCH="0")
 
