@@ -6,7 +6,8 @@ idle reaper asks) and that pool hands each inference to one `Batcher` over the a
 (`router.predict`) goes straight into its queue; a batch request or a tournament runs its own laya code on a
 thread of its own, with the router it calls replaced by one whose `predict`/`predict_batch` enter the same queue;
 anything else submitted to the pool (the idle unload) runs on the batcher's worker between calls, never beside
-one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothing else of the request changes.
+one, as it ran on laya's one thread. A full queue answers laya's own 503, as does an engine process gone (a worker
+of LAYA_AOT_ENGINE=1 whose server is stopping). Nothing else of the request changes.
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
 LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
