@@ -491,6 +491,8 @@ class BundleLoads:
 
 AOT_ROUTE = "/v1/aot"
 _DENIED = b'{"detail":"invalid or missing bearer token"}'  # laya's 401 body on its other routes
+_METHODS = ("GET", "HEAD")  # what AotRoute's routes answer; any other method: 405, FastAPI's body and Allow
+_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 
 
 WATCH_AFTER_S = 0.01  # a request answered sooner has no watcher: a task for each request cost 30-60 us of its host time
@@ -573,7 +575,8 @@ class AotRoute:
             board.start(self._own_figures)
 
     def _route(self, scope) -> Optional[str]:
-        if scope["type"] != "http" or scope.get("method") not in ("GET", "HEAD"):
+        """Which of this middleware's routes the request's path names, whatever its method (None: laya's)."""
+        if scope["type"] != "http":
             return None
         path = scope.get("path", "")
         for route in self.routes:
@@ -591,6 +594,12 @@ class AotRoute:
             return
         if route is None:
             await self.app(scope, receive, send)
+            return
+        if scope.get("method") not in _METHODS:  # as FastAPI answers a method laya's route does not take
+            await send({"type": "http.response.start", "status": 405,
+                        "headers": [(b"allow", ", ".join(_METHODS).encode()), (b"content-type", b"application/json"),
+                                    (b"content-length", str(len(_NOT_ALLOWED)).encode())]})
+            await send({"type": "http.response.body", "body": _NOT_ALLOWED})
             return
         path = scope["path"]
         health_path = path[:-len(route)] + "/health"  # under laya's LAYA_ROOT_PATH as this request is
@@ -775,7 +784,10 @@ def main(argv: List[str], start: float) -> int:
                         ENV_ENGINE, serve_workers.ENV_WORKERS)
         if workers > 1:  # the settings' mistakes said once, here, before any worker starts
             config_from_env()
-        else:
+        else:  # one process: a taken port said before the models load (a worker's supervisor checked it)
+            refused = None if serve_workers.this_worker() else serve_workers.refuse_taken_port(host, port)
+            if refused is not None:
+                return refused
             app = create_app()
     except (ServeConfigError, NoArtifactError, laya_api.LayaIncompatible) as e:
         # the loader's own messages start "laya-aot: " (a warning's prefix): said once, as this command's

@@ -6,7 +6,8 @@ idle reaper asks) and that pool hands each inference to one `Batcher` over the a
 (`router.predict`) goes straight into its queue; a batch request or a tournament runs its own laya code on a
 thread of its own, with the router it calls replaced by one whose `predict`/`predict_batch` enter the same queue;
 anything else submitted to the pool (the idle unload) runs on the batcher's worker between calls, never beside
-one, as it ran on laya's one thread. A full queue answers laya's own 503. Nothing else of the request changes.
+one, as it ran on laya's one thread. A full queue answers laya's own 503, as does an engine process gone (a worker
+of LAYA_AOT_ENGINE=1 whose server is stopping). Nothing else of the request changes.
 
 Settings (environment, read once at start): LAYA_AOT_BATCH (1, the default: on; 0: laya's one-at-a-time),
 LAYA_AOT_BATCH_MAX_ROWS, LAYA_AOT_BATCH_MAX_TOKENS, LAYA_AOT_BATCH_MAX_WAIT_MS, LAYA_AOT_BATCH_QUEUE,
@@ -20,13 +21,14 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import laya_internals as laya_api
 from .runtime import batcher as engine
 from .runtime.batcher import Batcher, BatcherClosed, Limits, Overloaded, RouterTarget, Stats, Work
-from .runtime.engine import ENV_ENGINE_ADDRESS
+from .runtime.engine import ENV_ENGINE_ADDRESS, EngineGone
 from .serve_workers import number_from_env
 
 log = logging.getLogger("laya_aot.serve")
@@ -100,6 +102,33 @@ def _escape(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+class _Once:
+    """Whether something was said already in this process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.said = False
+
+    def first(self) -> bool:
+        with self._lock:
+            first, self.said = not self.said, True
+        return first
+
+
+ENGINE_GONE = _Once()
+
+
+def engine_gone(error: EngineGone) -> Exception:
+    """laya's 503 for a request whose engine process is gone (the supervisor is stopping the server: a client may
+    retry), said once per process with its cause, then at debug level: each request in flight raises it, and laya's
+    own handler would log each as a 500 "inference failed" with its traceback."""
+    if ENGINE_GONE.first():
+        log.error("laya-aot serve: %s; requests are answered 503 until this server stops", error)
+    else:
+        log.debug("laya-aot serve: %s (a request answered 503)", error)
+    return laya_api.overloaded_error()
+
+
 def _failed(error: BaseException) -> Future:
     future: Future = Future()
     future.set_exception(error)
@@ -130,6 +159,37 @@ class _Router:
         return self._predict_batch if name == "predict_batch" else value
 
 
+class _SideRequest:
+    """The batcher futures one batch request or tournament waits on from its side thread. The future laya awaits
+    for it is cancelled when its client is gone (`serve.dropped_when_gone`, as for a single request); that cancels
+    these too, so its calls not yet started are dropped, and the rounds it has not asked for yet are refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cancelled = False
+        self.futures: List[Future] = []
+        self.model: Optional[str] = None  # the model of its first call: None while it has made none
+
+    def add(self, future: Future) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self.futures.append(future)
+                return
+        future.cancel()
+
+    def discard(self, future: Future) -> None:
+        with self._lock:
+            if future in self.futures:
+                self.futures.remove(future)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            futures, self.futures = self.futures, []
+        for future in futures:
+            future.cancel()  # a call that has started is computed with its neighbours and its answer discarded
+
+
 class LayaPool:
     """What laya's app submits its inferences and its idle unload to, in place of its one-thread pool."""
 
@@ -137,11 +197,19 @@ class LayaPool:
         self.router = cells["router"].cell_contents
         self.run_inference = cells["run_inference"].cell_contents
         self.target = RouterTarget(self.router)
-        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self.run_inference, stats=stats,
+        self.batcher = Batcher(self.target, limits, name="laya-infer-batcher", wrap=self._call, stats=stats,
                                lanes=lanes)
         self.proxy = _Router(self.router, self)
         self.threads = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="laya-infer-side")
         self.closed = False
+        self._side = threading.local()  # `.request`: the _SideRequest of the side thread's request
+
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """laya's `_run_inference(call)` for one batcher call; an engine gone is laya's 503 (`engine_gone`)."""
+        try:
+            return self.run_inference(call)
+        except EngineGone as e:
+            raise engine_gone(e) from None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         if fn is self.run_inference and len(args) == 1 and not kwargs:
@@ -165,19 +233,71 @@ class LayaPool:
                 return _failed(e)
         swapped = laya_api.with_router(run, self.router, self.proxy)
         if swapped is None:  # work laya-aot does not know: laya's own way, alone on the worker
-            return self._job(functools.partial(self.run_inference, run))
+            return self._job(functools.partial(self._call, run))
         if self.batcher.full():
             self.batcher.stats.count("refused", "overloaded")
             return _failed(laya_api.overloaded_error())
-        return self.threads.submit(self.run_inference, swapped)
+        return self._on_side_thread(swapped)
+
+    def _on_side_thread(self, run: Callable[[], Any]) -> Future:
+        """laya's `run` on a side thread, behind a future that stays pending until it is answered: cancelling it
+        (laya's await cancelled, its client gone) cancels the batcher futures `run` waits on (`_SideRequest`),
+        where a running thread's own future cannot be cancelled and the work would be computed for no one."""
+        outer: Future = Future()
+        request = _SideRequest()
+        outer.add_done_callback(lambda f: request.cancel() if f.cancelled() else None)
+        submitted = time.perf_counter()
+
+        def side() -> None:
+            if request.cancelled:
+                return
+            self._side.request = request
+            try:
+                result = self.run_inference(run)
+            except BaseException as e:  # noqa: BLE001 - handed to laya's await, as the pool's would be
+                self._answered(request, submitted, ok=False, cancelled=isinstance(e, CancelledError))
+                if outer.set_running_or_notify_cancel():
+                    outer.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                self._answered(request, submitted, ok=True)
+                if outer.set_running_or_notify_cancel():
+                    outer.set_result(result)
+            finally:
+                self._side.request = None
+
+        inner = self.threads.submit(side)
+        inner.add_done_callback(lambda f: outer.cancel() if f.cancelled() else None)  # dropped by a shutdown
+        return outer
+
+    def _answered(self, request: _SideRequest, submitted: float, ok: bool, cancelled: bool = False) -> None:
+        """A side request counted once in the statistics' requests and latency (its calls are not: `Work.counted`),
+        as a single request is; one that made no call, or was dropped with its client, is not."""
+        if request.model is not None and not cancelled:
+            self.batcher.stats.answered(request.model, ok, (time.perf_counter() - submitted) * 1000.0)
 
     def wait(self, work: Work) -> Any:
-        """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there)."""
+        """`work`'s answer through the batcher, on a side thread (a full queue: laya's 503, raised there; a request
+        whose client is gone: CancelledError, before or instead of its call)."""
+        request: Optional[_SideRequest] = getattr(self._side, "request", None)
+        if request is not None and request.cancelled:
+            raise CancelledError()
+        if request is not None:
+            work.counted = False
         try:
             future = self.batcher.submit_work(work)
         except Overloaded:
             raise laya_api.overloaded_error() from None
-        return future.result()
+        if request is None:
+            return future.result()
+        request.add(future)
+        if request.model is None:
+            request.model = work.model
+        try:
+            return future.result()
+        finally:
+            request.discard(future)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """laya's app shutting down: what was accepted is answered (or cancelled, as laya asks), then both stop."""
@@ -255,8 +375,8 @@ class ServeBatching:
             return "{%s}" % ",".join('%s="%s"' % (k, _escape(v)) for k, v in kv.items())
 
         snap = engine.merge_snapshots([f["batching"] for f in figures])
-        family("laya_aot_requests_total", "counter", "Requests answered through the batcher, by model asked for "
-               "(auto: routed) and outcome.")
+        family("laya_aot_requests_total", "counter", "HTTP requests answered through the batcher (one per request, "
+               "whatever calls it took), by model asked for (auto: routed) and outcome.")
         for row in snap["requests"]:
             out.append("laya_aot_requests_total%s %d" % (labels(model=row["model"], outcome=row["outcome"]),
                                                         row["count"]))
@@ -275,8 +395,8 @@ class ServeBatching:
                 ("laya_aot_batch_rows", "batch_rows", 1.0, "Question rows (states x questions) per call."),
                 ("laya_aot_queue_wait_seconds", "queue_wait_ms", 1e-3, "Time from a request's arrival in the "
                  "queue to the start of its call."),
-                ("laya_aot_request_latency_seconds", "latency_ms", 1e-3, "Time from a request's arrival in the "
-                 "queue to its answer.")):
+                ("laya_aot_request_latency_seconds", "latency_ms", 1e-3, "Time from a request's arrival at the "
+                 "batcher to its answer (all its calls).")):
             family(name, "histogram", help_text)
             hist = snap[key]
             running = 0

@@ -214,14 +214,23 @@ def port_taken(host: str, port: int) -> Optional[str]:
     return None
 
 
+def refuse_taken_port(host: str, port: int) -> Optional[int]:
+    """PORT_IN_USE, said in one line, where another server has host:port (None: free): checked before anything loads,
+    by one process as by the supervisor, where uvicorn's own bind would fail only after every model had loaded."""
+    taken = port_taken(host, port)
+    if taken is None:
+        return None
+    log.error(taken)
+    return PORT_IN_USE
+
+
 def supervise(count: int, host: str, port: int, engine: bool = False) -> int:
     """Start `count` workers (after the engine, with `engine`), let them serve once all have loaded, and stop them
     all when told to or when one exits. Returns the exit status: 0 when stopped by a signal, else the first
     worker's (or the engine's) to exit; PORT_IN_USE, before anything starts, where another server has the port."""
-    taken = port_taken(host, port)
-    if taken is not None:
-        log.error(taken)
-        return PORT_IN_USE
+    refused = refuse_taken_port(host, port)
+    if refused is not None:
+        return refused
     with tempfile.TemporaryDirectory(prefix="laya-aot-workers-") as directory:  # figures (`Board`), the engine's socket
         return _supervise(count, host, port, directory, engine)
 
@@ -250,8 +259,8 @@ def _supervise(count: int, host: str, port: int, directory: str, engine: bool = 
                 gone = [w for w in helpers + workers if w.proc.poll() is not None]
                 if gone:
                     status = max(1, gone[0].proc.returncode)  # killed by a signal (negative): 1
-                    log.error("laya-aot serve %s %s exited with status %s; stopping the others",
-                              "engine" if gone[0] in helpers else "worker", gone[0].index, gone[0].proc.returncode)
+                    log.error("laya-aot serve %s exited with status %s; stopping the others", _name(gone[0]),
+                              gone[0].proc.returncode)
                     break
                 stop.wait(0.2)
     finally:
@@ -260,6 +269,11 @@ def _supervise(count: int, host: str, port: int, directory: str, engine: bool = 
         for s, handler in old.items():
             signal.signal(s, handler)
     return status
+
+
+def _name(process: Any) -> str:
+    """'engine', or 'worker N': a supervised process as the log names it."""
+    return "engine" if isinstance(process, _EngineProcess) else "worker %s" % process.index
 
 
 def _start(workers: List[_Worker], stop: threading.Event) -> int:
@@ -300,7 +314,7 @@ def _stop(workers: List[_Worker]) -> None:
         try:
             w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("laya-aot serve worker %s did not stop within %.0f s: killed", w.index, STOP_S)
+            log.warning("laya-aot serve %s did not stop within %.0f s: killed", _name(w), STOP_S)
             w.proc.kill()
             w.proc.wait()
 
@@ -376,5 +390,5 @@ def board() -> Optional[Board]:
     return Board(me[0], me[1], Path(directory))
 
 
-__all__ = ["Board", "ENV_WORKERS", "board", "count_from_env", "listen", "report", "run_worker", "supervise",
-           "this_worker"]
+__all__ = ["Board", "ENV_WORKERS", "board", "count_from_env", "listen", "refuse_taken_port", "report", "run_worker",
+           "supervise", "this_worker"]

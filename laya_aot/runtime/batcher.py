@@ -214,6 +214,8 @@ class Work:
     model: str = "auto"
     many: bool = False
     controls: Dict[str, Any] = field(default_factory=dict)  # the merged call's keyword arguments
+    counted: bool = True  # its answer is a request in Stats.requests and latency_ms (False: one call of a request
+    #                       its submitter counts once, whatever calls it takes: a tournament's rounds)
 
     @property
     def row_tokens(self) -> int:
@@ -571,7 +573,7 @@ class _Core:
             return
         now = time.perf_counter()
         self.stats.answered_many([(e.work.model, True, (now - e.submitted) * 1000.0)  # type: ignore[union-attr]
-                                  for e in entries])
+                                  for e in entries if e.work.counted])  # type: ignore[union-attr]
         for entry, result in zip(entries, results):
             entry.future.set_result(result)
 
@@ -586,7 +588,7 @@ class _Core:
             self.done(entry, result=result)
 
     def done(self, entry: _Entry, result: Any = None, error: Optional[BaseException] = None) -> None:
-        if entry.work is not None:
+        if entry.work is not None and entry.work.counted:
             self.stats.answered(entry.work.model, error is None, (time.perf_counter() - entry.submitted) * 1000.0)
         if error is None:
             entry.future.set_result(result)

@@ -51,6 +51,11 @@ class EngineError(LayaAotError, RuntimeError):
     """The engine answered a request with an error, or is gone."""
 
 
+class EngineGone(EngineError):
+    """The engine process is gone (killed, crashed): no request to it is answered again; its supervisor is stopping
+    the server. Not the request's fault: `laya-aot serve` answers it with laya's 503."""
+
+
 # ------------------------------------------------------------------------------------------------ merging
 def merge(calls: Sequence[Tensors], pad_id: int) -> Tuple[Tensors, List[Tuple[int, int, int]]]:
     """One artifact call's inputs for `calls` (each `(ids, att, mpos, mmask, qtype)`): rows stacked, tokens padded
@@ -328,7 +333,7 @@ class EngineClient:
                     self._gone = "the engine process is gone (%s)" % (type(e).__name__,)
                     waiting, self._waiting = list(self._waiting.values()), {}
                 for q in waiting:
-                    q.put(("error", "EngineError", self._gone))
+                    q.put(("gone", self._gone))
                 return
             with self._lock:
                 q = self._waiting.pop(tag, None)
@@ -355,7 +360,7 @@ class EngineClient:
         q: "queue.Queue[Tuple[Any, ...]]" = queue.Queue(1)
         with self._lock:
             if self._gone:
-                raise EngineError(self._gone)
+                raise EngineGone(self._gone)
             self._tag += 1
             tag = self._tag
             self._waiting[tag] = q
@@ -363,10 +368,12 @@ class EngineClient:
                 _send(self._conn, (tag, op, key, payload))
             except OSError as e:
                 self._waiting.pop(tag, None)
-                raise EngineError("the engine process is gone (%s)" % type(e).__name__) from None
+                raise EngineGone("the engine process is gone (%s)" % type(e).__name__) from None
         answer = q.get()
         if answer[0] == "ok":
             return answer[1]
+        if answer[0] == "gone":
+            raise EngineGone(answer[1])
         raise EngineError("%s: %s" % (answer[1], answer[2]))
 
 

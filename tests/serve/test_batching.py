@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from laya_aot import laya_internals as laya_api
+from laya_aot import serve_batching
 from laya_aot.commands import DEMO_QUESTIONS, DEMO_STATES
+from laya_aot.runtime.engine import EngineGone
 from tests.questions import assert_same_answers
 
 KEY = "batch-key"
@@ -48,7 +50,8 @@ def _router(app: Any) -> Any:
 
 class Hold:
     """The resident agent's predict_batch (every call of laya's, system_one's included), wrapped: it raises for a
-    state "CRASH", and the calls `arm(n)` names wait inside until the test opens them (bounded)."""
+    state "CRASH" (as a forward that crashed) and "ENGINE-GONE" (as a worker's whose engine process died), and the
+    calls `arm(n)` names wait inside until the test opens them (bounded)."""
 
     def __init__(self, agent: Any):
         self.stock = agent.predict_batch
@@ -64,6 +67,8 @@ class Hold:
                 assert gate.wait(30), "the test never opened call %d" % i
             if "CRASH" in states:
                 raise RuntimeError("the forward crashed (a stand-in for a CUDA error)")
+            if "ENGINE-GONE" in states:
+                raise EngineGone("the engine process is gone (EOFError)")
             return self.stock(states, questions, *a, **k)
 
         agent.predict_batch = predict_batch
@@ -134,6 +139,49 @@ def test_metrics_are_off_by_default_and_laya_answers_the_path(make_app):
             return await c.get("/metrics")
 
     assert asyncio.run(drive()).status_code == 404   # laya's own answer: the route is not laya's
+
+
+def test_another_method_on_v1_aot_or_metrics_is_405_as_on_layas_routes(make_app):
+    """laya's routes answer a method they do not take with FastAPI's 405 and an Allow header; /v1/aot and /metrics,
+    answered by laya-aot's middleware, do the same (they answered 404, as if there were no such route)."""
+    app = make_app(LAYA_AOT_METRICS="1")
+
+    async def drive():
+        async with _client(app) as c:
+            laya_405 = await c.post("/health")
+            got = {(m, p): await c.request(m, p) for m in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS")
+                   for p in ("/v1/aot", "/metrics")}
+            return laya_405, got, (await c.get("/v1/aot")).status_code, (await c.head("/metrics")).status_code
+
+    laya_405, got, get_aot, head_metrics = asyncio.run(drive())
+    assert laya_405.status_code == 405 and laya_405.headers["allow"] == "GET"
+    for key, r in got.items():
+        assert r.status_code == 405 and r.content == laya_405.content, (key, r.status_code, r.content)
+        assert r.headers["allow"] == "GET, HEAD" and r.headers["content-type"] == laya_405.headers["content-type"]
+    assert get_aot == head_metrics == 200
+
+
+def test_metrics_count_each_http_request_once_whatever_rounds_it_took(make_app):
+    """A tournament (LAYA_TOURNAMENT_GROUP) answers a request in several calls, one per elimination round: the
+    request counts once in `laya_aot_requests_total` and the latency histogram, as any request does."""
+    app = make_app(LAYA_AOT_METRICS="1", LAYA_TOURNAMENT_GROUP="2")   # the 3-option choice: two rounds
+
+    async def drive():
+        async with _client(app) as c:
+            singles = [c.post("/v1/systemone", json=_one(s)) for s in DEMO_STATES]
+            batch = c.post("/v1/systemone/batch", json={"model": "demo", "states": DEMO_STATES,
+                                                        "questions": DEMO_QUESTIONS})
+            got = await asyncio.gather(*singles, batch)
+            return got, (await c.get("/v1/aot")).json()["batching"], (await c.get("/metrics")).text
+
+    got, batching, text = asyncio.run(drive())
+    assert {r.status_code for r in got} == {200}
+    assert "x_tournament" in got[0].json()["answers"]["team"]   # narrowed in rounds
+    n = len(DEMO_STATES) + 1
+    assert batching["batch_requests"]["sum"] > n, batching   # the rounds' calls
+    assert batching["requests"] == [{"model": "demo", "outcome": "ok", "count": n}]
+    assert batching["latency_ms"]["count"] == n
+    assert 'laya_aot_requests_total{model="demo",outcome="ok"} %d\n' % n in text
 
 
 def test_batching_off_serves_one_request_at_a_time_as_laya(make_app):
@@ -241,6 +289,31 @@ def test_a_request_that_crashes_inference_or_fails_validation_fails_alone(make_a
     assert max(hold.calls) >= 12, hold.calls   # the neighbours did share a call before it was split
 
 
+def test_requests_in_flight_when_the_engine_dies_get_layas_503_and_one_log_line(make_app, monkeypatch, caplog):
+    """The engine process gone (the supervisor is stopping the server) is not the request's fault: each request in
+    flight gets laya's 503 with Retry-After, as a full queue does, not a 500 "inference failed" with a traceback
+    each; the cause is logged once per process."""
+    monkeypatch.setattr(serve_batching, "ENGINE_GONE", serve_batching._Once())
+    app = make_app()
+    Hold(_router(app).load("demo"))
+
+    async def drive():
+        async with _client(app) as c:
+            singles = [c.post("/v1/systemone", json=_one("ENGINE-GONE")) for _ in range(6)]
+            batches = [c.post("/v1/systemone/batch", json={"model": "demo", "states": ["ENGINE-GONE", "x"],
+                                                           "questions": DEMO_QUESTIONS}) for _ in range(2)]
+            return await asyncio.gather(*singles, *batches)
+
+    with caplog.at_level("DEBUG"):
+        got = asyncio.run(drive())
+    laya_503 = _laya_overload()
+    for r in got:
+        assert r.status_code == 503 and r.content == laya_503.content and r.headers["retry-after"] == "1", r.content
+    errors = [rec for rec in caplog.records if rec.levelname in ("ERROR", "CRITICAL")]
+    assert len(errors) == 1 and "the engine process is gone" in errors[0].getMessage(), errors
+    assert not any("inference failed" in rec.getMessage() for rec in caplog.records)
+
+
 def test_a_client_that_goes_away_mid_batch_leaves_the_others_answered(make_app):
     app = make_app()
     hold = Hold(_router(app).load("demo"))
@@ -278,54 +351,65 @@ def test_a_client_that_goes_away_mid_batch_leaves_the_others_answered(make_app):
     assert stats["requests"] == [{"model": "demo", "outcome": "ok", "count": 11}]   # 6 was answered, to no one
 
 
-def test_a_client_that_disconnects_before_its_call_is_dropped_not_computed(make_app):
+async def _gone_request(app: Any, path: str, body: bytes, gone: asyncio.Event, sent: List[Any]) -> None:
+    """One request to `app` as uvicorn gives it: its body, then nothing until its client disconnects (`gone`)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 5000), "server": ("t", 80),
+             "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"authorization", AUTH["Authorization"].encode())]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await gone.wait()   # as uvicorn's receive: nothing more until the connection closes
+        return {"type": "http.disconnect"}
+
+    async def send(message: Dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+
+
+@pytest.mark.parametrize("route", ["single", "batch", "tournament"])
+def test_a_client_that_disconnects_before_its_call_is_dropped_not_computed(make_app, route):
     """A server does not cancel a handler whose client disconnected (uvicorn: its `receive()` answers
     `http.disconnect`, nothing more): the request waiting for its call is dropped all the same, counted as
-    cancelled, and nothing is sent to no one; a client that stays is answered."""
-    app = make_app()
+    cancelled, and nothing is sent to no one; a client that stays is answered. A batch request and a tournament
+    wait on a side thread of their own, and are dropped as a single request is."""
+    app = make_app(**({"LAYA_TOURNAMENT_GROUP": "2"} if route == "tournament" else {}))
     hold = Hold(_router(app).load("demo"))
     pool = laya_api.app_cells(app)["pool"]
+    path, body = (("/v1/systemone/batch", {"model": "demo", "states": DEMO_STATES[1:], "questions": DEMO_QUESTIONS})
+                  if route == "batch" else ("/v1/systemone", _one(DEMO_STATES[1])))
 
-    async def gone_request(body: bytes, gone: asyncio.Event, sent: List[Any]) -> None:
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/systemone", "raw_path": b"/v1/systemone", "query_string": b"",
-                 "root_path": "", "client": ("127.0.0.1", 5000), "server": ("t", 80),
-                 "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode()),
-                             (b"authorization", AUTH["Authorization"].encode())]}
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> Dict[str, Any]:
-            if messages:
-                return messages.pop(0)
-            await gone.wait()   # as uvicorn's receive: nothing more until the connection closes
-            return {"type": "http.disconnect"}
-
-        async def send(message: Dict[str, Any]) -> None:
-            sent.append(message)
-
-        await app(scope, receive, send)
+    small = {k: v for k, v in DEMO_QUESTIONS.items() if k != "team"}   # no choice to narrow: one call
 
     async def drive():
         async with _client(app) as c:
             await c.post("/v1/systemone", json=_one(DEMO_STATES[0]))   # the batcher is in place
+            calls, before = len(hold.calls), pool.cell_contents.batcher.stats.snapshot()["refused"]["cancelled"]
             (entered, gate), = hold.arm(1)
-            first = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[0])))
+            first = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[0], small)))
             await _until(entered.is_set, "the first call")
             gone, sent = asyncio.Event(), []
-            left = asyncio.ensure_future(gone_request(json.dumps(_one(DEMO_STATES[1])).encode(), gone, sent))
-            stays = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[2])))
+            left = asyncio.ensure_future(_gone_request(app, path, json.dumps(body).encode(), gone, sent))
+            await _until(lambda: pool.cell_contents.batcher.queued() == 1, "the queue")
+            stays = asyncio.ensure_future(c.post("/v1/systemone", json=_one(DEMO_STATES[2], small)))
             await _until(lambda: pool.cell_contents.batcher.queued() == 2, "the queue")
             gone.set()
             await asyncio.wait_for(left, 10)   # returns once dropped: no answer to write
             gate.set()
-            return sent, await first, await stays
+            first, stays = await first, await stays
+            await asyncio.sleep(0.2)   # a side thread still going would ask for its next call now
+            return calls, before, sent, first, stays
 
-    sent, first, stays = asyncio.run(drive())
+    calls, before, sent, first, stays = asyncio.run(drive())
     assert sent == [] and first.status_code == 200 and stays.status_code == 200
-    stats = pool.cell_contents.batcher.stats.snapshot()
-    assert stats["refused"]["cancelled"] == 1 and hold.calls == [1, 1, 1], hold.calls   # never computed
-    assert stats["requests"] == [{"model": "demo", "outcome": "ok", "count": 3}]
+    cancelled = pool.cell_contents.batcher.stats.snapshot()["refused"]["cancelled"] - before
+    assert cancelled == 1 and hold.calls[calls:] == [1, 1], hold.calls   # never computed
 
 
 def test_an_idle_unload_waits_for_the_batch_in_flight(make_app):

@@ -211,3 +211,22 @@ def test_a_port_another_servers_workers_hold_is_refused_before_anything_starts()
         held.close()
     assert serve_workers.port_taken("127.0.0.1", port) is None
 
+
+
+def test_one_process_refuses_a_taken_port_before_loading_as_workers_do(demo_ckpt, demo_bundle):
+    """One process checks the port as the supervisor does: one line and PORT_IN_USE before any model loads, where
+    uvicorn's bind failed only after the load and a false "ready" line."""
+    from laya_aot import serve_workers
+
+    held = serve_workers.listen("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    env = dict(os.environ, LAYA_HOST="127.0.0.1", LAYA_PORT=str(port), **_env(demo_ckpt, {"demo": str(demo_bundle)}))
+    try:
+        r = subprocess.run([sys.executable, "-m", "laya_aot.cli", "serve"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    finally:
+        held.close()
+    assert r.returncode == serve_workers.PORT_IN_USE, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERROR:     laya_aot.serve: 127.0.0.1:%d is in use" % port), lines
+    assert lines[0].endswith("stop it or set LAYA_PORT")
