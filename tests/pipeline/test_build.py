@@ -74,7 +74,9 @@ def test_the_verify_stage_says_where_its_time_went(demo_bundle):
     spent = dict(re.fullmatch(r"(.+) (\d+\.\d) s", p).groups() for p in phases.split(", "))
     assert list(spent)[:2] == ["eager timing", "fp32 reference"] and list(spent)[-1] == "timing together"
     assert set(names) <= set(spent)
-    assert sum(map(float, spent.values())) <= verify["seconds"] + 0.1
+    # each part is shown to 0.1 s, so their sum may pass the stage's time by half of that per part; a part counted
+    # twice, or overlapping another, passes it by whole seconds
+    assert sum(map(float, spent.values())) <= verify["seconds"] + 0.05 * len(spent) + 1e-6
 
 
 def test_export_ranges_declare_tokens_as_multiples_of_16(demo_bundle):
