@@ -17,7 +17,8 @@ A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally 
 `+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`), `+hintRxT` (the export's example batch
 R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
-`+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+splitmlp` (the
+`+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+combo`
+(Inductor's combo kernels: independent pointwise kernels launched as one), `+splitmlp` (the
 GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue),
 and `+faithful` (`export.precision=faithful` with fp16 products, the build's default where activations fit;
 otherwise laya's autocast policy in `--dtype`).
@@ -62,6 +63,10 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
+    if "combo" in extras:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.combo_kernels = True
     if "tma" in extras:
         import torch._inductor.config as inductor_config
 

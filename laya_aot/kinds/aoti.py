@@ -89,7 +89,8 @@ def compiler_patch(compiler: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
-            cxx: Optional[str] = None, frozen: bool = False, max_autotune: bool = False) -> Dict[str, Any]:
+            cxx: Optional[str] = None, frozen: bool = False, max_autotune: bool = False,
+            combo_kernels: bool = False) -> Dict[str, Any]:
     """Compile `ep` into `out_dir/model.pt2` plus its constants map; returns facts for the manifest.
 
     `frozen=True` instead folds the weights into the package (Inductor `freezing`): on the CPU that lets
@@ -100,6 +101,8 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
     Triton GEMM templates lose to cuBLAS on this model's shapes and take neither the GeGLU nor the residual add
     into their epilogue where the time is (benchmarks/results/calls.md);
     `benchmarks/aoti_variants.py` keeps it measurable.
+    `combo_kernels=True` (the GPU build): Inductor launches independent pointwise kernels as one; a short call's
+    forward is set by its kernel count, and this took 4-6% off it at one row (benchmarks/results/calls.md).
     """
     from safetensors.torch import save_file
 
@@ -110,6 +113,8 @@ def package(ep: ExportedProgram, out_dir: Path, checkpoint_keys: Iterable[str],
                else {"aot_inductor.package_constants_in_so": False})
     if max_autotune:
         configs["max_autotune"] = True
+    if combo_kernels:
+        configs["combo_kernels"] = True
     # compile under no_grad: Inductor pre-packs frozen weights for oneDNN only for inference graphs (the
     # frozen CPU package measured 225 ms at 1x128 compiled with grad mode on, 88 ms under no_grad)
     with (inductor_config_kept(), torch._inductor.config.patch(compiler_patch(compiler)), torch.no_grad(),
@@ -467,7 +472,8 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     keys = list(Weights(ctx.ckpt))
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx), **exported.details())
+    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx,
+                         combo_kernels=ctx.device == "cuda"), **exported.details())
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts,
                      precision=exported.precision)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)

@@ -91,3 +91,50 @@ def test_max_autotune_reaches_inductor_and_stays_there(tmp_path, monkeypatch, tu
     aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], max_autotune=tune)
     assert seen.get("max_autotune", False) is tune
     assert torch._inductor.config.max_autotune is False   # the build's own setting does not leak into the process
+
+
+@pytest.mark.slow  # exports a program
+def test_combo_kernels_reach_inductor_and_stay_there(tmp_path, monkeypatch):
+    # a short call's forward is set by its kernel count: the GPU build launches independent kernels as one
+    import torch
+
+    seen = {}
+
+    def fake_compile(ep, package_path, inductor_configs):
+        seen.update(inductor_configs)
+        open(package_path, "wb").write(b"pt2")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
+    aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], combo_kernels=True)
+    assert seen.get("combo_kernels") is True
+    seen.clear()
+    aoti.package(ep, tmp_path / "pkg2", ["weight", "bias"])
+    assert "combo_kernels" not in seen
+    assert torch._inductor.config.combo_kernels is False
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_gpu_build_asks_for_combo_kernels_and_the_cpu_build_does_not(tmp_path, monkeypatch, device):
+    import types
+
+    import torch
+
+    from laya_aot import checkpoint
+
+    asked = []
+
+    def fake_package(program, out_dir, keys, cxx=None, frozen=False, max_autotune=False, combo_kernels=False):
+        asked.append(combo_kernels)
+        return {"package_bytes": 1}
+
+    monkeypatch.setattr(aoti, "package", fake_package)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checkpoint, "Weights", lambda ckpt: {})
+    cfg = types.SimpleNamespace(aoti=types.SimpleNamespace(cxx=None, cpu_frozen=False),
+                                target=types.SimpleNamespace(name="t", arch="a"))
+    ctx = types.SimpleNamespace(device=device, dtype="fp16", cfg=cfg, ckpt=tmp_path, staging=tmp_path,
+                                artifact_name=lambda kind: "aoti-x", add_artifact=lambda *a, **k: None)
+    exported = types.SimpleNamespace(program=None, precision=None, details=lambda: {})
+    aoti.build(ctx, exported)
+    assert asked == [device == "cuda"]
