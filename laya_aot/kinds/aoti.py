@@ -15,6 +15,7 @@ import contextlib
 import copy
 import json
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -462,6 +463,21 @@ def load_aoti_package(path: Path, device_index: int):
     return load_package(str(path), device_index=device_index)
 
 
+def _package_gpu_first(program: ExportedProgram, out_dir: Path, keys: List[str], cxx: Optional[str],
+                       device: str) -> Dict[str, Any]:
+    """A GPU package with combo kernels, or without them where Inductor cannot compile them for this model: combo
+    kernels are a speed-up measured on this project's checkpoints, never a reason for a build to fail."""
+    if device != "cuda":
+        return package(program, out_dir, keys, cxx=cxx)
+    try:
+        return dict(package(program, out_dir, keys, cxx=cxx, combo_kernels=True), combo_kernels=True)
+    except Exception as e:  # noqa: BLE001 - any compile failure of the newer lowering; the plain one decides
+        why = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "")
+        log.warning("AOTInductor could not compile combo kernels for this model (%s); packaging without them", why)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return dict(package(program, out_dir, keys, cxx=cxx), combo_kernels=False, combo_kernels_refused=why)
+
+
 def build(ctx: BuildContext, exported: Exported) -> Built:
     """The package for the target, weights not inside; on the CPU with `aoti.cpu_frozen` also the frozen one."""
     if ctx.device == "cuda" and not torch.cuda.is_available():
@@ -472,8 +488,8 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     keys = list(Weights(ctx.ckpt))
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = dict(package(exported.program, ctx.staging / name, keys, cxx=ctx.cfg.aoti.cxx,
-                         combo_kernels=ctx.device == "cuda"), **exported.details())
+    facts = dict(_package_gpu_first(exported.program, ctx.staging / name, keys, ctx.cfg.aoti.cxx, ctx.device),
+                 **exported.details())
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts,
                      precision=exported.precision)
     done = "package %.1f MB (weights not inside)" % (facts["package_bytes"] / 1e6)

@@ -114,27 +114,55 @@ def test_combo_kernels_reach_inductor_and_stay_there(tmp_path, monkeypatch):
     assert torch._inductor.config.combo_kernels is False
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_the_gpu_build_asks_for_combo_kernels_and_the_cpu_build_does_not(tmp_path, monkeypatch, device):
+def _build_asking(tmp_path, monkeypatch, device, fake_package):
     import types
 
     import torch
 
     from laya_aot import checkpoint
 
+    monkeypatch.setattr(aoti, "package", fake_package)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checkpoint, "Weights", lambda ckpt: {})
+    cfg = types.SimpleNamespace(aoti=types.SimpleNamespace(cxx=None, cpu_frozen=False),
+                                target=types.SimpleNamespace(name="t", arch="a"))
+    added = []
+    ctx = types.SimpleNamespace(device=device, dtype="fp16", cfg=cfg, ckpt=tmp_path, staging=tmp_path,
+                                artifact_name=lambda kind: "aoti-x",
+                                add_artifact=lambda *a, **k: added.append(k["details"]))
+    exported = types.SimpleNamespace(program=None, precision=None, details=lambda: {})
+    aoti.build(ctx, exported)
+    return added[0]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_gpu_build_asks_for_combo_kernels_and_the_cpu_build_does_not(tmp_path, monkeypatch, device):
     asked = []
 
     def fake_package(program, out_dir, keys, cxx=None, frozen=False, max_autotune=False, combo_kernels=False):
         asked.append(combo_kernels)
         return {"package_bytes": 1}
 
-    monkeypatch.setattr(aoti, "package", fake_package)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(checkpoint, "Weights", lambda ckpt: {})
-    cfg = types.SimpleNamespace(aoti=types.SimpleNamespace(cxx=None, cpu_frozen=False),
-                                target=types.SimpleNamespace(name="t", arch="a"))
-    ctx = types.SimpleNamespace(device=device, dtype="fp16", cfg=cfg, ckpt=tmp_path, staging=tmp_path,
-                                artifact_name=lambda kind: "aoti-x", add_artifact=lambda *a, **k: None)
-    exported = types.SimpleNamespace(program=None, precision=None, details=lambda: {})
-    aoti.build(ctx, exported)
+    details = _build_asking(tmp_path, monkeypatch, device, fake_package)
     assert asked == [device == "cuda"]
+    assert details.get("combo_kernels", False) is (device == "cuda")
+
+
+def test_a_model_whose_combo_kernels_fail_to_compile_is_packaged_without_them(tmp_path, monkeypatch, caplog):
+    asked = []
+
+    def fake_package(program, out_dir, keys, cxx=None, frozen=False, max_autotune=False, combo_kernels=False):
+        asked.append(combo_kernels)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if combo_kernels:
+            (out_dir / "half-written").write_text("x")
+            raise RuntimeError("InductorError: combo kernel lowering failed\nlong traceback")
+        assert not (out_dir / "half-written").exists()  # the failed try's files are gone first
+        return {"package_bytes": 1}
+
+    with caplog.at_level("WARNING"):
+        details = _build_asking(tmp_path, monkeypatch, "cuda", fake_package)
+    assert asked == [True, False]
+    assert details["combo_kernels"] is False
+    assert details["combo_kernels_refused"] == "RuntimeError: InductorError: combo kernel lowering failed"
+    assert "packaging without them" in caplog.text and "long traceback" not in caplog.text
