@@ -75,9 +75,11 @@ def test_packaging_leaves_inductor_config_as_it_found_it(tmp_path):
 
 
 @pytest.mark.slow  # exports a program
-@pytest.mark.parametrize("tune", [False, True])
-def test_max_autotune_reaches_inductor_and_stays_there(tmp_path, monkeypatch, tune):
-    # benchmarks/aoti_variants.py measures packages compiled with it
+@pytest.mark.parametrize("setting", ["max_autotune", "combo_kernels"])
+@pytest.mark.parametrize("on", [False, True])
+def test_a_package_setting_reaches_inductor_and_stays_there(tmp_path, monkeypatch, setting, on):
+    # max_autotune: benchmarks/aoti_variants.py measures packages compiled with it; combo_kernels: the GPU build's
+    # (a short call's forward is set by its kernel count)
     import torch
 
     seen = {}
@@ -88,30 +90,9 @@ def test_max_autotune_reaches_inductor_and_stays_there(tmp_path, monkeypatch, tu
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
     ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
-    aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], max_autotune=tune)
-    assert seen.get("max_autotune", False) is tune
-    assert torch._inductor.config.max_autotune is False   # the build's own setting does not leak into the process
-
-
-@pytest.mark.slow  # exports a program
-def test_combo_kernels_reach_inductor_and_stay_there(tmp_path, monkeypatch):
-    # a short call's forward is set by its kernel count: the GPU build launches independent kernels as one
-    import torch
-
-    seen = {}
-
-    def fake_compile(ep, package_path, inductor_configs):
-        seen.update(inductor_configs)
-        open(package_path, "wb").write(b"pt2")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
-    ep = torch.export.export(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
-    aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], combo_kernels=True)
-    assert seen.get("combo_kernels") is True
-    seen.clear()
-    aoti.package(ep, tmp_path / "pkg2", ["weight", "bias"])
-    assert "combo_kernels" not in seen
-    assert torch._inductor.config.combo_kernels is False
+    aoti.package(ep, tmp_path / "pkg", ["weight", "bias"], **{setting: on})
+    assert seen.get(setting, False) is on
+    assert getattr(torch._inductor.config, setting) is False   # the build's own setting does not leak out
 
 
 def _build_asking(tmp_path, monkeypatch, device, fake_package):
