@@ -17,9 +17,10 @@ A variant is a rotary form (`table` or `computed`, `export.rotary`), optionally 
 `+frozen` (the weights frozen inside, as the CPU build's `aoti-cpu-frozen`), `+hintRxT` (the export's example batch
 R rows x T tokens instead of the build's default, `export.example_rows`/`example_tokens`: Inductor tunes its own
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
-`+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+combo`
-(Inductor's combo kernels: independent pointwise kernels launched as one), `+splitmlp` (the
-GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into the second's epilogue),
+`+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+nocombo`
+(without Inductor's combo kernels, which a GPU build compiles with: independent pointwise kernels launched as
+one), `+splitmlp` (the GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into
+the second's epilogue),
 and `+faithful` (`export.precision=faithful` with fp16 products, the build's default where activations fit;
 otherwise laya's autocast policy in `--dtype`).
 `--prebuilt VARIANT=DIR` times a package already built (a bundle's `aoti-sm_90/`) instead of compiling it;
@@ -63,10 +64,6 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
-    if "combo" in extras:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.combo_kernels = True
     if "tma" in extras:
         import torch._inductor.config as inductor_config
 
@@ -85,7 +82,7 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     facts = aoti.package(program, workdir / variant, keys, max_autotune="autotune" in extras,
-                         frozen="frozen" in extras)
+                         frozen="frozen" in extras, combo_kernels=device == "cuda" and "nocombo" not in extras)
     res = {"variant": variant, "rotary": module.rotary, "attention": module.attention, "head": module.head,
            "export_s": round(t1 - t0, 1), "package_s": round(time.perf_counter() - t1, 1), **facts,
            "max_tokens": max_tokens, "template_kernels": template_kernels(workdir / variant / "model.pt2")}
