@@ -19,10 +19,10 @@ R rows x T tokens instead of the build's default, `export.example_rows`/`example
 kernels' launch settings at the example's sizes), `+cdt` (Inductor's coordinate-descent tuning of those settings),
 `+tma` (Inductor's persistent TMA matmul templates among max-autotune's choices, Hopper only), `+nocombo`
 (without Inductor's combo kernels, which a GPU build compiles with: independent pointwise kernels launched as
-one), `+splitmlp` (the GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may fuse `gelu(a) * g` into
-the second's epilogue),
-and `+faithful` (`export.precision=faithful` with fp16 products, the build's default where activations fit;
-otherwise laya's autocast policy in `--dtype`).
+one), `+pdl` (Triton kernels launched with Hopper's programmatic dependent launch, each one's start overlapping
+the previous one's end), `+splitmlp` (the GeGLU's halves as two GEMMs, so that with `+autotune` Inductor may
+fuse `gelu(a) * g` into the second's epilogue), and `+faithful` (`export.precision=faithful` with fp16 products,
+the build's default where activations fit; otherwise laya's autocast policy in `--dtype`).
 `--prebuilt VARIANT=DIR` times a package already built (a bundle's `aoti-sm_90/`) instead of compiling it;
 `--smoke` first runs each package once per shape in a process of its own, so that a package which breaks the CUDA
 context is named and left out rather than ending the run. What these settings measured is in
@@ -64,6 +64,10 @@ def compile_child(variant: str, ckpt: str, workdir: Path, dtype: str, device: st
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
+    if "pdl" in extras:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.enable_pdl = True
     if "tma" in extras:
         import torch._inductor.config as inductor_config
 
