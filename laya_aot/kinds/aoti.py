@@ -463,19 +463,21 @@ def load_aoti_package(path: Path, device_index: int):
     return load_package(str(path), device_index=device_index)
 
 
-def _package_gpu_first(program: ExportedProgram, out_dir: Path, keys: List[str], cxx: Optional[str],
+def _package_gpu_first(program: ExportedProgram, staging: Path, name: str, keys: List[str], cxx: Optional[str],
                        device: str) -> Dict[str, Any]:
-    """A GPU package with combo kernels, or without them where Inductor cannot compile them for this model: combo
-    kernels are a speed-up measured on this project's checkpoints, never a reason for a build to fail."""
+    """`staging/name`: a GPU package with combo kernels, or without them where Inductor cannot compile them for
+    this model: combo kernels are a speed-up measured on this project's checkpoints, never a reason for a build
+    to fail. `staging` is the build's own staging directory (`staging.staged`), so the failed try's files in it
+    are removed here."""
     if device != "cuda":
-        return package(program, out_dir, keys, cxx=cxx)
+        return package(program, staging / name, keys, cxx=cxx)
     try:
-        return dict(package(program, out_dir, keys, cxx=cxx, combo_kernels=True), combo_kernels=True)
+        return dict(package(program, staging / name, keys, cxx=cxx, combo_kernels=True), combo_kernels=True)
     except Exception as e:  # noqa: BLE001 - any compile failure of the newer lowering; the plain one decides
         why = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "")
         log.warning("AOTInductor could not compile combo kernels for this model (%s); packaging without them", why)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        return dict(package(program, out_dir, keys, cxx=cxx), combo_kernels=False, combo_kernels_refused=why)
+        shutil.rmtree(staging / name, ignore_errors=True)
+        return dict(package(program, staging / name, keys, cxx=cxx), combo_kernels=False, combo_kernels_refused=why)
 
 
 def build(ctx: BuildContext, exported: Exported) -> Built:
@@ -488,7 +490,7 @@ def build(ctx: BuildContext, exported: Exported) -> Built:
     keys = list(Weights(ctx.ckpt))
     name = ctx.artifact_name(KIND)
     t0 = time.perf_counter()
-    facts = dict(_package_gpu_first(exported.program, ctx.staging / name, keys, ctx.cfg.aoti.cxx, ctx.device),
+    facts = dict(_package_gpu_first(exported.program, ctx.staging, name, keys, ctx.cfg.aoti.cxx, ctx.device),
                  **exported.details())
     ctx.add_artifact(KIND, name, name, ctx.device, ctx.dtype, time.perf_counter() - t0, details=facts,
                      precision=exported.precision)
