@@ -18,6 +18,13 @@ class LayaAotError(Exception):
     """Something laya-aot refuses or cannot do; the message names the cause and, where there is one, the fix."""
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message` (at most `limit` characters of it), or `Type` alone: how a log line or a
+    recorded reason names a failure whose traceback would bury the line it sits in."""
+    first = (str(error).strip().splitlines() or [""])[0][:limit]
+    return "%s: %s" % (type(error).__name__, first) if first else type(error).__name__
+
+
 _OOMS_SEEN: Dict[Optional[int], int] = {}  # the CUDA allocator's out-of-memory count per device, when last read
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import LayaAotError
+from ..errors import LayaAotError, one_line
 from ..files import sha256_file
 from ..laya_internals import Backend, BackendUnavailable
 from ..manifest import BundleError  # one error for "this bundle cannot be used here", kernels included
@@ -386,8 +386,7 @@ class Preload:
                             break
                         done += loaded
                     except Exception as e:  # noqa: BLE001 - recorded; a call that needs it raises it again
-                        failed[spec.key] = ("%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:300])
-                                            if str(e).strip() else type(e).__name__)
+                        failed[spec.key] = one_line(e)
         except Exception as e:  # noqa: BLE001 - never the process's end; calls still load on demand
             failed["(preload)"] = "%s: %s" % (type(e).__name__, e)
         finally:

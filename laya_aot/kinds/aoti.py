@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 import torch
 from torch.export import ExportedProgram
 
+from ..errors import one_line
 from ..manifest import Artifact
 from ..modeling.head import attention_backends
 from .aoti_compiler import _default_cxx, choose_compiler
@@ -474,7 +475,7 @@ def _package_gpu_first(program: ExportedProgram, staging: Path, name: str, keys:
     try:
         return dict(package(program, staging / name, keys, cxx=cxx, combo_kernels=True), combo_kernels=True)
     except Exception as e:  # noqa: BLE001 - any compile failure of the newer lowering; the plain one decides
-        why = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "")
+        why = one_line(e)
         log.warning("AOTInductor could not compile combo kernels for this model (%s); packaging without them", why)
         shutil.rmtree(staging / name, ignore_errors=True)
         return dict(package(program, staging / name, keys, cxx=cxx), combo_kernels=False, combo_kernels_refused=why)

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch.export import Dim, ExportedProgram
 
+from ..errors import one_line
 from ..manifest import Artifact, Needs, Precision
 from ..modeling import packed as packed_mod
 from ..modeling.head import attention_backends
@@ -273,8 +274,7 @@ def _does_not_save(program: ExportedProgram, path: Path) -> str:
     try:
         torch.export.save(program, str(path))
     except Exception as e:  # noqa: BLE001 - any failure to serialise means the same: not shipped
-        return "torch %s cannot save the program (%s: %s)" % (torch.__version__.split("+")[0], type(e).__name__,
-                                                                str(e).splitlines()[0][:200] if str(e) else "")
+        return "torch %s cannot save the program (%s)" % (torch.__version__.split("+")[0], one_line(e, 200))
     return ""
 
 

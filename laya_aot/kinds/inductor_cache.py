@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..errors import one_line
 from ..manifest import Artifact, Needs
 from ..modeling.model import ExplicitDtypeModel
 from ..numerics.dtypes import torch_dtype
@@ -536,7 +537,7 @@ def build_artifact(ctx: BuildContext, exported: Exported) -> Built:
                                   ctx.device, faithful_gemm(exported))
         facts["fresh_process"] = check_in_fresh_process(out, ctx.ckpt, ctx.device)
     except Exception as e:  # noqa: BLE001 - recorded; the saved cache is built instead
-        why = "%s: %s" % (type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
+        why = one_line(e)
         log.warning("laya-aot: no precompiled function for the compile route (%s); saving an Inductor cache "
                     "instead", why)
         _discard(ctx, name)
