@@ -356,6 +356,9 @@ def resolve(cfg: Any) -> Path:
         check_layout(ckpt)
         return ckpt
     if cfg.hub_id:
+        if not is_hub_id(str(cfg.hub_id)):  # a path given as a repo id: the Hub's own refusal would advise a download
+            raise CheckpointError("checkpoint.hub_id=%s is not a Hugging Face repo id (owner/name); for a checkpoint "
+                                  "directory pass checkpoint.path=%s" % (cfg.hub_id, cfg.hub_id))
         return from_hf_cache(cfg.hub_id, cfg.subfolder)
     raise CheckpointError("no checkpoint given: set checkpoint.path=DIR, pick a shipped one (checkpoint=laya), "
                           "or use the demo (checkpoint=demo)")

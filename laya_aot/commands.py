@@ -533,14 +533,11 @@ def _verify(a: argparse.Namespace) -> int:
     except BundleError as e:
         print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
-    if not Path(a.checkpoint).is_dir():
-        print("laya-aot verify: --checkpoint %s does not exist or is not a directory; pass the Laya checkpoint "
-              "directory the bundle was built from" % a.checkpoint, file=sys.stderr)
-        return 2
     try:
-        ckpt_mod.check_layout(Path(a.checkpoint))
+        ckpt_mod.check_layout(Path(a.checkpoint), "--checkpoint (the Laya checkpoint directory the bundle was built "
+                                                  "from)")
     except ckpt_mod.CheckpointError as e:
-        print("laya-aot verify: --checkpoint: %s" % e, file=sys.stderr)
+        print("laya-aot verify: %s" % e, file=sys.stderr)
         return 2
     why = ckpt_mod.mismatch(m, a.checkpoint)
     if why:

@@ -216,3 +216,16 @@ def test_an_owner_name_checkpoint_is_still_a_hub_repo_with_advice_for_serve(tmp_
     assert "someone/ckpt is neither a directory here nor in the local Hugging Face cache" in said, said
     assert "huggingface-cli download someone/ckpt" in said and "set LAYA_EXTRA_MODELS['demo']" in said, said
     assert "checkpoint.path" not in said and "HFValidationError" not in said, said
+
+
+@pytest.mark.parametrize("hub_id", ["./ckpt", "/abs/ckpt", "~/ckpt", "a/b/c"])
+def test_a_path_given_as_the_builds_hub_id_names_checkpoint_path(hub_id):
+    """`checkpoint.hub_id=./x` reached the Hub's id check, and the advice was to download `./x`: it is one line
+    pointing at checkpoint.path."""
+    from laya_aot.checkpoint import CheckpointError, resolve
+    from laya_aot.config import CheckpointConfig
+
+    with pytest.raises(CheckpointError) as e:
+        resolve(CheckpointConfig(hub_id=hub_id))
+    assert str(e.value) == ("checkpoint.hub_id=%s is not a Hugging Face repo id (owner/name); for a checkpoint "
+                            "directory pass checkpoint.path=%s" % (hub_id, hub_id))
