@@ -388,7 +388,7 @@ class Preload:
                     except Exception as e:  # noqa: BLE001 - recorded; a call that needs it raises it again
                         failed[spec.key] = one_line(e)
         except Exception as e:  # noqa: BLE001 - never the process's end; calls still load on demand
-            failed["(preload)"] = "%s: %s" % (type(e).__name__, e)
+            failed["(preload)"] = one_line(e)
         finally:
             seconds = time.perf_counter() - t0
             self.stats.update(background="stopped" if stopped else "done", background_kernels=done,
